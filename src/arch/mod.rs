@@ -1,0 +1,38 @@
+//! Architectures: each one's configuration, tensor names and forward pass over a backend.
+//!
+//! Interface used by the rest of the crate (the converter, the synthesizer, the runtime):
+//! - `ArchConfig::from_config_json(&str) -> Result<ArchConfig>`: a normalized view of config.json;
+//!   an unknown `model_type` is an error listing [`SUPPORTED_MODEL_TYPES`].
+//! - `expected_tensors(&ArchConfig) -> Vec<TensorSpec>`: every tensor the checkpoint must hold,
+//!   with its shape and role.
+
+/// Hugging Face `model_type`s this crate runs.
+pub const SUPPORTED_MODEL_TYPES: &[&str] =
+    &["deepseek_v2", "qwen2_moe", "phimoe", "mixtral", "olmoe", "qwen3_moe"];
+
+/// One projection of a routed expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Proj {
+    Gate,
+    Up,
+    Down,
+}
+
+/// What a tensor is for, as far as the converter cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TensorRole {
+    /// Used by target and draft alike; stored in FP16 in the shared section.
+    Shared,
+    /// A routed expert's projection: stored in FP16 in its layer's expert section, and quantized to
+    /// INT4 for the draft. `layer` is the decoder layer index.
+    RoutedExpert { layer: usize, expert: usize, proj: Proj },
+}
+
+/// A tensor a checkpoint must hold: Hugging Face name, shape (as stored: `[out, in]` for linear
+/// weights) and role.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub role: TensorRole,
+}

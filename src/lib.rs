@@ -1,0 +1,22 @@
+//! Specter: speculative offloading for Mixture-of-Experts models.
+//!
+//! An INT4 copy of the model's own routed experts runs in VRAM as a speculative draft; the draft's
+//! routing forecasts which FP16 experts the target will need, so their copies overlap with drafting;
+//! the target verifies every drafted token in one pass. Greedy output equals target-only decoding.
+//!
+//! Data flows one way: bundle -> model -> decode loop -> tokens, with `offload` fed by the draft's
+//! routing and feeding the target's experts.
+
+pub mod arch;
+pub mod backend;
+pub mod checkpoint;
+pub mod decode;
+pub mod error;
+pub mod model;
+pub mod offload;
+pub mod pack;
+pub mod quant;
+pub mod synth;
+pub mod weights;
+
+pub use error::{Error, Result};

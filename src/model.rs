@@ -1,0 +1,84 @@
+//! The seam between a model (an architecture's forward pass over a backend) and the decode loop.
+//!
+//! The decode loop, the expert planner and the cache policy are backend-free: they see a model only
+//! through [`LanguageModel`], and the model reports its routing through [`RouteHook`].
+
+use crate::Result;
+
+/// Which copy of the routed experts a forward pass uses. Everything else (embeddings, attention,
+/// norms, routers, shared experts, lm_head) is the same tensor for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// The FP16 routed experts: the model whose output is the contract.
+    Target,
+    /// The INT4 (GPTQ or RTN, group 128, Marlin-tiled) routed experts.
+    Draft,
+}
+
+/// Told, at every MoE layer of every forward pass, which experts each row routes to, before they
+/// run. The offload code uses it to count the draft's routing (the forecast) and to account the
+/// target's hits and misses.
+pub trait RouteHook {
+    /// `moe_layer` is the index among MoE layers (0-based), `layer` the decoder layer index;
+    /// `topk` is row-major `[rows, top_k]` expert ids.
+    fn on_route(&mut self, variant: Variant, layer: usize, moe_layer: usize, top_k: usize, topk: &[u32]);
+}
+
+/// A hook that ignores everything.
+pub struct NoHook;
+
+impl RouteHook for NoHook {
+    fn on_route(&mut self, _: Variant, _: usize, _: usize, _: usize, _: &[u32]) {}
+}
+
+/// Facts the decode loop and the planner need about a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub vocab_size: usize,
+    /// Longest sequence (prompt plus generated tokens) the KV cache accepts.
+    pub max_context: usize,
+    pub num_layers: usize,
+    /// Decoder layer index of each MoE layer, in order.
+    pub moe_layers: Vec<usize>,
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Bytes of one FP16 routed expert (gate, up and down): what one expert copy costs.
+    pub expert_bytes: usize,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// A key/value cache: positions `0..len()` are filled.
+pub trait KvCache {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forget every position at or after `len` (crop after verification; drop the draft's scratch).
+    fn truncate(&mut self, len: usize);
+}
+
+/// A causal language model with a target and a draft variant sharing one KV layout.
+///
+/// Exactness contract (what makes speculative decoding lossless): the logits of a row depend only
+/// on the tokens at and before it, never on how many rows are computed in one call. A backend must
+/// compute each row with the same arithmetic whether it runs alone or in a batch.
+pub trait LanguageModel {
+    type Kv: KvCache;
+
+    fn info(&self) -> &ModelInfo;
+
+    /// An empty cache able to hold `capacity` positions (at most `info().max_context`).
+    fn new_kv(&self, capacity: usize) -> Result<Self::Kv>;
+
+    /// Runs `tokens` at positions `kv.len()..kv.len() + tokens.len()`, appends their keys and values
+    /// to `kv`, and returns the logits, row-major `[tokens.len(), vocab_size]`, in f32.
+    fn forward(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>>;
+}
