@@ -199,13 +199,13 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
             calib_tokens: 0,
             stats,
         },
-        notes: ignored.iter().map(|n| format!("ignored source tensor {n} (not used by {})", cfg.model_type)).collect(),
+        notes: ignored.iter().map(|n| format!("ignored source tensor {n} (not used by {})", cfg.model_type.as_str())).collect(),
     };
     progress.stage("writing manifest");
-    let bundle_bytes = writer.finish(&cfg.model_type, ckpt.config_json(), provenance)?;
+    let bundle_bytes = writer.finish(cfg.model_type.as_str(), ckpt.config_json(), provenance)?;
     Ok(ConvertReport {
         output: out.to_path_buf(),
-        architecture: cfg.model_type.clone(),
+        architecture: cfg.model_type.as_str().to_string(),
         bundle_bytes,
         source_tensor_bytes: total,
         shared_tensors: specs.iter().filter(|s| s.role == TensorRole::Shared).count(),
