@@ -36,11 +36,17 @@ impl WeightStore for specter_format::Bundle {
 
     fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
         let view = self.tensor(name)?;
-        Ok(Tensor { shape: view.shape.clone(), data: Cow::Borrowed(view.as_f16()?) })
+        Ok(Tensor {
+            shape: view.shape.clone(),
+            data: Cow::Borrowed(view.as_f16()?),
+        })
     }
 
     fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
         let view = self.tensor(name)?;
-        Ok(Tensor { shape: view.shape.clone(), data: Cow::Borrowed(view.as_u32()?) })
+        Ok(Tensor {
+            shape: view.shape.clone(),
+            data: Cow::Borrowed(view.as_u32()?),
+        })
     }
 }

@@ -116,7 +116,11 @@ pub enum FormatError {
         "{what} refers to section {index}, but the bundle has {count} sections; \
          the manifest is corrupt: re-pack the model"
     )]
-    BadSectionIndex { what: String, index: u32, count: usize },
+    BadSectionIndex {
+        what: String,
+        index: u32,
+        count: usize,
+    },
 
     #[error(
         "expert {expert} of layer {layer} lies in section {section:?}, which is not the Experts \
@@ -160,7 +164,9 @@ pub enum FormatError {
     )]
     SectionChecksum { names: Vec<String> },
 
-    #[error("no tensor named {0:?} in the bundle; `specter-pack inspect` lists the tensors it has")]
+    #[error(
+        "no tensor named {0:?} in the bundle; `specter-pack inspect` lists the tensors it has"
+    )]
     UnknownTensor(String),
 
     #[error("no FP16 blob for expert {expert} of layer {layer} in the bundle")]

@@ -43,7 +43,12 @@ pub struct Header {
 
 impl Header {
     /// A header of the current format version.
-    pub fn new(file_len: u64, manifest_offset: u64, manifest_len: u64, manifest_sha256: [u8; 32]) -> Header {
+    pub fn new(
+        file_len: u64,
+        manifest_offset: u64,
+        manifest_len: u64,
+        manifest_sha256: [u8; 32],
+    ) -> Header {
         Header {
             major: FORMAT_MAJOR,
             minor: FORMAT_MINOR,
@@ -61,14 +66,16 @@ impl Header {
         page[..8].copy_from_slice(&MAGIC);
         page[OFF_MAJOR..OFF_MAJOR + 2].copy_from_slice(&self.major.to_le_bytes());
         page[OFF_MINOR..OFF_MINOR + 2].copy_from_slice(&self.minor.to_le_bytes());
-        page[OFF_HEADER_LEN..OFF_HEADER_LEN + 4].copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
+        page[OFF_HEADER_LEN..OFF_HEADER_LEN + 4]
+            .copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
         page[OFF_FLAGS..OFF_FLAGS + 8].copy_from_slice(&self.flags.to_le_bytes());
         page[OFF_FILE_LEN..OFF_FILE_LEN + 8].copy_from_slice(&self.file_len.to_le_bytes());
         page[OFF_MANIFEST_OFFSET..OFF_MANIFEST_OFFSET + 8]
             .copy_from_slice(&self.manifest_offset.to_le_bytes());
-        page[OFF_MANIFEST_LEN..OFF_MANIFEST_LEN + 8].copy_from_slice(&self.manifest_len.to_le_bytes());
+        page[OFF_MANIFEST_LEN..OFF_MANIFEST_LEN + 8]
+            .copy_from_slice(&self.manifest_len.to_le_bytes());
         page[OFF_MANIFEST_SHA..OFF_MANIFEST_SHA + 32].copy_from_slice(&self.manifest_sha256);
-        debug_assert!(OFF_MANIFEST_SHA + 32 == END_OF_FIELDS);
+        const { assert!(OFF_MANIFEST_SHA + 32 == END_OF_FIELDS) };
         let checksum = header_checksum(&page);
         page[HEADER_CHECKSUM_OFFSET..].copy_from_slice(&checksum);
         page
@@ -180,7 +187,10 @@ mod tests {
             match byte {
                 0..=7 => assert!(matches!(err, FormatError::BadMagic { .. }), "{byte}: {err}"),
                 8..=9 => assert!(
-                    matches!(err, FormatError::NewerMajor { .. } | FormatError::HeaderChecksum),
+                    matches!(
+                        err,
+                        FormatError::NewerMajor { .. } | FormatError::HeaderChecksum
+                    ),
                     "{byte}: {err}"
                 ),
                 _ => assert!(matches!(err, FormatError::HeaderChecksum), "{byte}: {err}"),

@@ -346,7 +346,12 @@ impl Bundle {
 }
 
 /// `offset..offset + length` as a usize range, if it fits inside `limit` bytes without overflow.
-fn checked_range(what: &str, offset: u64, length: u64, limit: u64) -> Result<std::ops::Range<usize>> {
+fn checked_range(
+    what: &str,
+    offset: u64,
+    length: u64,
+    limit: u64,
+) -> Result<std::ops::Range<usize>> {
     let out = || FormatError::RangeOutOfFile {
         what: what.to_string(),
         offset,
@@ -412,11 +417,13 @@ fn check_manifest(manifest: &ArchivedManifest, header: &Header, file_len: u64) -
     }
 
     let section_of = |what: &str, index: u32| {
-        sections.get(index as usize).ok_or(FormatError::BadSectionIndex {
-            what: what.to_string(),
-            index,
-            count: sections.len(),
-        })
+        sections
+            .get(index as usize)
+            .ok_or(FormatError::BadSectionIndex {
+                what: what.to_string(),
+                index,
+                count: sections.len(),
+            })
     };
     let inside_section = |what: String, offset: u64, length: u64, index: u32| -> Result<()> {
         let section = section_of(&what, index)?;

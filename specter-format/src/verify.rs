@@ -50,7 +50,8 @@ impl VerifyReport {
         if !self.manifest_ok {
             return Err(FormatError::ManifestChecksum {
                 expected: "the header's value".into(),
-                actual: "a different hash (the manifest changed after the bundle was opened)".into(),
+                actual: "a different hash (the manifest changed after the bundle was opened)"
+                    .into(),
             });
         }
         let names: Vec<String> = self.bad_sections().iter().map(|s| s.name.clone()).collect();
@@ -76,7 +77,8 @@ impl Bundle {
             let mut hasher = Sha256::new();
             for chunk in bytes.chunks(PROGRESS_CHUNK) {
                 hasher.update(chunk);
-                let total = done.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
+                let total =
+                    done.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
                 progress(total);
             }
             hasher.finalize().into()

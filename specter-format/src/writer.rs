@@ -132,7 +132,13 @@ impl BundleWriter {
 
     /// Appends a tensor to the open section, its start aligned to 64 bytes (to a page when it
     /// starts an expert blob). `bytes.len()` must equal the product of `shape` times the dtype size.
-    pub fn write_tensor(&mut self, name: &str, dtype: DType, shape: &[u64], bytes: &[u8]) -> Result<()> {
+    pub fn write_tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        bytes: &[u8],
+    ) -> Result<()> {
         let section_index = self.sections.len() as u32;
         let section = self.open_section.as_ref().ok_or_else(|| {
             FormatError::WriterMisuse(format!("write_tensor({name:?}) with no open section"))
@@ -332,10 +338,7 @@ impl BundleWriter {
             .map_err(|e| FormatError::io(format!("syncing {temp} to disk"), e))?;
         drop(file);
         std::fs::rename(&self.temp_path, &self.path).map_err(|e| {
-            FormatError::io(
-                format!("renaming {temp} to {}", self.path.display()),
-                e,
-            )
+            FormatError::io(format!("renaming {temp} to {}", self.path.display()), e)
         })?;
         // From here the temp file no longer exists; Drop must not try to remove anything.
         self.temp_path = PathBuf::new();

@@ -44,7 +44,11 @@ fn random_mutations_never_panic() {
             Ok(bundle) => {
                 opened += 1;
                 let _ = bundle.verify();
-                for name in bundle.tensor_names().map(str::to_string).collect::<Vec<_>>() {
+                for name in bundle
+                    .tensor_names()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+                {
                     let view = bundle.tensor(&name).unwrap();
                     let _ = (view.as_f16(), view.as_u32());
                 }
@@ -63,14 +67,20 @@ fn random_mutations_never_panic() {
             }
         }
     }
-    assert!(refused > 0 && opened + refused == 3000, "opened {opened}, refused {refused}");
+    assert!(
+        refused > 0 && opened + refused == 3000,
+        "opened {opened}, refused {refused}"
+    );
     // The re-sealed cases must get past the header and manifest checksums, or this test would
     // only ever exercise the first few checks.
-    assert!(reached_manifest_checks > 100, "only {reached_manifest_checks} reached the manifest checks");
+    assert!(
+        reached_manifest_checks > 100,
+        "only {reached_manifest_checks} reached the manifest checks"
+    );
 }
 
 /// Makes the header consistent with whatever manifest bytes the file now ends with.
-fn reseal(bytes: &mut Vec<u8>) -> Option<()> {
+fn reseal(bytes: &mut [u8]) -> Option<()> {
     use sha2::{Digest, Sha256};
     let mut header = Header::decode(bytes).ok()?;
     let end = bytes.len() as u64;

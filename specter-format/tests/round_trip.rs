@@ -39,12 +39,17 @@ fn every_tensor_section_and_expert_reads_back() {
                     assert_eq!(values.len(), view.numel());
                     let first = half::f16::from_le_bytes([written.bytes[0], written.bytes[1]]);
                     assert_eq!(values[0], first);
-                    assert!(matches!(view.as_u32(), Err(FormatError::DTypeMismatch { .. })));
+                    assert!(matches!(
+                        view.as_u32(),
+                        Err(FormatError::DTypeMismatch { .. })
+                    ));
                 }
                 DType::U32 => {
                     let values = view.as_u32().unwrap();
                     assert_eq!(values.len(), view.numel());
-                    let last = u32::from_le_bytes(written.bytes[written.bytes.len() - 4..].try_into().unwrap());
+                    let last = u32::from_le_bytes(
+                        written.bytes[written.bytes.len() - 4..].try_into().unwrap(),
+                    );
                     assert_eq!(*values.last().unwrap(), last);
                 }
                 DType::F32 => assert_eq!(view.as_f32().unwrap().len(), view.numel()),
@@ -78,7 +83,10 @@ fn every_tensor_section_and_expert_reads_back() {
         }
         assert!(matches!(
             bundle.expert_blob(1, 1000),
-            Err(FormatError::UnknownExpert { layer: 1, expert: 1000 })
+            Err(FormatError::UnknownExpert {
+                layer: 1,
+                expert: 1000
+            })
         ));
 
         // Sections: page-aligned, in the order written, with the right kinds; raw ones byte-exact.
@@ -96,7 +104,10 @@ fn every_tensor_section_and_expert_reads_back() {
         }
         assert_eq!(bundle.tokenizer_bytes(), Some(&fixture.raw[0].2[..]));
         assert_eq!(bundle.config_bytes(), Some(&fixture.raw[1].2[..]));
-        assert_eq!(bundle.find_section(&SectionKind::Experts { layer: 7 }), None);
+        assert_eq!(
+            bundle.find_section(&SectionKind::Experts { layer: 7 }),
+            None
+        );
 
         let report = bundle.verify();
         assert!(report.is_ok(), "{report:?}");
@@ -143,9 +154,17 @@ fn open_does_not_read_section_bytes() {
     let mut writer = BundleWriter::create(&path).unwrap();
     writer.begin_section("shared", SectionKind::Shared).unwrap();
     let small: Vec<u8> = (0..256u32).map(|i| (i * 7 + 3) as u8).collect();
-    writer.write_tensor("small", DType::U8, &[256], &small).unwrap();
+    writer
+        .write_tensor("small", DType::U8, &[256], &small)
+        .unwrap();
     writer.end_section().unwrap();
-    writer.finish("test", "{}", common::random_provenance(&mut rand::SeedableRng::seed_from_u64(5))).unwrap();
+    writer
+        .finish(
+            "test",
+            "{}",
+            common::random_provenance(&mut rand::SeedableRng::seed_from_u64(5)),
+        )
+        .unwrap();
 
     // Rebuild the file with an 8 GiB sparse section in front of the manifest: only the header and
     // manifest pages are real data.
@@ -167,14 +186,19 @@ fn open_does_not_read_section_bytes() {
         file_len,
         manifest_offset,
         manifest_bytes.len() as u64,
-        sha2::Digest::finalize(sha2::Digest::chain_update(sha2::Sha256::default(), &manifest_bytes)).into(),
+        sha2::Digest::finalize(sha2::Digest::chain_update(
+            sha2::Sha256::default(),
+            &manifest_bytes,
+        ))
+        .into(),
     );
     let sparse = dir.path().join("sparse8g.specter");
     {
         use std::io::{Seek, SeekFrom, Write};
         let mut f = std::fs::File::create(&sparse).unwrap();
         f.write_all(&header.encode()).unwrap();
-        f.write_all(&bundle.as_bytes()[PAGE as usize..2 * PAGE as usize]).unwrap();
+        f.write_all(&bundle.as_bytes()[PAGE as usize..2 * PAGE as usize])
+            .unwrap();
         f.seek(SeekFrom::Start(manifest_offset)).unwrap();
         f.write_all(&manifest_bytes).unwrap();
     }

@@ -13,7 +13,11 @@ use specter::pack::{self, ConvertOptions, QuantMethod};
 use specter_format::{sha256_hex, Bundle};
 
 #[derive(Parser)]
-#[command(name = "specter-pack", version, about = "Convert Hugging Face MoE checkpoints into Specter bundles; verify and inspect bundles.")]
+#[command(
+    name = "specter-pack",
+    version,
+    about = "Convert Hugging Face MoE checkpoints into Specter bundles; verify and inspect bundles."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -64,9 +68,18 @@ enum Quant {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Convert { hf_dir, output, quant, threads } => convert(hf_dir, output, quant, threads),
+        Command::Convert {
+            hf_dir,
+            output,
+            quant,
+            threads,
+        } => convert(hf_dir, output, quant, threads),
         Command::Verify { bundle } => verify(bundle),
-        Command::Inspect { bundle, json, tensors } => inspect(bundle, json, tensors),
+        Command::Inspect {
+            bundle,
+            json,
+            tensors,
+        } => inspect(bundle, json, tensors),
     };
     match result {
         Ok(code) => code,
@@ -89,13 +102,19 @@ impl Bar {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(0);
             bar.set_style(
-                ProgressStyle::with_template("{msg:32} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar())
-                    .progress_chars("=> "),
+                ProgressStyle::with_template(
+                    "{msg:32} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
             );
             bar
         });
-        Bar { bar, started: Instant::now(), last_stage: Mutex::new(String::new()) }
+        Bar {
+            bar,
+            started: Instant::now(),
+            last_stage: Mutex::new(String::new()),
+        }
     }
 
     fn finish(&self) {
@@ -130,7 +149,12 @@ impl pack::Progress for Bar {
     }
 }
 
-fn convert(hf_dir: PathBuf, output: PathBuf, quant: Quant, threads: Option<usize>) -> Result<ExitCode> {
+fn convert(
+    hf_dir: PathBuf,
+    output: PathBuf,
+    quant: Quant,
+    threads: Option<usize>,
+) -> Result<ExitCode> {
     if threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
@@ -184,7 +208,12 @@ fn verify(path: PathBuf) -> Result<ExitCode> {
         println!("{}: manifest checksum mismatch", path.display());
     }
     for s in &bad {
-        println!("{}: section {} ({} bytes) checksum mismatch", path.display(), s.name, s.length);
+        println!(
+            "{}: section {} ({} bytes) checksum mismatch",
+            path.display(),
+            s.name,
+            s.length
+        );
     }
     if report.is_ok() {
         println!(
@@ -197,7 +226,12 @@ fn verify(path: PathBuf) -> Result<ExitCode> {
         );
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("{}: FAILED: {} of {} sections are corrupt; re-pack or re-download the bundle", path.display(), bad.len(), report.sections.len());
+        println!(
+            "{}: FAILED: {} of {} sections are corrupt; re-pack or re-download the bundle",
+            path.display(),
+            bad.len(),
+            report.sections.len()
+        );
         Ok(ExitCode::FAILURE)
     }
 }
@@ -211,7 +245,11 @@ fn inspect(path: PathBuf, json: bool, tensors: bool) -> Result<ExitCode> {
     }
     println!("bundle       {}", path.display());
     println!("architecture {}", manifest.architecture);
-    println!("file size    {} bytes ({:.3} GB)", bundle.file_len(), bundle.file_len() as f64 / 1e9);
+    println!(
+        "file size    {} bytes ({:.3} GB)",
+        bundle.file_len(),
+        bundle.file_len() as f64 / 1e9
+    );
     let p = &manifest.provenance;
     println!("written by   {} {}", p.tool, p.tool_version);
     let q = &p.quant;
@@ -226,15 +264,26 @@ fn inspect(path: PathBuf, json: bool, tensors: bool) -> Result<ExitCode> {
     if !q.stats.is_empty() {
         let n = q.stats.len() as f64;
         let rtn = q.stats.iter().map(|s| s.rel_err_rtn as f64).sum::<f64>() / n;
-        let gptq: Vec<f64> = q.stats.iter().map(|s| s.rel_err_gptq as f64).filter(|v| v.is_finite()).collect();
-        print!("quant error  mean relative error over {} matrices: rtn {rtn:.4}", q.stats.len());
+        let gptq: Vec<f64> = q
+            .stats
+            .iter()
+            .map(|s| s.rel_err_gptq as f64)
+            .filter(|v| v.is_finite())
+            .collect();
+        print!(
+            "quant error  mean relative error over {} matrices: rtn {rtn:.4}",
+            q.stats.len()
+        );
         if !gptq.is_empty() {
             print!(", gptq {:.4}", gptq.iter().sum::<f64>() / gptq.len() as f64);
         }
         println!();
     }
     println!("\nsections ({}):", manifest.sections.len());
-    println!("  {:<20} {:<14} {:>14} {:>14}  sha256", "name", "kind", "offset", "bytes");
+    println!(
+        "  {:<20} {:<14} {:>14} {:>14}  sha256",
+        "name", "kind", "offset", "bytes"
+    );
     for s in &manifest.sections {
         println!(
             "  {:<20} {:<14} {:>14} {:>14}  {}",
@@ -245,16 +294,34 @@ fn inspect(path: PathBuf, json: bool, tensors: bool) -> Result<ExitCode> {
             &sha256_hex(&s.sha256)[..16]
         );
     }
-    println!("\n{} tensors, {} FP16 expert blobs", manifest.tensors.len(), manifest.experts.len());
+    println!(
+        "\n{} tensors, {} FP16 expert blobs",
+        manifest.tensors.len(),
+        manifest.experts.len()
+    );
     if tensors {
-        println!("  {:<64} {:<5} {:<20} {:>12}", "name", "dtype", "shape", "bytes");
+        println!(
+            "  {:<64} {:<5} {:<20} {:>12}",
+            "name", "dtype", "shape", "bytes"
+        );
         for t in &manifest.tensors {
-            println!("  {:<64} {:<5} {:<20} {:>12}", t.name, t.dtype.name(), format!("{:?}", t.shape), t.length);
+            println!(
+                "  {:<64} {:<5} {:<20} {:>12}",
+                t.name,
+                t.dtype.name(),
+                format!("{:?}", t.shape),
+                t.length
+            );
         }
     }
     println!("\nsources:");
     for s in &p.sources {
-        println!("  {:<40} {:>14} bytes  sha256 {}", s.name, s.length, &sha256_hex(&s.sha256)[..16]);
+        println!(
+            "  {:<40} {:>14} bytes  sha256 {}",
+            s.name,
+            s.length,
+            &sha256_hex(&s.sha256)[..16]
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -225,6 +225,14 @@ impl<'a> Fields<'a> {
         Ok(self.opt_usize(key)?.unwrap_or(default))
     }
 
+    /// A field transformers also accepts under another name (`attribute_map`).
+    fn usize_alias_or(&self, key: &str, alias: &str, default: usize) -> Result<usize> {
+        match self.opt_usize(key)? {
+            Some(v) => Ok(v),
+            None => self.usize_or(alias, default),
+        }
+    }
+
     fn req_usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?
             .ok_or_else(|| Error::Model(format!("config.json: missing field {key:?}")))
@@ -605,7 +613,7 @@ fn parse_moe(
     let (num_experts, top_k, moe_inter, norm_topk_prob, scaling, router, shared, is_moe) =
         match model_type {
             M::DeepseekV2 => {
-                let n = f.usize_or("n_routed_experts", 64)?;
+                let n = f.usize_alias_or("n_routed_experts", "num_experts", 64)?;
                 let top_k = f.req_usize("num_experts_per_tok")?;
                 let inter = f.usize_or("moe_intermediate_size", 1407)?;
                 let n_shared = f.usize_or("n_shared_experts", 2)?;
@@ -635,7 +643,11 @@ fn parse_moe(
             }
             M::Qwen2Moe | M::Qwen3Moe => {
                 let qwen2 = model_type == M::Qwen2Moe;
-                let n = f.usize_or("num_experts", if qwen2 { 60 } else { 128 })?;
+                let n = if qwen2 {
+                    f.usize_or("num_experts", 60)?
+                } else {
+                    f.usize_alias_or("num_local_experts", "num_experts", 128)?
+                };
                 let top_k = f.usize_or("num_experts_per_tok", if qwen2 { 4 } else { 8 })?;
                 let inter = f.usize_or("moe_intermediate_size", if qwen2 { 1408 } else { 768 })?;
                 let step = positive("decoder_sparse_step", f.usize_or("decoder_sparse_step", 1)?)?;
@@ -663,7 +675,7 @@ fn parse_moe(
                 )
             }
             M::Mixtral => (
-                f.usize_or("num_local_experts", 8)?,
+                f.usize_alias_or("num_local_experts", "num_experts", 8)?,
                 f.usize_or("num_experts_per_tok", 2)?,
                 intermediate_size,
                 true,
@@ -693,7 +705,7 @@ fn parse_moe(
                 )
             }
             M::Olmoe => (
-                f.usize_or("num_experts", 64)?,
+                f.usize_alias_or("num_experts", "num_local_experts", 64)?,
                 f.usize_or("num_experts_per_tok", 8)?,
                 intermediate_size,
                 f.bool_or("norm_topk_prob", false)?,
@@ -788,6 +800,12 @@ fn parse_rope(
                 mscale_all_dim: p.opt_f64("mscale_all_dim")?,
                 truncate: p.bool_or("truncate", true)?,
             }
+        }
+        "longrope" if model_type != ModelType::Phimoe => {
+            return Err(Error::Model(format!(
+                "config.json: rope type \"longrope\" is only supported for phimoe, not {}",
+                model_type.as_str()
+            )))
         }
         "longrope" => {
             let original = positive("rope_parameters.original_max_position_embeddings", original_max()?)?;

@@ -48,7 +48,10 @@ pub struct ConvertOptions {
 
 impl Default for ConvertOptions {
     fn default() -> Self {
-        ConvertOptions { quant: QuantMethod::Rtn, threads: None }
+        ConvertOptions {
+            quant: QuantMethod::Rtn,
+            threads: None,
+        }
     }
 }
 
@@ -85,7 +88,12 @@ pub struct ConvertReport {
 }
 
 /// Converts the checkpoint in `src` into a bundle at `out`.
-pub fn convert(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn Progress) -> Result<ConvertReport> {
+pub fn convert(
+    src: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertReport> {
     let run = || convert_inner(src, out, opts, progress);
     match opts.threads {
         Some(n) => rayon::ThreadPoolBuilder::new()
@@ -97,7 +105,12 @@ pub fn convert(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn Pro
     }
 }
 
-fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn Progress) -> Result<ConvertReport> {
+fn convert_inner(
+    src: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertReport> {
     progress.stage("reading checkpoint");
     let ckpt = Checkpoint::open(src)?;
     let cfg = ArchConfig::from_config_json(ckpt.config_json())
@@ -111,7 +124,10 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
         ));
     }
 
-    let total: u64 = specs.iter().map(|s| s.shape.iter().product::<usize>() as u64 * 2).sum();
+    let total: u64 = specs
+        .iter()
+        .map(|s| s.shape.iter().product::<usize>() as u64 * 2)
+        .sum();
     progress.begin(total);
 
     let mut writer = BundleWriter::create(out)?;
@@ -120,7 +136,12 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
     writer.begin_section("shared", SectionKind::Shared)?;
     for spec in specs.iter().filter(|s| s.role == TensorRole::Shared) {
         let t = ckpt.f16(&spec.name)?;
-        writer.write_tensor(&spec.name, DType::F16, &dims(&t.shape), bytemuck::cast_slice(&t.data))?;
+        writer.write_tensor(
+            &spec.name,
+            DType::F16,
+            &dims(&t.shape),
+            bytemuck::cast_slice(&t.data),
+        )?;
         progress.advance(t.data.len() as u64 * 2);
     }
     writer.end_section()?;
@@ -128,12 +149,22 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
     let mut stats = Vec::new();
     for (&layer, experts) in &plan.experts {
         progress.stage(&format!("layer {layer}: FP16 experts"));
-        writer.begin_section(&format!("experts.{layer}"), SectionKind::Experts { layer: layer as u32 })?;
+        writer.begin_section(
+            &format!("experts.{layer}"),
+            SectionKind::Experts {
+                layer: layer as u32,
+            },
+        )?;
         for (e, names) in experts.iter().enumerate() {
             writer.begin_expert(layer as u32, e as u32)?;
             for name in names {
                 let t = ckpt.f16(name)?;
-                writer.write_tensor(name, DType::F16, &dims(&t.shape), bytemuck::cast_slice(&t.data))?;
+                writer.write_tensor(
+                    name,
+                    DType::F16,
+                    &dims(&t.shape),
+                    bytemuck::cast_slice(&t.data),
+                )?;
                 progress.advance(t.data.len() as u64 * 2);
             }
             writer.end_expert()?;
@@ -146,7 +177,12 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
             .enumerate()
             .map(|(e, names)| quantize_expert(&ckpt, &plan, layer, e, names))
             .collect();
-        writer.begin_section(&format!("draft.{layer}"), SectionKind::Draft { layer: layer as u32 })?;
+        writer.begin_section(
+            &format!("draft.{layer}"),
+            SectionKind::Draft {
+                layer: layer as u32,
+            },
+        )?;
         for (e, draft) in drafts.into_iter().enumerate() {
             let draft = draft?;
             for (part, m) in [("gate_up", &draft.gate_up), ("down", &draft.down)] {
@@ -182,7 +218,11 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
     let mean_rel_err = if stats.is_empty() {
         0.0
     } else {
-        stats.iter().map(|s: &QuantStat| s.rel_err_rtn as f64).sum::<f64>() / stats.len() as f64
+        stats
+            .iter()
+            .map(|s: &QuantStat| s.rel_err_rtn as f64)
+            .sum::<f64>()
+            / stats.len() as f64
     };
     let provenance = Provenance {
         tool: "specter-pack".into(),
@@ -199,7 +239,15 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
             calib_tokens: 0,
             stats,
         },
-        notes: ignored.iter().map(|n| format!("ignored source tensor {n} (not used by {})", cfg.model_type.as_str())).collect(),
+        notes: ignored
+            .iter()
+            .map(|n| {
+                format!(
+                    "ignored source tensor {n} (not used by {})",
+                    cfg.model_type.as_str()
+                )
+            })
+            .collect(),
     };
     progress.stage("writing manifest");
     let bundle_bytes = writer.finish(cfg.model_type.as_str(), ckpt.config_json(), provenance)?;
@@ -208,7 +256,10 @@ fn convert_inner(src: &Path, out: &Path, opts: &ConvertOptions, progress: &dyn P
         architecture: cfg.model_type.as_str().to_string(),
         bundle_bytes,
         source_tensor_bytes: total,
-        shared_tensors: specs.iter().filter(|s| s.role == TensorRole::Shared).count(),
+        shared_tensors: specs
+            .iter()
+            .filter(|s| s.role == TensorRole::Shared)
+            .count(),
         moe_layers: plan.experts.len(),
         experts_per_layer: plan.experts.values().next().map_or(0, |v| v.len()),
         mean_rel_err,
@@ -232,7 +283,12 @@ impl LayoutPlan {
     fn new(cfg: &ArchConfig, specs: &[TensorSpec]) -> Result<Self> {
         let mut experts: BTreeMap<usize, Vec<[Option<String>; 3]>> = BTreeMap::new();
         for spec in specs {
-            if let TensorRole::RoutedExpert { layer, expert, proj } = spec.role {
+            if let TensorRole::RoutedExpert {
+                layer,
+                expert,
+                proj,
+            } = spec.role
+            {
                 let slots = experts.entry(layer).or_default();
                 if slots.len() <= expert {
                     slots.resize(expert + 1, [None, None, None]);
@@ -266,7 +322,11 @@ impl LayoutPlan {
             quant::check_marlin_shape(&names[0], hidden, 2 * inter)?;
             quant::check_marlin_shape(&names[2], inter, hidden)?;
         }
-        Ok(LayoutPlan { experts, hidden, inter })
+        Ok(LayoutPlan {
+            experts,
+            hidden,
+            inter,
+        })
     }
 }
 
@@ -294,8 +354,11 @@ fn validate(ckpt: &Checkpoint, specs: &[TensorSpec]) -> Result<Vec<String>> {
         }
     }
     let expected: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
-    let mut ignored: Vec<String> =
-        ckpt.tensor_names().into_iter().filter(|n| !expected.contains(n.as_str())).collect();
+    let mut ignored: Vec<String> = ckpt
+        .tensor_names()
+        .into_iter()
+        .filter(|n| !expected.contains(n.as_str()))
+        .collect();
     ignored.sort();
     Ok(ignored)
 }
@@ -325,11 +388,21 @@ fn quantize_expert(
     let qu = quant::rtn(&names[1], &up, i, h)?;
     let qd = quant::rtn(&names[2], &down, h, i)?;
     let stats = vec![
-        stat(arch::draft_tensor_name(layer, expert, "gate_up", "qweight"), &[(&gate, &qg), (&up, &qu)]),
-        stat(arch::draft_tensor_name(layer, expert, "down", "qweight"), &[(&down, &qd)]),
+        stat(
+            arch::draft_tensor_name(layer, expert, "gate_up", "qweight"),
+            &[(&gate, &qg), (&up, &qu)],
+        ),
+        stat(
+            arch::draft_tensor_name(layer, expert, "down", "qweight"),
+            &[(&down, &qd)],
+        ),
     ];
     let gate_up = QuantMatrix::concat_n(&qg, &qu)?;
-    Ok(DraftExpert { gate_up: quant::marlin_pack(&gate_up)?, down: quant::marlin_pack(&qd)?, stats })
+    Ok(DraftExpert {
+        gate_up: quant::marlin_pack(&gate_up)?,
+        down: quant::marlin_pack(&qd)?,
+        stats,
+    })
 }
 
 /// Relative Frobenius error of the dequantized weights: the expected relative output error for
@@ -344,5 +417,11 @@ fn stat(tensor: String, parts: &[(&Vec<f32>, &QuantMatrix)]) -> QuantStat {
         }
     }
     let rel = if norm > 0.0 { (err / norm).sqrt() } else { 0.0 };
-    QuantStat { tensor, rel_err_rtn: rel as f32, rel_err_gptq: f32::NAN, calib_tokens: 0, fallback: "none".into() }
+    QuantStat {
+        tensor,
+        rel_err_rtn: rel as f32,
+        rel_err_gptq: f32::NAN,
+        calib_tokens: 0,
+        fallback: "none".into(),
+    }
 }

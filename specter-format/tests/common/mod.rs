@@ -46,7 +46,12 @@ pub fn random_bytes(rng: &mut ChaCha8Rng, len: usize) -> Vec<u8> {
     bytes
 }
 
-fn random_tensor(rng: &mut ChaCha8Rng, name: String, dtype: DType, shape: Vec<u64>) -> WrittenTensor {
+fn random_tensor(
+    rng: &mut ChaCha8Rng,
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+) -> WrittenTensor {
     let len = shape.iter().product::<u64>() as usize * dtype.size();
     let mut bytes = random_bytes(rng, len);
     if dtype == DType::F16 {
@@ -110,25 +115,50 @@ pub fn write_fixture(path: &Path, seed: u64) -> Fixture {
     let mut raw = Vec::new();
 
     let write = |writer: &mut BundleWriter, t: WrittenTensor, tensors: &mut Vec<WrittenTensor>| {
-        writer.write_tensor(&t.name, t.dtype, &t.shape, &t.bytes).unwrap();
+        writer
+            .write_tensor(&t.name, t.dtype, &t.shape, &t.bytes)
+            .unwrap();
         tensors.push(t);
     };
 
     writer.begin_section("shared", SectionKind::Shared).unwrap();
-    sections.push(WrittenSection { name: "shared".into(), kind: SectionKind::Shared });
+    sections.push(WrittenSection {
+        name: "shared".into(),
+        kind: SectionKind::Shared,
+    });
     let vocab = rng.random_range(10..50u64);
-    let t = random_tensor(&mut rng, "model.embed_tokens.weight".into(), DType::F16, vec![vocab, hidden]);
+    let t = random_tensor(
+        &mut rng,
+        "model.embed_tokens.weight".into(),
+        DType::F16,
+        vec![vocab, hidden],
+    );
     write(&mut writer, t, &mut tensors);
-    let t = random_tensor(&mut rng, "model.norm.weight".into(), DType::F32, vec![hidden]);
+    let t = random_tensor(
+        &mut rng,
+        "model.norm.weight".into(),
+        DType::F32,
+        vec![hidden],
+    );
     write(&mut writer, t, &mut tensors);
-    let t = random_tensor(&mut rng, "model.layers.0.self_attn.q_proj.weight".into(), DType::F16, vec![hidden, hidden]);
+    let t = random_tensor(
+        &mut rng,
+        "model.layers.0.self_attn.q_proj.weight".into(),
+        DType::F16,
+        vec![hidden, hidden],
+    );
     write(&mut writer, t, &mut tensors);
     writer.end_section().unwrap();
 
     for layer in 1..3u32 {
         let name = format!("experts.{layer}");
-        writer.begin_section(&name, SectionKind::Experts { layer }).unwrap();
-        sections.push(WrittenSection { name, kind: SectionKind::Experts { layer } });
+        writer
+            .begin_section(&name, SectionKind::Experts { layer })
+            .unwrap();
+        sections.push(WrittenSection {
+            name,
+            kind: SectionKind::Experts { layer },
+        });
         for expert in 0..rng.random_range(2..5u32) {
             writer.begin_expert(layer, expert).unwrap();
             let mut names = Vec::new();
@@ -143,18 +173,37 @@ pub fn write_fixture(path: &Path, seed: u64) -> Fixture {
                 write(&mut writer, t, &mut tensors);
             }
             writer.end_expert().unwrap();
-            experts.push(WrittenExpert { layer, expert, tensors: names });
+            experts.push(WrittenExpert {
+                layer,
+                expert,
+                tensors: names,
+            });
         }
         writer.end_section().unwrap();
 
         let name = format!("draft.{layer}");
-        writer.begin_section(&name, SectionKind::Draft { layer }).unwrap();
-        sections.push(WrittenSection { name, kind: SectionKind::Draft { layer } });
+        writer
+            .begin_section(&name, SectionKind::Draft { layer })
+            .unwrap();
+        sections.push(WrittenSection {
+            name,
+            kind: SectionKind::Draft { layer },
+        });
         for expert in 0..2u32 {
             let base = format!("draft.layers.{layer}.experts.{expert}");
-            let t = random_tensor(&mut rng, format!("{base}.gate_up.qweight"), DType::U32, vec![hidden / 8 + 1, 2 * inter]);
+            let t = random_tensor(
+                &mut rng,
+                format!("{base}.gate_up.qweight"),
+                DType::U32,
+                vec![hidden / 8 + 1, 2 * inter],
+            );
             write(&mut writer, t, &mut tensors);
-            let t = random_tensor(&mut rng, format!("{base}.gate_up.scales"), DType::F16, vec![1, 2 * inter]);
+            let t = random_tensor(
+                &mut rng,
+                format!("{base}.gate_up.scales"),
+                DType::F16,
+                vec![1, 2 * inter],
+            );
             write(&mut writer, t, &mut tensors);
         }
         writer.end_section().unwrap();
@@ -173,13 +222,17 @@ pub fn write_fixture(path: &Path, seed: u64) -> Fixture {
         writer.write_raw(a).unwrap();
         writer.write_raw(b).unwrap();
         writer.end_section().unwrap();
-        sections.push(WrittenSection { name: name.into(), kind: kind.clone() });
+        sections.push(WrittenSection {
+            name: name.into(),
+            kind: kind.clone(),
+        });
         raw.push((name.to_string(), kind, bytes));
     }
 
     let provenance = random_provenance(&mut rng);
     let architecture = "deepseek_v2".to_string();
-    let hyperparameters_json = format!("{{\"hidden_size\":{hidden},\"moe_intermediate_size\":{inter}}}");
+    let hyperparameters_json =
+        format!("{{\"hidden_size\":{hidden},\"moe_intermediate_size\":{inter}}}");
     let file_len = writer
         .finish(&architecture, &hyperparameters_json, provenance.clone())
         .unwrap();
