@@ -21,7 +21,14 @@ pub enum Variant {
 pub trait RouteHook {
     /// `moe_layer` is the index among MoE layers (0-based), `layer` the decoder layer index;
     /// `topk` is row-major `[rows, top_k]` expert ids.
-    fn on_route(&mut self, variant: Variant, layer: usize, moe_layer: usize, top_k: usize, topk: &[u32]);
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        layer: usize,
+        moe_layer: usize,
+        top_k: usize,
+        topk: &[u32],
+    );
 }
 
 /// A hook that ignores everything.

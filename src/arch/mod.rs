@@ -7,8 +7,14 @@
 //!   with its shape and role.
 
 /// Hugging Face `model_type`s this crate runs.
-pub const SUPPORTED_MODEL_TYPES: &[&str] =
-    &["deepseek_v2", "qwen2_moe", "phimoe", "mixtral", "olmoe", "qwen3_moe"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "deepseek_v2",
+    "qwen2_moe",
+    "phimoe",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+];
 
 /// One projection of a routed expert.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,7 +31,11 @@ pub enum TensorRole {
     Shared,
     /// A routed expert's projection: stored in FP16 in its layer's expert section, and quantized to
     /// INT4 for the draft. `layer` is the decoder layer index.
-    RoutedExpert { layer: usize, expert: usize, proj: Proj },
+    RoutedExpert {
+        layer: usize,
+        expert: usize,
+        proj: Proj,
+    },
 }
 
 /// A tensor a checkpoint must hold: Hugging Face name, shape (as stored: `[out, in]` for linear
