@@ -38,7 +38,12 @@ fn processed(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
 }
 
 /// Exact probability of every `NEW_TOKENS`-token continuation when `variant` samples alone.
-fn exact_joint(model: &ToyModel, variant: Variant, prompt: &[u32], sampling: &Sampling) -> HashMap<Vec<u32>, f64> {
+fn exact_joint(
+    model: &ToyModel,
+    variant: Variant,
+    prompt: &[u32],
+    sampling: &Sampling,
+) -> HashMap<Vec<u32>, f64> {
     let mut joint = HashMap::new();
     let mut stack = vec![(Vec::<u32>::new(), 1.0f64)];
     while let Some((prefix, p)) = stack.pop() {
@@ -48,8 +53,14 @@ fn exact_joint(model: &ToyModel, variant: Variant, prompt: &[u32], sampling: &Sa
         }
         let tokens: Vec<u32> = prompt.iter().chain(&prefix).copied().collect();
         let mut kv = model.new_kv(tokens.len()).expect("kv");
-        let logits = model.forward(variant, &tokens, &mut kv, &mut NoHook).expect("forward");
-        let dist = processed(&logits[logits.len() - VOCAB..], sampling.temperature, sampling.top_p);
+        let logits = model
+            .forward(variant, &tokens, &mut kv, &mut NoHook)
+            .expect("forward");
+        let dist = processed(
+            &logits[logits.len() - VOCAB..],
+            sampling.temperature,
+            sampling.top_p,
+        );
         for (token, q) in dist.iter().enumerate() {
             if *q > 0.0 {
                 let mut next = prefix.clone();
@@ -84,7 +95,10 @@ fn check_distribution(temperature: f32, top_p: f32, model_seed: u64) {
     let draft = exact_joint(&model, Variant::Draft, prompt, &base);
     assert!((target.values().sum::<f64>() - 1.0).abs() < 1e-9);
     let draft_gap = total_variation(&target, &draft);
-    assert!(draft_gap > 0.15, "the toy draft must differ from the target (TV {draft_gap})");
+    assert!(
+        draft_gap > 0.15,
+        "the toy draft must differ from the target (TV {draft_gap})"
+    );
 
     let samples = 30_000u64;
     for depth in [1, 2] {
@@ -102,7 +116,10 @@ fn check_distribution(temperature: f32, top_p: f32, model_seed: u64) {
             rejected += out.stats.drafted - out.stats.accepted;
             *counts.entry(out.tokens).or_default() += 1.0 / samples as f64;
         }
-        assert!(rejected > 0, "no rejection happened: the test would prove nothing");
+        assert!(
+            rejected > 0,
+            "no rejection happened: the test would prove nothing"
+        );
         let to_target = total_variation(&counts, &target);
         let to_draft = total_variation(&counts, &draft);
         // With 30k samples over at most 81 outcomes the expected TV from sampling noise alone is
@@ -140,7 +157,11 @@ fn sampling_is_reproducible_per_seed() {
         },
         stop_at_eos: false,
     };
-    let run = |seed| generate(&model, prompt, &opts(seed), &mut NoHook, &mut |_| {}).expect("generate").tokens;
+    let run = |seed| {
+        generate(&model, prompt, &opts(seed), &mut NoHook, &mut |_| {})
+            .expect("generate")
+            .tokens
+    };
     assert_eq!(run(5), run(5));
     assert_ne!(run(5), run(6));
 }

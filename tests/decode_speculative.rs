@@ -20,8 +20,12 @@ fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
 
 fn run(model: &ToyModel, prompt: &[u32], opts: &GenerateOptions) -> GenerateOutput {
     let mut streamed = Vec::new();
-    let out = generate(model, prompt, opts, &mut NoHook, &mut |t| streamed.push(t)).expect("generate");
-    assert_eq!(streamed, out.tokens, "streamed tokens differ from the output");
+    let out =
+        generate(model, prompt, opts, &mut NoHook, &mut |t| streamed.push(t)).expect("generate");
+    assert_eq!(
+        streamed, out.tokens,
+        "streamed tokens differ from the output"
+    );
     assert_eq!(out.stats.generated_tokens, out.tokens.len());
     out
 }
@@ -54,7 +58,10 @@ fn greedy_specter_equals_target_for_every_depth() {
             }
         }
     }
-    assert!(saw_rejection && saw_full_acceptance, "the workload must exercise both outcomes");
+    assert!(
+        saw_rejection && saw_full_acceptance,
+        "the workload must exercise both outcomes"
+    );
 }
 
 #[test]
@@ -74,7 +81,11 @@ fn greedy_specter_equals_target_with_eos_stop() {
         for depth in [1, 3, 8] {
             let mut opts = options(Mode::Specter, 60, depth);
             opts.stop_at_eos = true;
-            assert_eq!(run(&model, &prompt, &opts).tokens, target.tokens, "depth {depth}");
+            assert_eq!(
+                run(&model, &prompt, &opts).tokens,
+                target.tokens,
+                "depth {depth}"
+            );
         }
     }
     assert!(stopped_early > 0);
@@ -95,12 +106,21 @@ fn kv_after_any_accept_lengths_matches_target_only_kv() {
             let out = run(&model, &prompt, &options(Mode::Specter, 90, depth));
             let committed: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
             let calls = model.take_calls();
-            let target_calls: Vec<_> = calls.iter().filter(|c| c.variant == Variant::Target).collect();
+            let target_calls: Vec<_> = calls
+                .iter()
+                .filter(|c| c.variant == Variant::Target)
+                .collect();
             assert_eq!(target_calls.len(), out.stats.rounds + 1);
             for (i, call) in target_calls.iter().enumerate() {
                 let len = call.kv_before.len();
-                let expected: Vec<(u32, Variant)> = committed[..len].iter().map(|&t| (t, Variant::Target)).collect();
-                assert_eq!(call.kv_before, expected, "target pass {i}: KV is not the committed prefix");
+                let expected: Vec<(u32, Variant)> = committed[..len]
+                    .iter()
+                    .map(|&t| (t, Variant::Target))
+                    .collect();
+                assert_eq!(
+                    call.kv_before, expected,
+                    "target pass {i}: KV is not the committed prefix"
+                );
                 // The pass starts at the first committed token without KV.
                 assert_eq!(call.tokens[0], committed[len], "target pass {i}");
                 if i > 0 && i + 1 < target_calls.len() {
@@ -125,7 +145,10 @@ fn kv_after_any_accept_lengths_matches_target_only_kv() {
         }
     }
     // Every accept length 0..=K must have occurred for the check above to mean something.
-    assert!(accept_lengths.iter().all(|&n| n > 0), "accept lengths {accept_lengths:?}");
+    assert!(
+        accept_lengths.iter().all(|&n| n > 0),
+        "accept lengths {accept_lengths:?}"
+    );
 }
 
 #[test]
@@ -149,29 +172,47 @@ fn draft_mode_is_the_draft_alone() {
     let out = run(&model, prompt, &options(Mode::Draft, 20, 4));
     // Reference: greedy decoding with the draft variant by hand.
     let mut kv = model.new_kv(26).expect("kv");
-    let mut logits = model.forward(Variant::Draft, prompt, &mut kv, &mut NoHook).expect("prefill");
+    let mut logits = model
+        .forward(Variant::Draft, prompt, &mut kv, &mut NoHook)
+        .expect("prefill");
     let mut expected = Vec::new();
     for _ in 0..20 {
         let row = &logits[logits.len() - 40..];
         let token = decode_support::argmax(row) as u32;
         expected.push(token);
-        logits = model.forward(Variant::Draft, &[token], &mut kv, &mut NoHook).expect("step");
+        logits = model
+            .forward(Variant::Draft, &[token], &mut kv, &mut NoHook)
+            .expect("step");
     }
     assert_eq!(out.tokens, expected);
     let target = run(&model, prompt, &options(Mode::Target, 20, 4));
-    assert_ne!(out.tokens, target.tokens, "the toy draft should drift from the target");
-    assert!(model.take_calls().iter().filter(|c| c.variant == Variant::Target).count() > 0);
+    assert_ne!(
+        out.tokens, target.tokens,
+        "the toy draft should drift from the target"
+    );
+    assert!(
+        model
+            .take_calls()
+            .iter()
+            .filter(|c| c.variant == Variant::Target)
+            .count()
+            > 0
+    );
 }
 
 #[test]
 fn bad_requests_are_refused() {
     let model = ToyModel::new(16, 32, 1);
     let good = options(Mode::Specter, 8, 2);
-    let refuse = |prompt: &[u32], opts: &GenerateOptions, needle: &str| {
-        match generate(&model, prompt, opts, &mut NoHook, &mut |_| {}) {
-            Err(Error::Request(message)) => assert!(message.contains(needle), "{message}"),
-            other => panic!("expected a request error mentioning {needle:?}, got {other:?}"),
-        }
+    let refuse = |prompt: &[u32], opts: &GenerateOptions, needle: &str| match generate(
+        &model,
+        prompt,
+        opts,
+        &mut NoHook,
+        &mut |_| {},
+    ) {
+        Err(Error::Request(message)) => assert!(message.contains(needle), "{message}"),
+        other => panic!("expected a request error mentioning {needle:?}, got {other:?}"),
     };
     refuse(&[], &good, "empty");
     refuse(&[3, 16, 2], &good, "token 16 at position 1");
@@ -190,6 +231,13 @@ fn bad_requests_are_refused() {
     refuse(&[1], &nucleus, "top_p");
     // The boundary itself is fine.
     assert!(generate(&model, &[1; 24], &good, &mut NoHook, &mut |_| {}).is_ok());
-    let none = generate(&model, &[1; 4], &options(Mode::Specter, 0, 2), &mut NoHook, &mut |_| {}).expect("empty");
+    let none = generate(
+        &model,
+        &[1; 4],
+        &options(Mode::Specter, 0, 2),
+        &mut NoHook,
+        &mut |_| {},
+    )
+    .expect("empty");
     assert!(none.tokens.is_empty());
 }

@@ -4,8 +4,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::offload::{
-    Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig, SimulatedTransfers,
-    TransferEngine,
+    Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig,
+    SimulatedTransfers, TransferEngine,
 };
 use specter::Error;
 
@@ -23,8 +23,11 @@ fn config(policy: Policy, layers: usize, experts: usize, slots: usize) -> Reside
 fn lru_order_and_eviction_match_a_reference_list() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let initial = vec![vec![3, 7, 1], vec![0, 9]];
-    let mut cache =
-        ExpertCache::new(config(Policy::Lru, 2, 10, 4), &InitialResidency::PerLayer(initial.clone())).expect("cache");
+    let mut cache = ExpertCache::new(
+        config(Policy::Lru, 2, 10, 4),
+        &InitialResidency::PerLayer(initial.clone()),
+    )
+    .expect("cache");
     // Reference: per layer, resident experts from least to most recently used.
     let mut reference = initial;
     let mut evictions = 0;
@@ -34,7 +37,10 @@ fn lru_order_and_eviction_match_a_reference_list() {
         let list = &mut reference[layer];
         match cache.lookup(layer, expert) {
             Lookup::Hit { .. } => {
-                let at = list.iter().position(|&e| e == expert).expect("hit on an expert the reference lacks");
+                let at = list
+                    .iter()
+                    .position(|&e| e == expert)
+                    .expect("hit on an expert the reference lacks");
                 list.remove(at);
                 list.push(expert);
             }
@@ -60,8 +66,11 @@ fn lru_order_and_eviction_match_a_reference_list() {
 fn planned_experts_are_never_evicted_while_planned() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let slots = 5;
-    let mut cache =
-        ExpertCache::new(config(Policy::Specter, 1, 12, slots), &InitialResidency::FirstExperts).expect("cache");
+    let mut cache = ExpertCache::new(
+        config(Policy::Specter, 1, 12, slots),
+        &InitialResidency::FirstExperts,
+    )
+    .expect("cache");
     let mut no_slot = 0;
     for _ in 0..400 {
         let plan_len = rng.random_range(0..=slots);
@@ -85,10 +94,17 @@ fn planned_experts_are_never_evicted_while_planned() {
             if let Lookup::Miss = cache.lookup(0, e) {
                 match cache.insert(0, e, LoadKind::Demand, None) {
                     Insert::Inserted { evicted } => {
-                        assert!(evicted.is_none_or(|v| !plan.contains(&v.expert)), "evicted a planned expert");
+                        assert!(
+                            evicted.is_none_or(|v| !plan.contains(&v.expert)),
+                            "evicted a planned expert"
+                        );
                     }
                     Insert::NoSlot => {
-                        assert_eq!(plan.len(), slots, "NoSlot with an unplanned resident expert");
+                        assert_eq!(
+                            plan.len(),
+                            slots,
+                            "NoSlot with an unplanned resident expert"
+                        );
                         no_slot += 1;
                     }
                     Insert::AlreadyResident => panic!("miss then already resident"),
@@ -106,7 +122,8 @@ fn planned_experts_are_never_evicted_while_planned() {
 
 #[test]
 fn unused_prefetches_are_reported_once() {
-    let mut cache = ExpertCache::new(config(Policy::Specter, 1, 8, 3), &InitialResidency::Empty).expect("cache");
+    let mut cache = ExpertCache::new(config(Policy::Specter, 1, 8, 3), &InitialResidency::Empty)
+        .expect("cache");
     cache.insert(0, 4, LoadKind::Prefetch, None);
     cache.insert(0, 5, LoadKind::Prefetch, None);
     cache.insert(0, 6, LoadKind::Prefetch, None);
@@ -142,8 +159,11 @@ fn unused_prefetches_are_reported_once() {
 fn reset_restores_the_initial_residency_exactly() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let initial = vec![vec![5, 2, 8], vec![], vec![1, 0, 3, 4]];
-    let mut cache = ExpertCache::new(config(Policy::Specter, 3, 9, 4), &InitialResidency::PerLayer(initial.clone()))
-        .expect("cache");
+    let mut cache = ExpertCache::new(
+        config(Policy::Specter, 3, 9, 4),
+        &InitialResidency::PerLayer(initial.clone()),
+    )
+    .expect("cache");
     for _ in 0..500 {
         let layer = rng.random_range(0..3);
         let e = rng.random_range(0..9);
@@ -151,11 +171,18 @@ fn reset_restores_the_initial_residency_exactly() {
             cache.set_plan(layer, &[e]);
         }
         if let Lookup::Miss = cache.lookup(layer, e) {
-            let kind = if rng.random_bool(0.5) { LoadKind::Prefetch } else { LoadKind::Demand };
+            let kind = if rng.random_bool(0.5) {
+                LoadKind::Prefetch
+            } else {
+                LoadKind::Demand
+            };
             cache.insert(layer, e, kind, None);
         }
     }
-    assert_ne!((0..3).map(|l| cache.resident(l)).collect::<Vec<_>>(), initial);
+    assert_ne!(
+        (0..3).map(|l| cache.resident(l)).collect::<Vec<_>>(),
+        initial
+    );
     cache.reset();
     for (layer, expected) in initial.iter().enumerate() {
         assert_eq!(&cache.resident(layer), expected, "layer {layer}");
@@ -169,35 +196,77 @@ fn reset_restores_the_initial_residency_exactly() {
 
 #[test]
 fn policies_fix_the_resident_set() {
-    let mut all = ExpertCache::new(config(Policy::AllResident, 2, 6, 1), &InitialResidency::Empty).expect("cache");
+    let mut all = ExpertCache::new(
+        config(Policy::AllResident, 2, 6, 1),
+        &InitialResidency::Empty,
+    )
+    .expect("cache");
     assert_eq!(all.slots_per_layer(), 6);
     for layer in 0..2 {
         for e in 0..6 {
             assert!(matches!(all.lookup(layer, e), Lookup::Hit { .. }));
         }
     }
-    let on_demand =
-        ExpertCache::new(config(Policy::OnDemand, 2, 6, 3), &InitialResidency::FirstExperts).expect("cache");
+    let on_demand = ExpertCache::new(
+        config(Policy::OnDemand, 2, 6, 3),
+        &InitialResidency::FirstExperts,
+    )
+    .expect("cache");
     assert!(on_demand.resident(0).is_empty() && on_demand.resident(1).is_empty());
-    let first = ExpertCache::new(config(Policy::Lru, 2, 6, 3), &InitialResidency::FirstExperts).expect("cache");
+    let first = ExpertCache::new(
+        config(Policy::Lru, 2, 6, 3),
+        &InitialResidency::FirstExperts,
+    )
+    .expect("cache");
     assert_eq!(first.resident(1), vec![0, 1, 2]);
 }
 
 #[test]
 fn bad_configurations_are_refused() {
     let cases = [
-        (config(Policy::Lru, 2, 6, 0), InitialResidency::Empty, "resident experts"),
-        (config(Policy::Lru, 2, 6, 7), InitialResidency::Empty, "resident experts"),
-        (config(Policy::Lru, 0, 6, 2), InitialResidency::Empty, "at least one"),
-        (config(Policy::Lru, 2, 6, 2), InitialResidency::PerLayer(vec![vec![1]]), "layers"),
-        (config(Policy::Lru, 2, 6, 2), InitialResidency::PerLayer(vec![vec![1], vec![6]]), "expert 6"),
-        (config(Policy::Lru, 2, 6, 2), InitialResidency::PerLayer(vec![vec![1, 1], vec![]]), "twice"),
-        (config(Policy::Lru, 2, 6, 2), InitialResidency::PerLayer(vec![vec![1, 2, 3], vec![]]), "slots"),
+        (
+            config(Policy::Lru, 2, 6, 0),
+            InitialResidency::Empty,
+            "resident experts",
+        ),
+        (
+            config(Policy::Lru, 2, 6, 7),
+            InitialResidency::Empty,
+            "resident experts",
+        ),
+        (
+            config(Policy::Lru, 0, 6, 2),
+            InitialResidency::Empty,
+            "at least one",
+        ),
+        (
+            config(Policy::Lru, 2, 6, 2),
+            InitialResidency::PerLayer(vec![vec![1]]),
+            "layers",
+        ),
+        (
+            config(Policy::Lru, 2, 6, 2),
+            InitialResidency::PerLayer(vec![vec![1], vec![6]]),
+            "expert 6",
+        ),
+        (
+            config(Policy::Lru, 2, 6, 2),
+            InitialResidency::PerLayer(vec![vec![1, 1], vec![]]),
+            "twice",
+        ),
+        (
+            config(Policy::Lru, 2, 6, 2),
+            InitialResidency::PerLayer(vec![vec![1, 2, 3], vec![]]),
+            "slots",
+        ),
     ];
     for (cfg, initial, needle) in cases {
         match ExpertCache::new(cfg, &initial) {
             Err(Error::Request(message)) => assert!(message.contains(needle), "{message}"),
-            other => panic!("expected an error mentioning {needle:?}, got {:?}", other.map(|_| ())),
+            other => panic!(
+                "expected an error mentioning {needle:?}, got {:?}",
+                other.map(|_| ())
+            ),
         }
     }
     assert!(SimulatedTransfers::new(0.0, 0.0).is_err());
@@ -219,7 +288,11 @@ fn simulated_copies_cost_bytes_over_bandwidth() {
         let ids: Vec<_> = (0..n).map(|i| engine.issue(0, i, size)).collect();
         let expected = n as f64 * size as f64 / bandwidth;
         let stalled = engine.wait(ids[n - 1]);
-        assert!(close(engine.now(), expected), "{} vs {expected}", engine.now());
+        assert!(
+            close(engine.now(), expected),
+            "{} vs {expected}",
+            engine.now()
+        );
         assert!(close(stalled, expected));
         assert!(ids.iter().all(|&id| engine.is_complete(id)));
         assert_eq!(engine.wait(ids[0]), 0.0);
@@ -232,7 +305,10 @@ fn simulated_copies_cost_bytes_over_bandwidth() {
         engine.advance(compute);
         let copy_total = n as f64 * (latency + size as f64 / bandwidth);
         let stalled = engine.wait(ids[n - 1]);
-        assert!(close(stalled, (copy_total - compute).max(0.0)), "{stalled} vs {copy_total} - {compute}");
+        assert!(
+            close(stalled, (copy_total - compute).max(0.0)),
+            "{stalled} vs {copy_total} - {compute}"
+        );
         assert!(close(engine.now(), copy_total.max(compute)));
         assert!(close(engine.stall_s(), stalled));
     }

@@ -15,7 +15,10 @@ use specter::{Error, Result};
 
 pub fn mix(a: u64, b: u64) -> u64 {
     // splitmix64 finaliser over a combined word.
-    let mut z = a ^ b.wrapping_add(0x9E37_79B9_7F4A_7C15).wrapping_add(a << 6).wrapping_add(a >> 2);
+    let mut z = a ^ b
+        .wrapping_add(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(a << 6)
+        .wrapping_add(a >> 2);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -120,7 +123,10 @@ impl ToyModel {
                 if entry.taint == 0 {
                     out.extend_from_slice(&base);
                 } else {
-                    out.extend((0..vocab).map(|v| base[v] + (unit(mix(entry.taint, v as u64)) - 0.5) * 50.0));
+                    out.extend(
+                        (0..vocab)
+                            .map(|v| base[v] + (unit(mix(entry.taint, v as u64)) - 0.5) * 50.0),
+                    );
                 }
             }
             Variant::Draft => {
@@ -176,7 +182,10 @@ impl LanguageModel for ToyModel {
 
     fn new_kv(&self, capacity: usize) -> Result<ToyKv> {
         if capacity > self.info.max_context {
-            return Err(Error::Request(format!("kv capacity {capacity} > {}", self.info.max_context)));
+            return Err(Error::Request(format!(
+                "kv capacity {capacity} > {}",
+                self.info.max_context
+            )));
         }
         Ok(ToyKv {
             capacity,
@@ -184,7 +193,13 @@ impl LanguageModel for ToyModel {
         })
     }
 
-    fn forward(&self, variant: Variant, tokens: &[u32], kv: &mut ToyKv, hook: &mut dyn RouteHook) -> Result<Vec<f32>> {
+    fn forward(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut ToyKv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>> {
         if kv.entries.len() + tokens.len() > kv.capacity {
             return Err(Error::Model(format!(
                 "kv overflow: {} + {} > {}",
@@ -203,7 +218,10 @@ impl LanguageModel for ToyModel {
         });
         let first_new = kv.entries.len();
         for &token in tokens {
-            let (content, taint) = kv.entries.last().map_or((self.seed, 0), |e| (e.content, e.taint));
+            let (content, taint) = kv
+                .entries
+                .last()
+                .map_or((self.seed, 0), |e| (e.content, e.taint));
             let position = kv.entries.len() as u64;
             kv.entries.push(KvEntry {
                 token,
@@ -238,6 +256,10 @@ pub fn prompts(seed: u64, lengths: &[usize], vocab: usize) -> Vec<Vec<u32>> {
     lengths
         .iter()
         .enumerate()
-        .map(|(i, &len)| (0..len).map(|j| (mix(seed + i as u64, j as u64) % vocab as u64) as u32).collect())
+        .map(|(i, &len)| {
+            (0..len)
+                .map(|j| (mix(seed + i as u64, j as u64) % vocab as u64) as u32)
+                .collect()
+        })
         .collect()
 }
