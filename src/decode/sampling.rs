@@ -71,7 +71,7 @@ pub fn distribution(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
         })
         .collect();
     let total: f64 = probs.iter().sum();
-    if !(total > 0.0) {
+    if total <= 0.0 {
         // No finite logit: fall back to the argmax rule's choice so sampling stays defined.
         probs.iter_mut().for_each(|p| *p = 0.0);
         if let Some(p) = probs.get_mut(argmax(logits) as usize) {
