@@ -46,3 +46,19 @@ pub struct TensorSpec {
     pub shape: Vec<usize>,
     pub role: TensorRole,
 }
+
+pub mod config;
+pub mod model;
+pub mod rope;
+pub mod tensors;
+
+pub use config::{
+    ArchConfig, AttentionKind, ModelType, MoeConfig, NormKind, QkNorm, RopeConfig, RopeScaling,
+    RopeStyle, RouterKind, SharedExperts,
+};
+pub use model::{MoeKv, MoeModel};
+pub use rope::RopeTable;
+pub use tensors::{
+    draft_tensor_name, expected_tensors, expert_tensor_name, router_tensor_name,
+    shared_expert_gate_name, shared_expert_prefix,
+};

@@ -1,1 +1,296 @@
-//! (placeholder)
+//! INT4 quantization of expert weights: round-to-nearest, GPTQ, and the Marlin tiled layout the
+//! W4A16 kernel reads.
+//!
+//! Conventions shared by every function here:
+//! - symmetric "uint4b8" codes: a stored code `q` in `0..=15` means the weight `(q - 8) * scale`;
+//! - one f16 scale per (group of [`GROUP_SIZE`] input features, output feature);
+//! - orientation: `K` = input features, `N` = output features. Hugging Face stores a linear weight
+//!   as `[N][K]` ("out, in"); a [`QuantMatrix`] holds codes as `[K][N]`, the orientation Marlin
+//!   tiles.
+//!
+//! Scale choice (see [`rtn`]): `scale = max|w| / 7` over the group, rounded to f16 and nudged up
+//! to the next f16 if rounding made it too small for the group's largest weight to stay within
+//! half a step of a code. Rounding is done against the stored f16 scale, so dequantizing the
+//! stored codes and scales reproduces exactly what the quantizer aimed at. The code 0 (`-8`) is
+//! valid on load and may be produced by GPTQ (its error feedback can push a weight past the
+//! group's original maximum); round-to-nearest never needs it. An all-zero group gets scale 1.0.
+
+mod marlin;
+mod rtn;
+
+pub use marlin::{marlin_dequantize_out_in, marlin_pack, marlin_unpack, MarlinWeight};
+pub use rtn::rtn;
+
+use half::f16;
+
+use crate::{Error, Result};
+
+/// Input features per quantization group (and the K depth of one Marlin group of tiles).
+pub const GROUP_SIZE: usize = 128;
+
+/// Output columns covered by one Marlin 16x64 block of four 16x16 tiles.
+pub const MARLIN_TILE_N: usize = 64;
+
+/// Rows of one Marlin tile (input features).
+pub const MARLIN_TILE_K: usize = 16;
+
+/// An unpacked INT4 matrix.
+///
+/// `q` is row-major `[k][n]` with values `0..=15`; `scales` is row-major `[k / 128][n]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantMatrix {
+    pub k: usize,
+    pub n: usize,
+    pub q: Vec<u8>,
+    pub scales: Vec<f16>,
+}
+
+impl QuantMatrix {
+    /// Builds a matrix after checking the shape rules and the code range.
+    pub fn new(tensor: &str, k: usize, n: usize, q: Vec<u8>, scales: Vec<f16>) -> Result<Self> {
+        let m = QuantMatrix { k, n, q, scales };
+        m.validate(tensor)?;
+        Ok(m)
+    }
+
+    /// Checks that the fields agree with each other: `k` a multiple of the group size, buffer
+    /// lengths matching the shape, every code within `0..=15`, every scale finite.
+    pub fn validate(&self, tensor: &str) -> Result<()> {
+        if self.k == 0 || self.n == 0 || !self.k.is_multiple_of(GROUP_SIZE) {
+            return Err(Error::Quant(format!(
+                "{tensor}: shape k={} n={} is not quantizable (k must be a positive multiple of \
+                 {GROUP_SIZE}, n positive)",
+                self.k, self.n
+            )));
+        }
+        let cells = self.k.checked_mul(self.n).ok_or_else(|| {
+            Error::Quant(format!(
+                "{tensor}: shape k={} n={} overflows",
+                self.k, self.n
+            ))
+        })?;
+        if self.q.len() != cells {
+            return Err(Error::Quant(format!(
+                "{tensor}: {} codes for a {}x{} matrix (expected {cells})",
+                self.q.len(),
+                self.k,
+                self.n
+            )));
+        }
+        let groups = self.k / GROUP_SIZE * self.n;
+        if self.scales.len() != groups {
+            return Err(Error::Quant(format!(
+                "{tensor}: {} scales for a {}x{} matrix (expected {groups})",
+                self.scales.len(),
+                self.k,
+                self.n
+            )));
+        }
+        if let Some(pos) = self.q.iter().position(|&v| v > 15) {
+            return Err(Error::Quant(format!(
+                "{tensor}: code {} at index {pos} is outside 0..=15",
+                self.q[pos]
+            )));
+        }
+        if let Some(pos) = self.scales.iter().position(|s| !s.is_finite()) {
+            return Err(Error::Quant(format!(
+                "{tensor}: scale at index {pos} is not finite"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Dequantized weights, row-major `[k][n]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.q.len()];
+        if self.n == 0 {
+            return out;
+        }
+        let scale_rows = self.scales.chunks_exact(self.n);
+        // Each group of 128 code rows shares one row of scales.
+        for ((out_group, q_group), scale_row) in out
+            .chunks_mut(GROUP_SIZE * self.n)
+            .zip(self.q.chunks(GROUP_SIZE * self.n))
+            .zip(scale_rows)
+        {
+            let s: Vec<f32> = scale_row.iter().map(|s| s.to_f32()).collect();
+            for (out_row, q_row) in out_group
+                .chunks_exact_mut(self.n)
+                .zip(q_group.chunks_exact(self.n))
+            {
+                for ((o, &q), &s) in out_row.iter_mut().zip(q_row).zip(&s) {
+                    *o = code_value(q) * s;
+                }
+            }
+        }
+        out
+    }
+
+    /// Dequantized weights in Hugging Face orientation, row-major `[n][k]`.
+    pub fn dequantize_out_in(&self) -> Vec<f32> {
+        let kn = self.dequantize();
+        transpose(&kn, self.k, self.n)
+    }
+
+    /// Concatenates output columns: the result's columns are `a`'s followed by `b`'s (gate then
+    /// up of one expert, fused into a single matrix). Both must have the same `k`.
+    pub fn concat_n(a: &QuantMatrix, b: &QuantMatrix) -> Result<QuantMatrix> {
+        a.validate("concat_n: first operand")?;
+        b.validate("concat_n: second operand")?;
+        if a.k != b.k {
+            return Err(Error::Quant(format!(
+                "concat_n: input features differ ({} vs {})",
+                a.k, b.k
+            )));
+        }
+        let n = a.n + b.n;
+        let mut q = Vec::with_capacity(a.k * n);
+        for (ra, rb) in a.q.chunks_exact(a.n).zip(b.q.chunks_exact(b.n)) {
+            q.extend_from_slice(ra);
+            q.extend_from_slice(rb);
+        }
+        let mut scales = Vec::with_capacity(a.k / GROUP_SIZE * n);
+        for (ra, rb) in a.scales.chunks_exact(a.n).zip(b.scales.chunks_exact(b.n)) {
+            scales.extend_from_slice(ra);
+            scales.extend_from_slice(rb);
+        }
+        Ok(QuantMatrix {
+            k: a.k,
+            n,
+            q,
+            scales,
+        })
+    }
+}
+
+/// The signed value a stored code stands for.
+#[inline(always)]
+pub(crate) fn code_value(q: u8) -> f32 {
+    f32::from(q) - 8.0
+}
+
+/// Row-major `[rows][cols]` to row-major `[cols][rows]`, in cache-sized tiles.
+pub(crate) fn transpose<T: Copy + Default>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+    const TILE: usize = 32;
+    let mut dst = vec![T::default(); rows * cols];
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    dst[c * rows + r] = src[r * cols + c];
+                }
+            }
+        }
+    }
+    dst
+}
+
+/// Checks the shape rules of the Marlin tiling: `k % 128 == 0` (one quantization group spans
+/// eight 16-row tiles) and `n % 64 == 0` (one 16x64 block of four tiles).
+pub fn check_marlin_shape(tensor: &str, k: usize, n: usize) -> Result<()> {
+    if k == 0 || !k.is_multiple_of(GROUP_SIZE) {
+        return Err(Error::Quant(format!(
+            "{tensor}: input features k={k} must be a positive multiple of {GROUP_SIZE} \
+             (quantization group and Marlin tile depth)"
+        )));
+    }
+    if n == 0 || !n.is_multiple_of(MARLIN_TILE_N) {
+        return Err(Error::Quant(format!(
+            "{tensor}: output features n={n} must be a positive multiple of {MARLIN_TILE_N} \
+             (one Marlin 16x{MARLIN_TILE_N} tile block)"
+        )));
+    }
+    Ok(())
+}
+
+/// Relative output error of a quantized matrix: `||X W^T - X Q^T||_F / ||X W^T||_F`, where `W` is
+/// the original weight in HF orientation `[n][k]`, `Q` the dequantized `q`, and `X` activations
+/// row-major `[rows][k]`.
+///
+/// Returns NaN when the buffer lengths do not match the shapes, 0 when both norms are zero, and
+/// infinity when only the reference output is zero.
+pub fn output_rel_error(weight_out_in: &[f32], q: &QuantMatrix, x: &[f32], rows: usize) -> f64 {
+    let (k, n) = (q.k, q.n);
+    if weight_out_in.len() != n * k || x.len() != rows * k || q.q.len() != n * k {
+        return f64::NAN;
+    }
+    let deq = q.dequantize_out_in();
+    // Both products in f64: the error is a difference of nearly equal outputs.
+    let w = faer::Mat::<f64>::from_fn(k, n, |i, j| f64::from(weight_out_in[j * k + i]));
+    let d = faer::Mat::<f64>::from_fn(k, n, |i, j| {
+        f64::from(weight_out_in[j * k + i]) - f64::from(deq[j * k + i])
+    });
+    let xm = faer::Mat::<f64>::from_fn(rows, k, |i, j| f64::from(x[i * k + j]));
+    let reference = &xm * &w;
+    let error = &xm * &d;
+    let num = error.norm_l2();
+    let den = reference.norm_l2();
+    if den == 0.0 {
+        if num == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        num / den
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn output_rel_error_matches_direct_computation() {
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        let (n, k, rows) = (64, 256, 9);
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.1f32..0.1)).collect();
+        let x: Vec<f32> = (0..rows * k)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let q = rtn("w", &w, n, k).unwrap();
+        let deq = q.dequantize_out_in();
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for r in 0..rows {
+            for c in 0..n {
+                let (mut y, mut yq) = (0.0f64, 0.0f64);
+                for i in 0..k {
+                    y += f64::from(x[r * k + i]) * f64::from(w[c * k + i]);
+                    yq += f64::from(x[r * k + i]) * f64::from(deq[c * k + i]);
+                }
+                num += (y - yq).powi(2);
+                den += y * y;
+            }
+        }
+        let expected = (num / den).sqrt();
+        let got = output_rel_error(&w, &q, &x, rows);
+        assert!(
+            got > 0.0 && (got - expected).abs() <= 1e-9 * expected,
+            "{got} vs {expected}"
+        );
+        // A weight that is exactly its own dequantization has no error.
+        assert_eq!(output_rel_error(&deq, &q, &x, rows), 0.0);
+        assert!(output_rel_error(&w, &q, &x[1..], rows).is_nan());
+    }
+
+    #[test]
+    fn marlin_shape_rules_are_named() {
+        check_marlin_shape("t", 1408, 2816).unwrap();
+        let msg = check_marlin_shape("experts.0.down", 1400, 64)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("experts.0.down") && msg.contains("k=1400"),
+            "{msg}"
+        );
+        let msg = check_marlin_shape("experts.0.gate_up", 128, 100)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("experts.0.gate_up") && msg.contains("n=100"),
+            "{msg}"
+        );
+    }
+}

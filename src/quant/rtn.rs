@@ -1,0 +1,251 @@
+//! Round-to-nearest quantization and the scale rule shared with GPTQ.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::{transpose, QuantMatrix, GROUP_SIZE};
+use crate::{Error, Result};
+
+/// Largest code magnitude a scale is sized for: `scale = max|w| / 7`.
+const SCALE_DIVISOR: f32 = 7.0;
+
+/// A group's largest weight may sit at most this many scales from zero and still round to a
+/// code within half a step (the top code is +7, so +7.5 rounds to it with error 0.5).
+const MAX_STEPS: f32 = 7.5;
+
+/// The f16 scale of a group whose largest magnitude is `max_abs` (finite, non-negative).
+///
+/// `max_abs / 7` rounded to f16; an all-zero group gets 1.0 (any positive value dequantizes its
+/// codes of 8 to exactly zero); a group so small its scale would underflow f16 gets the smallest
+/// positive subnormal, and a scale that f16 rounding left too small for `max_abs` to be within half
+/// a step of a code is moved up one f16 step at a time. Returns `None` when the scale overflows
+/// f16 (weights beyond about 458000 in magnitude).
+pub(crate) fn group_scale(max_abs: f32) -> Option<f16> {
+    if max_abs == 0.0 {
+        return Some(f16::ONE);
+    }
+    let mut s = f16::from_f32(max_abs / SCALE_DIVISOR);
+    if s.to_f32() == 0.0 {
+        s = f16::from_bits(1);
+    }
+    // Positive f16 values are ordered like their bit patterns, so +1 is the next value up.
+    while s.is_finite() && max_abs / s.to_f32() > MAX_STEPS {
+        s = f16::from_bits(s.to_bits() + 1);
+    }
+    s.is_finite().then_some(s)
+}
+
+/// The code nearest to `w` at scale `s` (positive, finite): `clamp(round(w / s) + 8, 0, 15)`.
+/// Ties round away from zero.
+#[inline(always)]
+pub(crate) fn quantize_code(w: f32, s: f32) -> u8 {
+    ((w / s).round() + 8.0).clamp(0.0, 15.0) as u8
+}
+
+/// Checks the inputs every quantizer shares: the buffer length, `k` a positive multiple of the
+/// group size, `n` positive, and every weight finite.
+pub(crate) fn check_weight(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<()> {
+    if n == 0 || k == 0 || !k.is_multiple_of(GROUP_SIZE) {
+        return Err(Error::Quant(format!(
+            "{tensor}: shape [{n}, {k}] (out, in) is not quantizable: input features must be a \
+             positive multiple of {GROUP_SIZE} and output features positive"
+        )));
+    }
+    let expected = n
+        .checked_mul(k)
+        .ok_or_else(|| Error::Quant(format!("{tensor}: shape [{n}, {k}] overflows")))?;
+    if weight_out_in.len() != expected {
+        return Err(Error::Quant(format!(
+            "{tensor}: {} weights for shape [{n}, {k}] (out, in), expected {expected}",
+            weight_out_in.len()
+        )));
+    }
+    if let Some(pos) = weight_out_in.iter().position(|w| !w.is_finite()) {
+        return Err(Error::Quant(format!(
+            "{tensor}: weight at out {} in {} is not finite ({})",
+            pos / k,
+            pos % k,
+            weight_out_in[pos]
+        )));
+    }
+    Ok(())
+}
+
+/// Scales for every (group, output row) of an HF-oriented weight `[n][k]`, returned row-major
+/// `[k / 128][n]`.
+pub(crate) fn group_scales(
+    tensor: &str,
+    weight_out_in: &[f32],
+    n: usize,
+    k: usize,
+) -> Result<Vec<f16>> {
+    let groups = k / GROUP_SIZE;
+    // Computed per output row (contiguous in the HF layout), then transposed to [groups][n].
+    let per_row: Vec<Vec<f16>> = weight_out_in
+        .par_chunks_exact(k)
+        .enumerate()
+        .map(|(row, w)| {
+            w.chunks_exact(GROUP_SIZE)
+                .enumerate()
+                .map(|(g, group)| {
+                    let max_abs = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    group_scale(max_abs).ok_or_else(|| {
+                        Error::Quant(format!(
+                            "{tensor}: out {row} group {g}: max |w| = {max_abs} needs a scale \
+                             beyond the f16 range"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<f16>>>()
+        })
+        .collect::<Result<_>>()?;
+    let mut scales = vec![f16::ZERO; groups * n];
+    for (c, row) in per_row.iter().enumerate() {
+        for (g, &s) in row.iter().enumerate() {
+            scales[g * n + c] = s;
+        }
+    }
+    Ok(scales)
+}
+
+/// Round-to-nearest quantization of a Hugging Face oriented weight `[n][k]` (out, in).
+///
+/// Every weight is rounded to the nearest code at its group's f16 scale, so each dequantized
+/// weight is within half a scale of the original.
+pub fn rtn(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<QuantMatrix> {
+    check_weight(tensor, weight_out_in, n, k)?;
+    let scales = group_scales(tensor, weight_out_in, n, k)?;
+    // Codes in HF orientation first (rows contiguous), then transposed to [k][n].
+    let mut codes_out_in = vec![0u8; n * k];
+    codes_out_in
+        .par_chunks_exact_mut(k)
+        .zip(weight_out_in.par_chunks_exact(k))
+        .enumerate()
+        .for_each(|(c, (codes, w))| {
+            for (g, (cg, wg)) in codes
+                .chunks_exact_mut(GROUP_SIZE)
+                .zip(w.chunks_exact(GROUP_SIZE))
+                .enumerate()
+            {
+                let s = scales[g * n + c].to_f32();
+                for (q, &v) in cg.iter_mut().zip(wg) {
+                    *q = quantize_code(v, s);
+                }
+            }
+        });
+    Ok(QuantMatrix {
+        k,
+        n,
+        q: transpose(&codes_out_in, n, k),
+        scales,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn random_weight(rng: &mut ChaCha8Rng, n: usize, k: usize) -> Vec<f32> {
+        (0..n * k)
+            .map(|_| rng.random_range(-1.0f32..1.0) * 0.05)
+            .collect()
+    }
+
+    #[test]
+    fn rtn_error_within_half_a_scale_and_codes_in_range() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for &(n, k) in &[(64, 128), (96, 256), (128, 384)] {
+            let mut w = random_weight(&mut rng, n, k);
+            // One group per shape with a wide dynamic range, one with a tiny one.
+            w[0] = 3.0;
+            for v in &mut w[k..k + GROUP_SIZE] {
+                *v *= 1e-6;
+            }
+            let m = rtn("test.weight", &w, n, k).unwrap();
+            assert_eq!((m.k, m.n), (k, n));
+            m.validate("test.weight").unwrap();
+            assert!(m.q.iter().all(|&q| q <= 15));
+            let deq = m.dequantize_out_in();
+            for c in 0..n {
+                for r in 0..k {
+                    let s = m.scales[(r / GROUP_SIZE) * n + c].to_f32();
+                    assert!(s > 0.0 && s.is_finite());
+                    let err = (w[c * k + r] - deq[c * k + r]).abs();
+                    assert!(
+                        err <= s * 0.5 * (1.0 + 1e-5),
+                        "out {c} in {r}: error {err} exceeds half the scale {s}"
+                    );
+                }
+            }
+            // The scale is the group maximum over 7, to f16 precision.
+            for c in 0..n {
+                for g in 0..k / GROUP_SIZE {
+                    let max = w[c * k + g * GROUP_SIZE..c * k + (g + 1) * GROUP_SIZE]
+                        .iter()
+                        .fold(0.0f32, |a, v| a.max(v.abs()));
+                    let s = m.scales[g * n + c].to_f32();
+                    let ideal = max / 7.0;
+                    assert!(
+                        (s - ideal).abs() <= ideal * 2e-3 + 1.2e-7,
+                        "scale {s} vs max/7 {ideal}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rtn_zero_group_gets_unit_scale_and_zero_codes() {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        let (n, k) = (64, 256);
+        let mut w = random_weight(&mut rng, n, k);
+        for v in &mut w[5 * k + GROUP_SIZE..5 * k + 2 * GROUP_SIZE] {
+            *v = 0.0;
+        }
+        let m = rtn("zero.weight", &w, n, k).unwrap();
+        assert_eq!(m.scales[n + 5], f16::ONE);
+        for r in GROUP_SIZE..2 * GROUP_SIZE {
+            assert_eq!(m.q[r * n + 5], 8);
+        }
+        let deq = m.dequantize_out_in();
+        assert!(deq[5 * k + GROUP_SIZE..5 * k + 2 * GROUP_SIZE]
+            .iter()
+            .all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn tiny_and_huge_groups() {
+        // A magnitude whose scale underflows f16 and one whose scale is a coarse subnormal.
+        for &max in &[1e-12f32, 3e-7, 1e-3, 400.0, 60000.0] {
+            let s = group_scale(max).unwrap();
+            assert!(s.to_f32() > 0.0);
+            assert!(max / s.to_f32() <= 7.5, "max {max} scale {s}");
+        }
+        assert!(group_scale(1e6).is_none());
+    }
+
+    #[test]
+    fn rtn_shape_errors_name_the_tensor() {
+        let w = vec![0.5f32; 64 * 100];
+        let err = rtn("layers.3.mlp.experts.7.up_proj.weight", &w, 64, 100).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("layers.3.mlp.experts.7.up_proj.weight"),
+            "{msg}"
+        );
+        assert!(msg.contains("multiple of 128"), "{msg}");
+
+        let err = rtn("short.weight", &w[..10], 64, 128).unwrap_err();
+        assert!(err.to_string().contains("short.weight"));
+
+        let mut w = vec![0.5f32; 64 * 128];
+        w[130] = f32::NAN;
+        let msg = rtn("nan.weight", &w, 64, 128).unwrap_err().to_string();
+        assert!(
+            msg.contains("nan.weight") && msg.contains("out 1 in 2"),
+            "{msg}"
+        );
+    }
+}
