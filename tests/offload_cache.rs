@@ -4,8 +4,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::offload::{
-    Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig,
-    SimulatedTransfers, TransferEngine,
+    Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Planner, Policy,
+    ResidencyConfig, SimulatedTransfers, TransferEngine,
 };
 use specter::Error;
 
@@ -325,4 +325,81 @@ fn copies_issued_later_queue_behind_earlier_ones() {
     assert!(engine.is_complete(a) && !engine.is_complete(b));
     assert!(close(engine.wait(b), 0.5e-3));
     assert!(close(engine.now(), 2e-3));
+}
+
+#[test]
+fn explicit_eviction_respects_the_plan() {
+    let mut cache = ExpertCache::new(
+        config(Policy::Specter, 1, 8, 4),
+        &InitialResidency::FirstExperts,
+    )
+    .expect("cache");
+    cache.set_plan(0, &[1]);
+    assert_eq!(cache.evict(0, 1), None, "a planned expert was evicted");
+    assert_eq!(cache.evict(0, 5), None, "a non-resident expert was evicted");
+    assert_eq!(
+        cache.evict(0, 2),
+        Some(Evicted {
+            expert: 2,
+            unused_prefetch: false
+        })
+    );
+    assert_eq!(cache.resident(0), vec![0, 1, 3]);
+    assert_eq!(cache.free_slots(0), 1);
+}
+
+#[test]
+fn planner_ranks_draft_routing_and_lists_missing_experts_layer_by_layer() {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let (layers, experts, slots) = (3, 10, 3);
+    let cache = ExpertCache::new(
+        config(Policy::Specter, layers, experts, slots),
+        &InitialResidency::FirstExperts,
+    )
+    .expect("cache");
+    let mut planner = Planner::new(layers, experts, 1e-3, 1e9);
+    planner.begin_window(6);
+    let mut counts = vec![vec![0u32; experts]; layers];
+    for _ in 0..6 {
+        for (layer, row) in counts.iter_mut().enumerate() {
+            // Skewed routing so the ranking is mostly strict.
+            let topk: Vec<u32> = (0..2)
+                .map(|_| (rng.random_range(0.0f64..1.0).powi(2) * experts as f64) as u32)
+                .collect();
+            topk.iter().for_each(|&e| row[e as usize] += 1);
+            assert!(planner.record(layer, &topk));
+        }
+    }
+    let plan = planner.plan_for(&cache);
+    for (layer, planned) in plan.experts.iter().enumerate() {
+        assert!(planned.len() <= slots);
+        let routed = counts[layer].iter().filter(|&&c| c > 0).count();
+        assert_eq!(planned.len(), routed.min(slots));
+        // Ranked by count; nothing left out outranks anything planned.
+        for pair in planned.windows(2) {
+            let (a, b) = (
+                counts[layer][pair[0] as usize],
+                counts[layer][pair[1] as usize],
+            );
+            assert!(a > b || (a == b && pair[0] < pair[1]));
+        }
+        let lowest = planned.last().map_or(0, |&e| counts[layer][e as usize]);
+        for e in 0..experts as u32 {
+            if !planned.contains(&e) {
+                assert!(counts[layer][e as usize] <= lowest);
+            }
+        }
+    }
+    let expected: Vec<(usize, u32)> = plan
+        .experts
+        .iter()
+        .enumerate()
+        .flat_map(|(l, p)| {
+            p.iter()
+                .filter(|&&e| e as usize >= slots)
+                .map(move |&e| (l, e))
+        })
+        .collect();
+    assert_eq!(plan.prefetch, expected);
+    assert!(!plan.prefetch.is_empty());
 }

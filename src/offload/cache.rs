@@ -315,6 +315,21 @@ impl ExpertCache {
         Insert::Inserted { evicted }
     }
 
+    /// Evicts `expert` unless it is planned or not resident; returns what was evicted.
+    pub fn evict(&mut self, layer: usize, expert: u32) -> Option<Evicted> {
+        let entry = self.entries.get_mut(layer)?.get_mut(expert as usize)?;
+        if !entry.resident || entry.planned {
+            return None;
+        }
+        let evicted = Evicted {
+            expert,
+            unused_prefetch: entry.unused_prefetch,
+        };
+        *entry = Entry::default();
+        self.resident_count[layer] -= 1;
+        Some(evicted)
+    }
+
     /// Records the copy that is bringing a resident expert in.
     pub fn attach_transfer(&mut self, layer: usize, expert: u32, transfer: TransferId) {
         if let Some(entry) = self

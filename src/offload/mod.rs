@@ -11,6 +11,6 @@ mod transfer;
 pub use cache::{
     Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig,
 };
-pub use planner::Planner;
+pub use planner::{Plan, Planner};
 pub use simulator::{ComputeModel, OffloadSimulator, OffloadStats, SimulatorConfig};
 pub use transfer::{SimulatedTransfers, TransferEngine, TransferId};

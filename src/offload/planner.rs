@@ -6,6 +6,18 @@
 //! draft steps until then take as long as the bytes just issued take to copy. The last draft step
 //! always closes a chunk, so the verify pass sees a plan built from the whole window.
 
+use super::cache::ExpertCache;
+
+/// A plan for the coming verify pass.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Per MoE layer, the experts to hold (most likely first): protected from eviction.
+    pub experts: Vec<Vec<u32>>,
+    /// `(moe_layer, expert)` pairs of planned experts not resident yet, layer by layer (the
+    /// order the verify pass needs them in).
+    pub prefetch: Vec<(usize, u32)>,
+}
+
 /// Per-layer routing counts of one draft window, and the chunk schedule.
 #[derive(Clone, Debug)]
 pub struct Planner {
@@ -87,6 +99,24 @@ impl Planner {
                 ranked
             })
             .collect()
+    }
+
+    /// The plan against `cache`: per layer the top-ranked experts, as many as the layer has
+    /// slots (planned experts replace the previous plan, so every slot is free or evictable for
+    /// them), and the missing ones to prefetch.
+    pub fn plan_for(&self, cache: &ExpertCache) -> Plan {
+        let experts = self.plan(cache.slots_per_layer());
+        let prefetch = experts
+            .iter()
+            .enumerate()
+            .flat_map(|(layer, planned)| {
+                planned
+                    .iter()
+                    .filter(move |&&e| !cache.is_resident(layer, e))
+                    .map(move |&e| (layer, e))
+            })
+            .collect();
+        Plan { experts, prefetch }
     }
 
     /// Records that a plan at `steps_done` issued `bytes` of copies; the next boundary comes once

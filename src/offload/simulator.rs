@@ -243,27 +243,24 @@ impl OffloadSimulator {
     /// Forms the plan from the window's routing so far and prefetches what is missing.
     fn plan_and_prefetch(&mut self, steps_done: usize) {
         let bytes = self.config.residency.expert_bytes;
-        let plan = self.planner.plan(self.cache.slots_per_layer());
-        let mut issued_bytes = 0usize;
-        for (layer, experts) in plan.iter().enumerate() {
+        let plan = self.planner.plan_for(&self.cache);
+        for (layer, experts) in plan.experts.iter().enumerate() {
             self.cache.set_plan(layer, experts);
-            for &expert in experts {
-                if self.cache.is_resident(layer, expert) {
-                    continue;
-                }
-                match self.cache.insert(layer, expert, LoadKind::Prefetch, None) {
-                    Insert::Inserted { evicted } => {
-                        if evicted.is_some_and(|e| e.unused_prefetch) {
-                            self.stats.prefetched_wasted += 1;
-                        }
-                        let id = self.transfers.issue(layer, expert as usize, bytes);
-                        self.cache.attach_transfer(layer, expert, id);
-                        self.stats.prefetched += 1;
-                        self.record_transfer();
-                        issued_bytes += bytes;
+        }
+        let mut issued_bytes = 0usize;
+        for &(layer, expert) in &plan.prefetch {
+            match self.cache.insert(layer, expert, LoadKind::Prefetch, None) {
+                Insert::Inserted { evicted } => {
+                    if evicted.is_some_and(|e| e.unused_prefetch) {
+                        self.stats.prefetched_wasted += 1;
                     }
-                    Insert::NoSlot | Insert::AlreadyResident => {}
+                    let id = self.transfers.issue(layer, expert as usize, bytes);
+                    self.cache.attach_transfer(layer, expert, id);
+                    self.stats.prefetched += 1;
+                    self.record_transfer();
+                    issued_bytes += bytes;
                 }
+                Insert::NoSlot | Insert::AlreadyResident => {}
             }
         }
         self.planner.issued(steps_done, issued_bytes);
