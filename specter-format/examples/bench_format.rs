@@ -138,6 +138,18 @@ fn write_bundle(path: &Path, bytes: u64, pool: &[u8]) -> Result<(u64, Duration)>
     Ok((len, start.elapsed()))
 }
 
+/// CPU time used by this process so far (all threads), from /proc/self/stat, where available: on
+/// a shared machine it shows what the work costs independently of how much CPU it was given.
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesized command name; utime and stime are fields 14 and 15 overall.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // USER_HZ is 100 on every mainstream Linux configuration.
+    Some(ticks / 100.0)
+}
+
 fn median(mut samples: Vec<Duration>) -> Duration {
     samples.sort();
     samples[samples.len() / 2]
@@ -177,6 +189,7 @@ fn main() -> Result<()> {
             bundle.section_count()
         );
         let mut hashed = 0;
+        let cpu_before = process_cpu_seconds();
         let verifies: Vec<Duration> = (0..3)
             .map(|_| {
                 let start = Instant::now();
@@ -190,6 +203,7 @@ fn main() -> Result<()> {
                 elapsed
             })
             .collect();
+        let cpu = cpu_before.zip(process_cpu_seconds()).map(|(a, b)| b - a);
         let t = median(verifies);
         println!(
             "{label}: verify median of 3: {:.3} s, {:.2} GB/s over {} threads",
@@ -197,6 +211,13 @@ fn main() -> Result<()> {
             hashed as f64 / t.as_secs_f64() / 1e9,
             rayon::current_num_threads()
         );
+        if let Some(cpu) = cpu.filter(|&c| c > 0.0) {
+            println!(
+                "{label}: verify CPU cost: {:.2} GB per CPU-second ({:.2} CPU-s for 3 runs)",
+                3.0 * hashed as f64 / cpu / 1e9,
+                cpu
+            );
+        }
         drop(bundle);
         if !args.keep {
             std::fs::remove_file(&path).map_err(|e| {

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::DType;
+use crate::{DType, FORMAT_MAJOR};
 
 /// Shorthand for results whose error is a [`FormatError`].
 pub type Result<T, E = FormatError> = std::result::Result<T, E>;
@@ -48,6 +48,12 @@ pub enum FormatError {
          re-pack the model or restore the file from a good copy"
     )]
     HeaderChecksum,
+
+    #[error(
+        "bundle header is invalid: {0}; the file is corrupt or not a format {FORMAT_MAJOR}.x bundle: \
+         re-pack the model or restore the file from a good copy"
+    )]
+    HeaderInvalid(String),
 
     #[error(
         "bundle is truncated: it has {actual} bytes but its header says {expected}; \

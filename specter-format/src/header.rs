@@ -119,8 +119,8 @@ impl Header {
         }
         let header_len = read_u32(page, OFF_HEADER_LEN);
         if header_len as usize != HEADER_LEN {
-            return Err(FormatError::ManifestInvalid(format!(
-                "the header says it is {header_len} bytes long; format {major}.x headers are {HEADER_LEN}"
+            return Err(FormatError::HeaderInvalid(format!(
+                "it says it is {header_len} bytes long, but format {major}.x headers are {HEADER_LEN}"
             )));
         }
         let mut manifest_sha256 = [0u8; 32];
@@ -196,6 +196,17 @@ mod tests {
                 _ => assert!(matches!(err, FormatError::HeaderChecksum), "{byte}: {err}"),
             }
         }
+    }
+
+    #[test]
+    fn a_wrong_header_length_is_refused_even_with_a_valid_checksum() {
+        let mut page = sample().encode();
+        page[OFF_HEADER_LEN..OFF_HEADER_LEN + 4].copy_from_slice(&8192u32.to_le_bytes());
+        let checksum = header_checksum(&page);
+        page[HEADER_CHECKSUM_OFFSET..].copy_from_slice(&checksum);
+        let err = Header::decode(&page).unwrap_err();
+        assert!(matches!(err, FormatError::HeaderInvalid(_)), "{err}");
+        assert!(err.to_string().contains("8192"), "{err}");
     }
 
     #[test]

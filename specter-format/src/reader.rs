@@ -105,10 +105,16 @@ impl Bundle {
     pub fn open(path: &Path) -> Result<Bundle> {
         let file = File::open(path)
             .map_err(|e| FormatError::io(format!("opening bundle {}", path.display()), e))?;
-        let len = file
+        let metadata = file
             .metadata()
-            .map_err(|e| FormatError::io(format!("reading the size of {}", path.display()), e))?
-            .len();
+            .map_err(|e| FormatError::io(format!("reading the size of {}", path.display()), e))?;
+        if !metadata.is_file() {
+            return Err(FormatError::Io(format!(
+                "{} is not a regular file; pass the path of a .specter bundle",
+                path.display()
+            )));
+        }
+        let len = metadata.len();
         if len < HEADER_LEN as u64 {
             // Too short to map usefully; read what is there so the error says why.
             let bytes = std::fs::read(path)

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::reader::section_kind_of;
-use crate::{Bundle, FormatError, Result, SectionKind};
+use crate::{sha256_hex, Bundle, FormatError, Result, SectionKind};
 
 /// Bytes hashed between progress reports: small enough for a smooth progress bar, large enough
 /// that reporting costs nothing.
@@ -32,6 +32,9 @@ pub struct VerifyReport {
     /// One entry per section, in manifest order.
     pub sections: Vec<SectionCheck>,
     pub manifest_ok: bool,
+    /// The manifest sha256 the header records, and that of the manifest's bytes as they are now.
+    pub manifest_expected: [u8; 32],
+    pub manifest_actual: [u8; 32],
     /// Bytes hashed (sections and manifest).
     pub bytes: u64,
 }
@@ -49,9 +52,8 @@ impl VerifyReport {
     pub fn into_result(self) -> Result<()> {
         if !self.manifest_ok {
             return Err(FormatError::ManifestChecksum {
-                expected: "the header's value".into(),
-                actual: "a different hash (the manifest changed after the bundle was opened)"
-                    .into(),
+                expected: sha256_hex(&self.manifest_expected),
+                actual: sha256_hex(&self.manifest_actual),
             });
         }
         let names: Vec<String> = self.bad_sections().iter().map(|s| s.name.clone()).collect();
@@ -108,10 +110,12 @@ impl Bundle {
         let header = self.header();
         let start = header.manifest_offset as usize;
         let manifest_bytes = &self.as_bytes()[start..start + header.manifest_len as usize];
-        let manifest_ok = hash(manifest_bytes) == header.manifest_sha256;
+        let manifest_actual = hash(manifest_bytes);
         VerifyReport {
             sections: checks.into_iter().map(|(_, c)| c).collect(),
-            manifest_ok,
+            manifest_ok: manifest_actual == header.manifest_sha256,
+            manifest_expected: header.manifest_sha256,
+            manifest_actual,
             bytes: done.load(Ordering::Relaxed),
         }
     }

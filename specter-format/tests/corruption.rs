@@ -113,6 +113,11 @@ fn a_truncated_file_on_disk_names_the_file() {
         matches!(err, FormatError::Io(_)) && err.to_string().contains("missing.specter"),
         "{err}"
     );
+    let err = Bundle::open(dir.path()).err().unwrap();
+    assert!(
+        matches!(err, FormatError::Io(_)) && err.to_string().contains("not a regular file"),
+        "{err}"
+    );
 }
 
 #[test]

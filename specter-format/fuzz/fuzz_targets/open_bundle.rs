@@ -39,7 +39,12 @@ fn resealed(data: &[u8]) -> Option<Vec<u8>> {
     raw.copy_from_slice(&bytes[32..40]);
     let manifest_offset = u64::from_le_bytes(raw).min(len);
     let manifest = &bytes[manifest_offset as usize..];
-    let header = Header::new(len, manifest_offset, len - manifest_offset, Sha256::digest(manifest).into());
+    let header = Header::new(
+        len,
+        manifest_offset,
+        len - manifest_offset,
+        Sha256::digest(manifest).into(),
+    );
     bytes[..HEADER_LEN].copy_from_slice(&header.encode());
     Some(bytes)
 }
