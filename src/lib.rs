@@ -16,6 +16,7 @@ pub mod model;
 pub mod offload;
 pub mod pack;
 pub mod quant;
+pub mod session;
 pub mod synth;
 pub mod weights;
 
