@@ -375,7 +375,7 @@ impl ArchConfig {
             "num_key_value_heads",
             f.usize_or("num_key_value_heads", d_kv_heads)?,
         )?;
-        if num_heads % num_kv_heads != 0 {
+        if !num_heads.is_multiple_of(num_kv_heads) {
             return Err(Error::Model(format!(
                 "config.json: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
             )));
@@ -534,7 +534,7 @@ impl ArchConfig {
 
     fn validate_rope_dims(&self) -> Result<()> {
         let dim = self.rope_dim();
-        if dim == 0 || dim % 2 != 0 {
+        if dim == 0 || !dim.is_multiple_of(2) {
             return Err(Error::Model(format!(
                 "config.json: rotary dimension {dim} must be even and positive"
             )));
@@ -832,7 +832,7 @@ fn parse_rope(
             )))
         }
     };
-    if !(theta > 0.0) {
+    if theta.is_nan() || theta <= 0.0 {
         return Err(Error::Model(format!(
             "config.json: rope_theta {theta} must be positive"
         )));

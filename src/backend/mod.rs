@@ -96,7 +96,7 @@ pub trait Backend: Send + Sync {
 
     /// `rows x cols` zeros.
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
     fn shape(&self, x: &Self::Act) -> (usize, usize);
 

@@ -271,7 +271,7 @@ impl Backend for Cpu {
         })
     }
 
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Mat> {
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Mat> {
         if data.len() != rows * cols {
             return Err(shape_err(
                 "from_host",
@@ -314,7 +314,7 @@ impl Backend for Cpu {
     }
 
     fn rms_norm(&self, x: &Mat, weight: &CpuWeight, eps: f32, group: usize) -> Result<Mat> {
-        if group == 0 || x.cols % group != 0 || weight.data.len() != group {
+        if group == 0 || !x.cols.is_multiple_of(group) || weight.data.len() != group {
             return Err(shape_err(
                 "rms_norm",
                 format!(
@@ -470,7 +470,7 @@ impl Backend for Cpu {
         scales: &[f32],
     ) -> Result<()> {
         let half = spec.rot_dim / 2;
-        if spec.rot_dim % 2 != 0
+        if !spec.rot_dim.is_multiple_of(2)
             || inv_freq.len() != half
             || positions.len() != x.rows
             || scales.len() != x.rows
@@ -602,7 +602,7 @@ impl Backend for Cpu {
             window,
         } = spec;
         if kv_heads == 0
-            || heads % kv_heads != 0
+            || !heads.is_multiple_of(kv_heads)
             || q.cols != heads * qk_dim
             || k.cols != kv_heads * qk_dim
             || v.cols != kv_heads * v_dim
