@@ -3,11 +3,13 @@
 
 mod common;
 
-use common::{Fixture, SafetensorsStore, FIXTURES};
+use common::{Fixture, FIXTURES};
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
+use specter::arch::{
+    draft_tensor_name, expected_tensors, expert_tensor_name, MoeModel, Proj, TensorRole,
+};
 use specter::backend::cpu::Cpu;
 use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
 use specter::weights::{Tensor, WeightStore};
@@ -206,7 +208,7 @@ fn invalid_requests_are_rejected() {
 /// plus the same experts as Marlin-packed draft tensors. Every grid value is exact in f16, so
 /// the FP16 target experts and the dequantized INT4 draft experts are the same numbers.
 struct WithDraft {
-    base: SafetensorsStore,
+    base: specter::checkpoint::Checkpoint,
     experts: std::collections::HashMap<String, Vec<f16>>,
     qweights: std::collections::HashMap<String, Vec<u32>>,
     scales: std::collections::HashMap<String, Vec<f16>>,
@@ -247,7 +249,7 @@ fn grid_quantize(
 
 impl WithDraft {
     fn new(fx: &Fixture) -> WithDraft {
-        let base = SafetensorsStore::open(&fx.dir.join("model.safetensors"));
+        let base = fx.checkpoint();
         let (hidden, inter) = fx.cfg.expert_dims();
         let mut experts = std::collections::HashMap::new();
         let mut qweights = std::collections::HashMap::new();
@@ -361,5 +363,34 @@ fn draft_int4_experts_equal_target_experts_on_the_int4_grid() {
             .forward(Variant::Draft, &tokens[..2], &mut kv, &mut hook)
             .unwrap();
         assert!(!hook.calls.is_empty() && hook.calls.iter().all(|c| c.0 == Variant::Draft));
+    }
+}
+
+#[test]
+fn expected_tensors_are_exactly_the_checkpoint_tensors() {
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let ck = fx.checkpoint();
+        let mut want: Vec<(String, Vec<usize>)> = expected_tensors(&fx.cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        let mut got: Vec<(String, Vec<usize>)> = ck
+            .tensor_names()
+            .into_iter()
+            .map(|n| (n.clone(), ck.shape(&n).unwrap()))
+            .collect();
+        want.sort();
+        got.sort();
+        assert_eq!(want, got, "{name}");
+        let routed = expected_tensors(&fx.cfg)
+            .iter()
+            .filter(|s| matches!(s.role, TensorRole::RoutedExpert { .. }))
+            .count();
+        assert_eq!(
+            routed,
+            3 * fx.cfg.moe.num_experts * fx.cfg.moe_layers().len(),
+            "{name}"
+        );
     }
 }
