@@ -662,7 +662,14 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         }
         let start = kv.len;
         let end = start + tokens.len();
-        if end > kv.capacity || kv.layers.len() != self.layers.len() {
+        if kv.layers.len() != self.layers.len() {
+            return Err(Error::Request(format!(
+                "the KV cache has {} layers, the model {}: it was made for another model",
+                kv.layers.len(),
+                self.layers.len()
+            )));
+        }
+        if end > kv.capacity {
             return Err(Error::Request(format!(
                 "{} tokens at position {start} exceed the KV cache capacity {}",
                 tokens.len(),
