@@ -705,3 +705,13 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         be.to_host(&logits)
     }
 }
+
+impl MoeModel<crate::backend::cpu::Cpu> {
+    /// A Hugging Face checkpoint directory (config.json and safetensors) on the CPU reference
+    /// backend.
+    pub fn open_checkpoint_cpu(dir: &std::path::Path) -> Result<Self> {
+        let ck = crate::checkpoint::Checkpoint::open(dir)?;
+        let cfg = ArchConfig::from_config_json(ck.config_json())?;
+        MoeModel::load(cfg, &ck, crate::backend::cpu::Cpu)
+    }
+}
