@@ -680,13 +680,8 @@ impl Backend for Cpu {
                     let total = sum(&e);
                     let probs: Vec<f32> = e.iter().map(|x| x / total).collect();
                     let mut order: Vec<usize> = (0..n).collect();
-                    // Largest first; ties to the lower id. NaN sorts last.
-                    order.sort_by(|&a, &b| {
-                        probs[b]
-                            .partial_cmp(&probs[a])
-                            .unwrap_or(std::cmp::Ordering::Less)
-                            .then(a.cmp(&b))
-                    });
+                    // Largest first, ties to the lower id; a total order, so NaN cannot upset it.
+                    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
                     let top = &order[..top_k];
                     let mut w: Vec<f32> = top.iter().map(|&i| probs[i]).collect();
                     if renormalize {
