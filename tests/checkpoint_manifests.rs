@@ -229,6 +229,30 @@ fn manifests_list_exactly_the_fixture_tensors() {
     assert!(checked >= ARCHS.len(), "only {checked} fixtures found");
 }
 
+/// The manifests and the architecture code's tensor list agree, on the tiny configs and on the
+/// benchmark presets.
+#[test]
+fn manifests_agree_with_expected_tensors() {
+    let mut configs: Vec<String> = specter::synth::FIXTURE_CONFIGS
+        .iter()
+        .map(|n| specter::synth::fixture_config(n).unwrap())
+        .collect();
+    for p in specter::synth::PRESETS {
+        configs.push(specter::synth::preset_config_layers(p, Some(3)).unwrap());
+    }
+    for text in configs {
+        let config: Value = serde_json::from_str(&text).unwrap();
+        let m = manifest(config["model_type"].as_str().unwrap());
+        let want = expand(&m, &config);
+        let cfg = specter::arch::ArchConfig::from_config_json(&text).unwrap();
+        let got: BTreeMap<String, Vec<usize>> = specter::arch::expected_tensors(&cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        assert_eq!(want, got, "{}", config["model_type"]);
+    }
+}
+
 #[test]
 fn manifests_are_well_formed() {
     for arch in ARCHS {

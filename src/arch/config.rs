@@ -375,7 +375,7 @@ impl ArchConfig {
             "num_key_value_heads",
             f.usize_or("num_key_value_heads", d_kv_heads)?,
         )?;
-        if num_heads % num_kv_heads != 0 {
+        if !num_heads.is_multiple_of(num_kv_heads) {
             return Err(Error::Model(format!(
                 "config.json: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
             )));
@@ -534,7 +534,7 @@ impl ArchConfig {
 
     fn validate_rope_dims(&self) -> Result<()> {
         let dim = self.rope_dim();
-        if dim == 0 || dim % 2 != 0 {
+        if dim == 0 || !dim.is_multiple_of(2) {
             return Err(Error::Model(format!(
                 "config.json: rotary dimension {dim} must be even and positive"
             )));
@@ -654,7 +654,8 @@ fn parse_moe(
                 let mlp_only = f.usize_list("mlp_only_layers")?;
                 let shared = if qwen2 {
                     let si = f.usize_or("shared_expert_intermediate_size", 5632)?;
-                    Some(SharedExperts {
+                    // A zero-width shared expert contributes nothing; checkpoints omit it.
+                    (si > 0).then_some(SharedExperts {
                         intermediate_size: si,
                         sigmoid_gate: true,
                     })
@@ -832,7 +833,7 @@ fn parse_rope(
             )))
         }
     };
-    if !(theta > 0.0) {
+    if theta.is_nan() || theta <= 0.0 {
         return Err(Error::Model(format!(
             "config.json: rope_theta {theta} must be positive"
         )));
@@ -919,5 +920,87 @@ mod tests {
         assert_eq!(c.rope.theta, 1e6);
         assert_eq!(c.eos_token_ids, vec![2]);
         assert_eq!(c.model_info().expert_bytes, 3 * 4096 * 14336 * 2);
+    }
+}
+
+#[cfg(test)]
+mod real_config_tests {
+    use super::*;
+
+    #[test]
+    fn deepseek_v2_lite_legacy_rope_scaling() {
+        let c = ArchConfig::from_config_json(
+            r#"{"model_type":"deepseek_v2","vocab_size":102400,"hidden_size":2048,"intermediate_size":10944,
+                "moe_intermediate_size":1408,"num_hidden_layers":27,"num_attention_heads":16,"num_key_value_heads":16,
+                "n_shared_experts":2,"n_routed_experts":64,"routed_scaling_factor":1.0,"kv_lora_rank":512,
+                "q_lora_rank":null,"qk_rope_head_dim":64,"v_head_dim":128,"qk_nope_head_dim":128,
+                "topk_method":"greedy","n_group":1,"topk_group":1,"num_experts_per_tok":6,"moe_layer_freq":1,
+                "first_k_dense_replace":1,"norm_topk_prob":false,"hidden_act":"silu",
+                "max_position_embeddings":163840,"rms_norm_eps":1e-06,"rope_theta":10000,
+                "rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":0.707,"mscale_all_dim":0.707,
+                                "original_max_position_embeddings":4096,"type":"yarn"},
+                "attention_bias":false,"bos_token_id":100000,"eos_token_id":100001,"tie_word_embeddings":false}"#,
+        )
+        .unwrap();
+        let info = c.model_info();
+        assert_eq!(info.moe_layers.len(), 26);
+        assert_eq!(info.moe_layers[0], 1);
+        assert_eq!(info.expert_bytes, 3 * 2048 * 1408 * 2);
+        assert_eq!(
+            (info.bos_token_id, info.eos_token_ids.clone()),
+            (Some(100000), vec![100001])
+        );
+        assert_eq!(c.rope_dim(), 64);
+        assert_eq!(
+            c.moe.shared,
+            Some(SharedExperts {
+                intermediate_size: 2816,
+                sigmoid_gate: false
+            })
+        );
+        assert!(matches!(
+            c.rope.scaling,
+            RopeScaling::Yarn {
+                original_max_position_embeddings: 4096,
+                truncate: true,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn phi35_moe_longrope_and_biases() {
+        let factors = vec!["1.0"; 64].join(",");
+        let c = ArchConfig::from_config_json(&format!(
+            r#"{{"model_type":"phimoe","vocab_size":32064,"hidden_size":4096,"intermediate_size":6400,
+                "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"num_local_experts":16,
+                "num_experts_per_tok":2,"max_position_embeddings":131072,"original_max_position_embeddings":4096,
+                "rope_theta":10000.0,"sliding_window":131072,"attention_bias":true,"lm_head_bias":true,
+                "rope_scaling":{{"type":"longrope","short_factor":[{factors}],"long_factor":[{factors}],
+                                 "short_mscale":1.243,"long_mscale":1.243,"original_max_position_embeddings":4096}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.norm, NormKind::LayerNorm);
+        assert!(c.lm_head_bias);
+        assert_eq!(c.sliding_window, Some(131072));
+        assert_eq!(c.moe.router, RouterKind::SparseMixer { jitter_eps: 0.01 });
+        assert!(matches!(
+            c.attention,
+            AttentionKind::Standard {
+                head_dim: 128,
+                qkv_bias: true,
+                o_bias: true,
+                ..
+            }
+        ));
+        assert_eq!(c.moe_layers().len(), 32);
+        // Too few LongRoPE factors for the rotary dimension is a named error.
+        let err = ArchConfig::from_config_json(
+            r#"{"model_type":"phimoe","rope_scaling":{"type":"longrope","short_factor":[1.0],"long_factor":[1.0],
+                "short_mscale":1.0,"long_mscale":1.0}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("short_factor"), "{err}");
     }
 }

@@ -5,6 +5,12 @@
 //!   an unknown `model_type` is an error listing [`SUPPORTED_MODEL_TYPES`].
 //! - `expected_tensors(&ArchConfig) -> Vec<TensorSpec>`: every tensor the checkpoint must hold,
 //!   with its shape and role.
+//! - `MoeModel::load(ArchConfig, &dyn WeightStore, backend) -> Result<MoeModel<B>>`: the forward
+//!   pass of every architecture, implementing [`crate::model::LanguageModel`].
+//!
+//! The tensor name patterns live in code ([`tensors`]), next to the forward pass that reads them,
+//! with transformers' config defaults; `manifests/` holds the same maps as data, and tests check
+//! both against real checkpoints.
 
 /// Hugging Face `model_type`s this crate runs.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[

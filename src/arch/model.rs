@@ -662,7 +662,14 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         }
         let start = kv.len;
         let end = start + tokens.len();
-        if end > kv.capacity || kv.layers.len() != self.layers.len() {
+        if kv.layers.len() != self.layers.len() {
+            return Err(Error::Request(format!(
+                "the KV cache has {} layers, the model {}: it was made for another model",
+                kv.layers.len(),
+                self.layers.len()
+            )));
+        }
+        if end > kv.capacity {
             return Err(Error::Request(format!(
                 "{} tokens at position {start} exceed the KV cache capacity {}",
                 tokens.len(),
@@ -696,5 +703,15 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         let logits = be.linear(&x, head, self.lm_head_bias.as_ref())?;
         kv.len = end;
         be.to_host(&logits)
+    }
+}
+
+impl MoeModel<crate::backend::cpu::Cpu> {
+    /// A Hugging Face checkpoint directory (config.json and safetensors) on the CPU reference
+    /// backend.
+    pub fn open_checkpoint_cpu(dir: &std::path::Path) -> Result<Self> {
+        let ck = crate::checkpoint::Checkpoint::open(dir)?;
+        let cfg = ArchConfig::from_config_json(ck.config_json())?;
+        MoeModel::load(cfg, &ck, crate::backend::cpu::Cpu)
     }
 }

@@ -171,3 +171,50 @@ pub fn attention_scale(cfg: &ArchConfig) -> f32 {
     }
     scale as f32
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phimoe_longrope_switches_scale_past_original_length() {
+        let factors: Vec<String> = (0..8)
+            .map(|i| format!("{}", 1.0 + i as f64 * 0.5))
+            .collect();
+        let cfg = ArchConfig::from_config_json(&format!(
+            r#"{{"model_type": "phimoe", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 1024, "original_max_position_embeddings": 64,
+                "rope_scaling": {{"type": "longrope", "short_factor": [{f}], "long_factor": [{f}],
+                                  "short_mscale": 1.1, "long_mscale": 1.3}}}}"#,
+            f = factors.join(",")
+        ))
+        .unwrap();
+        let t = rope_table(&cfg);
+        assert_eq!(t.scale_at(0), 1.1);
+        assert_eq!(t.scale_at(63), 1.1);
+        assert_eq!(t.scale_at(64), 1.3);
+        // Short factors divide the plain frequencies.
+        let plain = 1.0 / 1e6f64.powf(2.0 / 16.0); // phimoe default rope_theta
+        assert!(
+            (t.inv_freq[1] as f64 - plain / 1.5).abs() < 1e-7,
+            "{:?} {}",
+            t.inv_freq,
+            plain / 1.5
+        );
+    }
+
+    #[test]
+    fn deepseek_yarn_scales_softmax_by_mscale_squared() {
+        let cfg = ArchConfig::from_config_json(
+            r#"{"model_type": "deepseek_v2", "num_experts_per_tok": 2, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                 "mscale": 0.707, "mscale_all_dim": 0.707}}"#,
+        )
+        .unwrap();
+        let m = 0.1 * 0.707 * 40f64.ln() + 1.0;
+        let want = (48f64).powf(-0.5) * m * m;
+        assert!((attention_scale(&cfg) as f64 - want).abs() < 1e-7);
+        // mscale == mscale_all_dim: cos/sin are not scaled.
+        assert_eq!(rope_table(&cfg).scale, 1.0);
+    }
+}

@@ -8,6 +8,7 @@
 //! rows the call holds. That makes a batch of rows bit-identical to the same rows one at a time.
 
 pub mod cpu;
+pub mod cuda;
 
 use half::f16;
 
@@ -96,7 +97,7 @@ pub trait Backend: Send + Sync {
 
     /// `rows x cols` zeros.
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
     fn shape(&self, x: &Self::Act) -> (usize, usize);
 

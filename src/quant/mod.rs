@@ -15,9 +15,11 @@
 //! valid on load and may be produced by GPTQ (its error feedback can push a weight past the
 //! group's original maximum); round-to-nearest never needs it. An all-zero group gets scale 1.0.
 
+mod gptq;
 mod marlin;
 mod rtn;
 
+pub use gptq::{gptq, GptqConfig, GptqResult, Hessian};
 pub use marlin::{marlin_dequantize_out_in, marlin_pack, marlin_unpack, MarlinWeight};
 pub use rtn::rtn;
 

@@ -35,11 +35,18 @@ pub(crate) fn group_scale(max_abs: f32) -> Option<f16> {
     s.is_finite().then_some(s)
 }
 
-/// The code nearest to `w` at scale `s` (positive, finite): `clamp(round(w / s) + 8, 0, 15)`.
-/// Ties round away from zero.
+/// Adding and subtracting 1.5 * 2^23 rounds an f32 of magnitude below 2^22 to an integer, ties to
+/// even, without a call into libm (the baseline x86-64 target has no rounding instruction).
+const ROUNDING_MAGIC: f32 = 12_582_912.0;
+
+/// The code nearest to `w` at scale `s` (positive, finite): `clamp(round(w / s) + 8, 0, 15)`,
+/// ties rounding to even.
 #[inline(always)]
 pub(crate) fn quantize_code(w: f32, s: f32) -> u8 {
-    ((w / s).round() + 8.0).clamp(0.0, 15.0) as u8
+    // Clamping first keeps the magic-number rounding in range; it cannot change the result.
+    let x = (w / s).clamp(-9.0, 9.0);
+    let rounded = (x + ROUNDING_MAGIC) - ROUNDING_MAGIC;
+    (rounded + 8.0).clamp(0.0, 15.0) as u8
 }
 
 /// Checks the inputs every quantizer shares: the buffer length, `k` a positive multiple of the
@@ -143,6 +150,7 @@ pub fn rtn(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<Qu
 
 #[cfg(test)]
 mod tests {
+    use super::super::code_value;
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -193,6 +201,37 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn quantize_code_rounds_to_nearest_even_and_clamps() {
+        let cases = [
+            (0.0, 8),
+            (0.49, 8),
+            (0.5, 8),
+            (0.51, 9),
+            (1.5, 10),
+            (2.5, 10),
+            (-0.5, 8),
+            (-1.5, 6),
+            (-2.5, 6),
+            (6.9, 15),
+            (7.5, 15),
+            (100.0, 15),
+            (-8.0, 0),
+            (-7.6, 0),
+            (-7.4, 1),
+            (-1e9, 0),
+        ];
+        for (x, code) in cases {
+            assert_eq!(quantize_code(x * 0.25, 0.25), code, "{x}");
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(13);
+        for _ in 0..10_000 {
+            let x: f32 = rng.random_range(-8.4f32..7.4);
+            let q = quantize_code(x, 1.0);
+            assert!((x - code_value(q)).abs() <= 0.5, "{x} -> {q}");
         }
     }
 

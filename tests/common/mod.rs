@@ -1,58 +1,12 @@
 //! Shared helpers of the golden tests: fixture loading and comparison.
 #![allow(dead_code)]
 
-use std::borrow::Cow;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use half::f16;
 use serde_json::Value;
 use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cpu::Cpu;
-use specter::weights::{Tensor, WeightStore};
-use specter::{Error, Result};
-
-/// An in-memory store over a fixture's `model.safetensors` (FP16 tensors).
-pub struct SafetensorsStore {
-    tensors: HashMap<String, (Vec<usize>, Vec<f16>)>,
-}
-
-impl SafetensorsStore {
-    pub fn open(path: &Path) -> SafetensorsStore {
-        let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let mut tensors = HashMap::new();
-        for (name, view) in st.tensors() {
-            assert_eq!(view.dtype(), safetensors::Dtype::F16, "{name}");
-            let data: Vec<f16> = view
-                .data()
-                .chunks_exact(2)
-                .map(|b| f16::from_le_bytes([b[0], b[1]]))
-                .collect();
-            tensors.insert(name.to_string(), (view.shape().to_vec(), data));
-        }
-        SafetensorsStore { tensors }
-    }
-}
-
-impl WeightStore for SafetensorsStore {
-    fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
-        let (shape, data) = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::Model(format!("missing tensor {name}")))?;
-        Ok(Tensor {
-            shape: shape.clone(),
-            data: Cow::Borrowed(data),
-        })
-    }
-    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
-        Err(Error::Model(format!("no u32 tensor {name}")))
-    }
-}
+use specter::checkpoint::Checkpoint;
 
 pub struct Fixture {
     pub name: String,
@@ -79,9 +33,13 @@ impl Fixture {
         }
     }
 
+    /// The fixture's checkpoint, through the crate's Hugging Face reader.
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint::open(&self.dir).unwrap()
+    }
+
     pub fn model(&self) -> MoeModel<Cpu> {
-        let store = SafetensorsStore::open(&self.dir.join("model.safetensors"));
-        MoeModel::load(self.cfg.clone(), &store, Cpu).unwrap()
+        MoeModel::load(self.cfg.clone(), &self.checkpoint(), Cpu).unwrap()
     }
 
     fn u32_lists(&self, key: &str) -> Vec<Vec<u32>> {
