@@ -508,14 +508,14 @@ fn normalize(
             ));
         };
         let elem = entry.dtype.bitsize() / 8;
-        if elem == 0 || entry.dtype.bitsize() % 8 != 0 {
+        if elem == 0 || !entry.dtype.bitsize().is_multiple_of(8) {
             return Err(format!(
                 "fused expert tensor {raw_name} has sub-byte dtype {:?}",
                 entry.dtype
             ));
         }
         let (hidden, inter) = if is_gate_up {
-            if rows % 2 != 0 {
+            if !rows.is_multiple_of(2) {
                 return Err(format!(
                     "{raw_name}: shape {:?} is not [E, 2*I, H]",
                     entry.shape
