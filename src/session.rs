@@ -45,11 +45,20 @@ impl Session {
             .map_err(|e| Error::Model(format!("{}: {e}", path.display())))?;
         let tokenizer = match bundle.tokenizer_bytes() {
             Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
-                Error::Model(format!("{}: the bundle's tokenizer.json does not load: {e}", path.display()))
+                Error::Model(format!(
+                    "{}: the bundle's tokenizer.json does not load: {e}",
+                    path.display()
+                ))
             })?),
             None => None,
         };
-        Ok(Session { path: path.to_path_buf(), bundle, config, model, tokenizer })
+        Ok(Session {
+            path: path.to_path_buf(),
+            bundle,
+            config,
+            model,
+            tokenizer,
+        })
     }
 
     pub fn info(&self) -> &crate::model::ModelInfo {

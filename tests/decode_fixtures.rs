@@ -1,102 +1,32 @@
 //! Speculative decoding over the real architectures: every fixture checkpoint, with a draft made
-//! here by RTN INT4 quantization of its own routed experts (Marlin-tiled, as a bundle holds them).
+//! by converting it into a bundle (RTN INT4 quantization of its own routed experts, Marlin tiled)
+//! and loading the model from the bundle.
 
 mod common;
 
-use std::borrow::Cow;
 use std::cell::RefCell;
-use std::collections::HashMap;
 
-use common::{Fixture, SafetensorsStore, FIXTURES};
-use half::f16;
-use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
+use common::{Fixture, FIXTURES};
+use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::decode::{generate, generate_with_offload, GenerateOptions, Mode, Sampling};
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
 use specter::offload::{
     ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
 };
-use specter::quant::{marlin_pack, rtn, QuantMatrix};
-use specter::weights::{Tensor, WeightStore};
-use specter::{Error, Result};
+use specter::pack::{convert, ConvertOptions, Silent};
+use specter::Result;
+use specter_format::Bundle;
 
-/// A fixture's checkpoint plus INT4 draft experts quantized from it.
-struct WithDraft {
-    base: SafetensorsStore,
-    qweights: HashMap<String, Vec<u32>>,
-    scales: HashMap<String, Vec<f16>>,
-}
-
-impl WithDraft {
-    fn build(fixture: &Fixture) -> WithDraft {
-        let base = SafetensorsStore::open(&fixture.dir.join("model.safetensors"));
-        let cfg = &fixture.cfg;
-        let mut qweights = HashMap::new();
-        let mut scales = HashMap::new();
-        let quantize = |name: &str| -> QuantMatrix {
-            let t = base.f16(name).expect("expert weight");
-            let (n, k) = (t.shape[0], t.shape[1]);
-            let w: Vec<f32> = t.data.iter().map(|v| v.to_f32()).collect();
-            rtn(name, &w, n, k).expect("rtn")
-        };
-        for layer in cfg.moe_layers() {
-            for expert in 0..cfg.moe.num_experts {
-                let gate = quantize(&expert_tensor_name(cfg, layer, expert, Proj::Gate));
-                let up = quantize(&expert_tensor_name(cfg, layer, expert, Proj::Up));
-                let down = quantize(&expert_tensor_name(cfg, layer, expert, Proj::Down));
-                let gate_up = QuantMatrix::concat_n(&gate, &up).expect("concat");
-                for (part, matrix) in [("gate_up", gate_up), ("down", down)] {
-                    let packed = marlin_pack(&matrix).expect("marlin");
-                    qweights.insert(
-                        draft_tensor_name(layer, expert, part, "qweight"),
-                        packed.qweight,
-                    );
-                    scales.insert(
-                        draft_tensor_name(layer, expert, part, "scales"),
-                        packed.scales,
-                    );
-                }
-            }
-        }
-        WithDraft {
-            base,
-            qweights,
-            scales,
-        }
-    }
-}
-
-impl WeightStore for WithDraft {
-    fn contains(&self, name: &str) -> bool {
-        self.base.contains(name)
-            || self.qweights.contains_key(name)
-            || self.scales.contains_key(name)
-    }
-    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
-        match self.scales.get(name) {
-            Some(s) => Ok(Tensor {
-                shape: vec![s.len()],
-                data: Cow::Borrowed(s),
-            }),
-            None => self.base.f16(name),
-        }
-    }
-    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
-        let q = self
-            .qweights
-            .get(name)
-            .ok_or_else(|| Error::Model(format!("missing tensor {name}")))?;
-        Ok(Tensor {
-            shape: vec![q.len()],
-            data: Cow::Borrowed(q),
-        })
-    }
-}
-
+/// A fixture converted into a bundle by the real pipeline (RTN INT4 draft, Marlin tiled), and its
+/// model loaded from the bundle's mapping.
 fn load(name: &str) -> (Fixture, MoeModel<Cpu>) {
     let fixture = Fixture::load(name);
-    let store = WithDraft::build(&fixture);
-    let model = MoeModel::load(fixture.cfg.clone(), &store, Cpu).expect("load");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("model.specter");
+    convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+    let bundle = Bundle::open(&path).expect("open bundle");
+    let model = MoeModel::load(fixture.cfg.clone(), &bundle, Cpu).expect("load");
     assert!(model.has_draft());
     (fixture, model)
 }

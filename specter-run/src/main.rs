@@ -15,7 +15,11 @@ use specter::offload::{
 use specter::session::{BackendKind, Session};
 
 #[derive(Parser)]
-#[command(name = "specter-run", version, about = "Run a Specter bundle: speculative decoding with an INT4 draft of the model's own experts.")]
+#[command(
+    name = "specter-run",
+    version,
+    about = "Run a Specter bundle: speculative decoding with an INT4 draft of the model's own experts."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -34,7 +38,11 @@ struct GenerateArgs {
     /// The bundle written by `specter-pack convert`.
     bundle: PathBuf,
     /// Prompt text, tokenized with the bundle's tokenizer.
-    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids (for example 1,2,3).
     #[arg(long, value_delimiter = ',')]
@@ -107,7 +115,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
         BackendArg::Cpu => BackendKind::Cpu,
         BackendArg::Cuda => BackendKind::Cuda,
     };
-    let session = Session::open(&args.bundle, backend).with_context(|| format!("loading {}", args.bundle.display()))?;
+    let session = Session::open(&args.bundle, backend)
+        .with_context(|| format!("loading {}", args.bundle.display()))?;
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => session.encode(text)?,
         (None, Some(ids)) => ids.clone(),
@@ -121,7 +130,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
         },
         max_new_tokens: args.max_new_tokens,
         depth: args.depth,
-        sampling: Sampling { temperature: args.temperature, top_p: args.top_p, seed: args.seed },
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
         stop_at_eos: !args.ignore_eos,
     };
 
@@ -149,19 +162,30 @@ fn generate(args: GenerateArgs) -> Result<()> {
         Some(slots) => {
             let info = session.info();
             if slots == 0 || slots > info.num_experts {
-                bail!("--resident-experts must be between 1 and {} (experts per layer)", info.num_experts);
+                bail!(
+                    "--resident-experts must be between 1 and {} (experts per layer)",
+                    info.num_experts
+                );
             }
             if !(args.bandwidth_gbps.is_finite() && args.bandwidth_gbps > 0.0) {
                 bail!("--bandwidth-gbps must be a positive number");
             }
-            let policy = if opts.mode == Mode::Specter { Policy::Specter } else { Policy::Lru };
+            let policy = if opts.mode == Mode::Specter {
+                Policy::Specter
+            } else {
+                Policy::Lru
+            };
             let mut sim = OffloadSimulator::new(SimulatorConfig {
                 residency: ResidencyConfig::for_model(info, slots, policy),
                 initial: InitialResidency::FirstExperts,
                 bandwidth_bytes_per_s: args.bandwidth_gbps * 1e9,
                 latency_s: 0.0,
                 // Compute is not simulated on the CPU: the clock then measures copy time only.
-                compute: ComputeModel { draft_step_s: 0.0, target_pass_s: 0.0, target_row_s: 0.0 },
+                compute: ComputeModel {
+                    draft_step_s: 0.0,
+                    target_pass_s: 0.0,
+                    target_row_s: 0.0,
+                },
             })?;
             decode::generate_with_offload(&session.model, &prompt, &opts, &mut sim, &mut on_token)?
         }
@@ -171,7 +195,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
     }
 
     let s = &output.stats;
-    let text = if session.has_tokenizer() { Some(session.decode(&output.tokens)?) } else { None };
+    let text = if session.has_tokenizer() {
+        Some(session.decode(&output.tokens)?)
+    } else {
+        None
+    };
     if args.json {
         let offload = s.offload.as_ref().map(|o| {
             json!({
@@ -205,7 +233,15 @@ fn generate(args: GenerateArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&record)?);
     } else {
         if !stream {
-            println!("{}", output.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+            println!(
+                "{}",
+                output
+                    .tokens
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
         }
         eprint!(
             "[{} tokens, TTFT {:.1} ms, TPOT {:.2} ms",
