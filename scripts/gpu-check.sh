@@ -2,7 +2,7 @@
 # Checks the CUDA backend on a GPU machine that has no Rust toolchain.
 #
 #   scripts/gpu-check.sh build [DEST]
-#       (here) build the release doctor example and the CUDA test binaries and copy them, with
+#       (here) build the release specter-run binary and the CUDA test binaries and copy them, with
 #       this script, into DEST (default: .carry/gpu, a folder git ignores). DEST must lie inside
 #       the checkout that the device calls send; pass that checkout's .carry/gpu if it is not
 #       this one.
@@ -22,10 +22,10 @@ SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
 build() {
     cd "$SCRIPT_DIR/.."
     local CARRY="${1:-}"; CARRY="${CARRY:-.carry/gpu}"
-    cargo build --release --example doctor
+    cargo build --release -p specter-run
     mkdir -p "$CARRY"
     cp scripts/gpu-check.sh "$CARRY/gpu-check.sh"
-    cp target/release/examples/doctor "$CARRY/doctor"
+    cp target/release/specter-run "$CARRY/specter-run"
     # Test executables carry a hash in their names; take the paths cargo reports.
     cargo test --release --test cuda_device --test cuda_doctor --no-run --message-format=json \
         | python3 -c '
@@ -48,14 +48,14 @@ device() {
     # The binaries lie beside the copy of this script that `build` made.
     local CARRY="$SCRIPT_DIR"
     local out="${OUT:-$(mktemp -d)}"
-    [ -x "$CARRY/doctor" ] || { echo "missing $CARRY/doctor: run 'scripts/gpu-check.sh build' here first and carry its folder" >&2; exit 2; }
+    [ -x "$CARRY/specter-run" ] || { echo "missing $CARRY/specter-run: run 'scripts/gpu-check.sh build' here first and carry its folder" >&2; exit 2; }
     echo "== nvidia-smi"
     nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv || true
     local status=0
     echo "== doctor"
-    "$CARRY/doctor" 2>&1 | tee "$out/doctor.txt" || status=1
+    "$CARRY/specter-run" doctor 2>&1 | tee "$out/doctor.txt" || status=1
     echo "== doctor --json (second run: kernels now come from the PTX cache)"
-    "$CARRY/doctor" --json > "$out/doctor.json" || status=1
+    "$CARRY/specter-run" doctor --json > "$out/doctor.json" || status=1
     echo "== tests"
     : > "$out/tests.txt"
     for t in cuda_device cuda_doctor; do

@@ -11,6 +11,7 @@ pub mod arch;
 pub mod backend;
 pub mod checkpoint;
 pub mod decode;
+pub mod demo;
 pub mod doctor;
 pub mod error;
 pub mod model;

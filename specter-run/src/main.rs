@@ -31,6 +31,39 @@ enum Command {
     ///
     /// Example: specter-run generate model.specter --prompt "def fib(n):" --max-new-tokens 64 --mode specter --depth 8
     Generate(GenerateArgs),
+    /// Build a small random-weight model, convert, verify and generate with it: the whole product
+    /// in one command, with no download and no GPU needed.
+    ///
+    /// Example: specter-run demo --arch qwen2_moe
+    Demo {
+        /// Architecture of the demo model (a Hugging Face model_type).
+        #[arg(long, default_value = "deepseek_v2")]
+        arch: String,
+        /// Where to write the demo checkpoint and bundle (default: a temporary directory, removed after).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        #[arg(long, default_value_t = 32)]
+        max_new_tokens: usize,
+        #[arg(long, default_value_t = 4)]
+        depth: usize,
+    },
+    /// Report what this machine offers and what Specter will use: driver, GPU, NVRTC, the host copy
+    /// path, measured host-to-device bandwidth, free RAM and disk.
+    ///
+    /// Example: specter-run doctor --json
+    Doctor {
+        #[arg(long)]
+        json: bool,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Skip the GPU checks.
+        #[arg(long)]
+        no_gpu: bool,
+        /// Directory whose free space matters (where bundles live).
+        #[arg(long, default_value = ".")]
+        work_dir: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -97,6 +130,18 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Demo {
+            arch,
+            dir,
+            max_new_tokens,
+            depth,
+        } => demo(arch, dir, max_new_tokens, depth),
+        Command::Doctor {
+            json,
+            device,
+            no_gpu,
+            work_dir,
+        } => doctor(json, device, no_gpu, work_dir),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -267,6 +312,52 @@ fn generate(args: GenerateArgs) -> Result<()> {
             );
         }
         eprintln!("]");
+    }
+    Ok(())
+}
+
+fn demo(arch: String, dir: Option<PathBuf>, max_new_tokens: usize, depth: usize) -> Result<()> {
+    if depth == 0 {
+        bail!("--depth must be at least 1");
+    }
+    let temp;
+    let work_dir = match dir {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            dir
+        }
+        None => {
+            temp = tempfile::tempdir().context("creating a temporary directory")?;
+            temp.path().to_path_buf()
+        }
+    };
+    let opts = specter::demo::DemoOptions {
+        architecture: arch,
+        max_new_tokens,
+        depth,
+        ..Default::default()
+    };
+    println!(
+        "Specter demo: {} (random weights, so the tokens mean nothing; the mechanics are real)",
+        opts.architecture
+    );
+    specter::demo::run(&work_dir, &opts, &mut |line| println!("{line}"))?;
+    println!("done. Next: convert a real checkpoint with `specter-pack convert HF_DIR -o model.specter`.");
+    Ok(())
+}
+
+fn doctor(json: bool, device: usize, no_gpu: bool, work_dir: PathBuf) -> Result<()> {
+    let opts = specter::doctor::DoctorOptions {
+        device,
+        gpu: !no_gpu,
+        work_dir,
+        ..Default::default()
+    };
+    let report = specter::doctor::diagnose(&opts);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", specter::doctor::render_text(&report));
     }
     Ok(())
 }
