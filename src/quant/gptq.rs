@@ -193,7 +193,9 @@ fn inverse_upper_factor(tensor: &str, h: &Mat<f64>, damp: f64) -> Result<(Vec<f3
         for i in 0..k {
             reversed[(i, i)] += add;
         }
-        let llt = match reversed.llt(Side::Lower) {
+        let factored = reversed.llt(Side::Lower);
+        drop(reversed);
+        let llt = match factored {
             Ok(llt) => llt,
             Err(e) => {
                 last_failure = format!("{e:?}");
@@ -202,6 +204,7 @@ fn inverse_upper_factor(tensor: &str, h: &Mat<f64>, damp: f64) -> Result<(Vec<f3
         };
         let mut l_inv = Mat::<f64>::zeros(k, k);
         invert_lower_triangular(l_inv.as_mut(), llt.L(), Par::rayon(0));
+        drop(llt);
         let mut upper = vec![0.0f32; k * k];
         let mut finite = true;
         for i in 0..k {
@@ -286,7 +289,7 @@ pub fn gptq(
         )));
     }
 
-    let sum = &h.full_sum();
+    let sum = h.full_sum();
     if (0..k).any(|j| sum.col_as_slice(j).iter().any(|v| !v.is_finite())) {
         return Err(Error::Quant(format!(
             "{tensor}: GPTQ Hessian has non-finite entries (non-finite activations?)"
@@ -329,6 +332,8 @@ pub fn gptq(
         }
         hp[(j, j)] = diag[pj];
     }
+    // Large k makes these k x k f64 matrices hundreds of MB: keep only one alive at a time.
+    drop(sum);
     let (upper, _damp_used) = inverse_upper_factor(tensor, &hp, cfg.damp)?;
     drop(hp);
     let group_of: Vec<usize> = perm.iter().map(|&p| p / GROUP_SIZE).collect();
