@@ -11,11 +11,13 @@ pub mod arch;
 pub mod backend;
 pub mod checkpoint;
 pub mod decode;
+pub mod doctor;
 pub mod error;
 pub mod model;
 pub mod offload;
 pub mod pack;
 pub mod quant;
+pub mod session;
 pub mod synth;
 pub mod weights;
 

@@ -21,7 +21,26 @@ pub enum Variant {
 pub trait RouteHook {
     /// `moe_layer` is the index among MoE layers (0-based), `layer` the decoder layer index;
     /// `topk` is row-major `[rows, top_k]` expert ids.
-    fn on_route(&mut self, variant: Variant, layer: usize, moe_layer: usize, top_k: usize, topk: &[u32]);
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        layer: usize,
+        moe_layer: usize,
+        top_k: usize,
+        topk: &[u32],
+    );
+
+    /// The normalized hidden states entering a MoE layer's experts, row-major `[rows, hidden]`,
+    /// with the same `topk` as [`RouteHook::on_route`]. Calibration (GPTQ) collects them; nothing
+    /// else needs them, so the default ignores them.
+    fn on_moe_input(
+        &mut self,
+        _variant: Variant,
+        _moe_layer: usize,
+        _hidden: &[f32],
+        _topk: &[u32],
+    ) {
+    }
 }
 
 /// A hook that ignores everything.

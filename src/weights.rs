@@ -27,3 +27,26 @@ pub trait WeightStore: Send + Sync {
     /// A packed u32 tensor (the draft's Marlin-tiled INT4 weights).
     fn u32(&self, name: &str) -> Result<Tensor<'_, u32>>;
 }
+
+/// A bundle lends its tensors straight from the mapping: no copy, no conversion.
+impl WeightStore for specter_format::Bundle {
+    fn contains(&self, name: &str) -> bool {
+        self.tensor(name).is_ok()
+    }
+
+    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
+        let view = self.tensor(name)?;
+        Ok(Tensor {
+            shape: view.shape.clone(),
+            data: Cow::Borrowed(view.as_f16()?),
+        })
+    }
+
+    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
+        let view = self.tensor(name)?;
+        Ok(Tensor {
+            shape: view.shape.clone(),
+            data: Cow::Borrowed(view.as_u32()?),
+        })
+    }
+}

@@ -1,19 +1,39 @@
 //! The Specter bundle: one page-aligned, mmappable file holding a model's tensors, its FP16 routed
 //! experts laid out for one-DMA-per-expert copies, its INT4 draft experts, and a checksummed rkyv
 //! manifest. This crate knows bytes, not models. docs/FORMAT.md is the specification.
+//!
+//! Write with [`BundleWriter`], read with [`Bundle`]; [`Bundle::verify`] checks every byte.
 
+mod error;
+mod header;
 pub mod manifest;
+mod reader;
+mod verify;
+mod writer;
 
+pub use error::{FormatError, Result};
+pub use header::{Header, HEADER_CHECKSUM_OFFSET, HEADER_LEN, MAGIC};
 pub use manifest::*;
+pub use reader::{Bundle, TensorView};
+pub use verify::{SectionCheck, VerifyReport};
+pub use writer::BundleWriter;
 
 /// Every section starts on a page boundary so that it can be mapped, registered and DMA'd as is.
 pub const PAGE: u64 = 4096;
 
-/// Everything that can be wrong with a bundle or its writing.
-#[derive(Debug, thiserror::Error)]
-pub enum FormatError {
-    #[error("{0}")]
-    Io(String),
-    #[error("{0}")]
-    Invalid(String),
+/// Every tensor starts on a multiple of this many bytes, enough for any element type and for
+/// vector loads.
+pub const TENSOR_ALIGN: u64 = 64;
+
+/// The format version this crate writes. Readers refuse a newer major and accept a newer minor.
+pub const FORMAT_MAJOR: u16 = 1;
+pub const FORMAT_MINOR: u16 = 0;
+
+/// Lower-case hex of a sha256.
+pub fn sha256_hex(hash: &[u8; 32]) -> String {
+    use std::fmt::Write;
+    hash.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }

@@ -8,7 +8,9 @@ use serde::{Deserialize, Serialize};
 
 /// What a section holds. The runtime uses the kind to decide what to register for DMA and what to
 /// load eagerly; the verifier only uses the checksum.
-#[derive(Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(
+    Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq,
+)]
 #[rkyv(derive(Debug))]
 pub enum SectionKind {
     /// FP16 tensors used by both target and draft: embeddings, attention, norms, routers, shared
@@ -26,7 +28,9 @@ pub enum SectionKind {
     Other,
 }
 
-#[derive(Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(
+    Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq,
+)]
 #[rkyv(derive(Debug))]
 pub enum DType {
     F16,
@@ -58,7 +62,9 @@ impl DType {
     }
 }
 
-#[derive(Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(
+    Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq,
+)]
 #[rkyv(derive(Debug))]
 pub struct SectionEntry {
     pub name: String,
@@ -70,7 +76,9 @@ pub struct SectionEntry {
     pub sha256: [u8; 32],
 }
 
-#[derive(Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(
+    Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq,
+)]
 #[rkyv(derive(Debug))]
 pub struct TensorEntry {
     pub name: String,
@@ -84,7 +92,9 @@ pub struct TensorEntry {
 }
 
 /// One FP16 routed expert: gate, up and down stored back to back, so that one expert is one DMA.
-#[derive(Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(
+    Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq,
+)]
 #[rkyv(derive(Debug))]
 pub struct ExpertEntry {
     pub layer: u32,
@@ -95,7 +105,9 @@ pub struct ExpertEntry {
     pub length: u64,
 }
 
-#[derive(Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(
+    Archive, RSerialize, RDeserialize, Serialize, Deserialize, Debug, Clone, PartialEq, Eq,
+)]
 #[rkyv(derive(Debug))]
 pub struct SourceFile {
     pub name: String,

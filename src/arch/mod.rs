@@ -5,10 +5,22 @@
 //!   an unknown `model_type` is an error listing [`SUPPORTED_MODEL_TYPES`].
 //! - `expected_tensors(&ArchConfig) -> Vec<TensorSpec>`: every tensor the checkpoint must hold,
 //!   with its shape and role.
+//! - `MoeModel::load(ArchConfig, &dyn WeightStore, backend) -> Result<MoeModel<B>>`: the forward
+//!   pass of every architecture, implementing [`crate::model::LanguageModel`].
+//!
+//! The tensor name patterns live in code ([`tensors`]), next to the forward pass that reads them,
+//! with transformers' config defaults; `manifests/` holds the same maps as data, and tests check
+//! both against real checkpoints.
 
 /// Hugging Face `model_type`s this crate runs.
-pub const SUPPORTED_MODEL_TYPES: &[&str] =
-    &["deepseek_v2", "qwen2_moe", "phimoe", "mixtral", "olmoe", "qwen3_moe"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "deepseek_v2",
+    "qwen2_moe",
+    "phimoe",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+];
 
 /// One projection of a routed expert.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,7 +37,11 @@ pub enum TensorRole {
     Shared,
     /// A routed expert's projection: stored in FP16 in its layer's expert section, and quantized to
     /// INT4 for the draft. `layer` is the decoder layer index.
-    RoutedExpert { layer: usize, expert: usize, proj: Proj },
+    RoutedExpert {
+        layer: usize,
+        expert: usize,
+        proj: Proj,
+    },
 }
 
 /// A tensor a checkpoint must hold: Hugging Face name, shape (as stored: `[out, in]` for linear
@@ -36,3 +52,19 @@ pub struct TensorSpec {
     pub shape: Vec<usize>,
     pub role: TensorRole,
 }
+
+pub mod config;
+pub mod model;
+pub mod rope;
+pub mod tensors;
+
+pub use config::{
+    ArchConfig, AttentionKind, ModelType, MoeConfig, NormKind, QkNorm, RopeConfig, RopeScaling,
+    RopeStyle, RouterKind, SharedExperts,
+};
+pub use model::{MoeKv, MoeModel};
+pub use rope::RopeTable;
+pub use tensors::{
+    draft_tensor_name, expected_tensors, expert_tensor_name, router_tensor_name,
+    shared_expert_gate_name, shared_expert_prefix,
+};

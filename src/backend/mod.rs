@@ -1,1 +1,189 @@
-//! (placeholder)
+//! Where a model runs: the [`Backend`] trait, and [`cpu`], the exact f32 reference.
+//!
+//! Ops are coarse (one op is one kernel or one cuBLAS call on a GPU): the model never touches
+//! activation elements itself, except through [`Backend::to_host`] for logits and router output.
+//!
+//! Exactness contract: every op computes each row of its output with arithmetic that depends only
+//! on that row's inputs (and, for attention, on the cached rows it may see), never on how many
+//! rows the call holds. That makes a batch of rows bit-identical to the same rows one at a time.
+
+pub mod cpu;
+pub mod cuda;
+
+use half::f16;
+
+use crate::arch::RopeStyle;
+use crate::Result;
+
+/// How to rotate a `[rows, heads * head_stride]` activation in place.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeSpec {
+    pub heads: usize,
+    /// Width of one head in the activation.
+    pub head_stride: usize,
+    /// First rotated channel inside a head (MLA rotates the tail of each query head).
+    pub offset: usize,
+    /// Number of rotated channels (even).
+    pub rot_dim: usize,
+    pub style: RopeStyle,
+}
+
+/// Shapes and masking of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionSpec {
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Query/key width per head.
+    pub qk_dim: usize,
+    /// Value width per head.
+    pub v_dim: usize,
+    /// Multiplies q·k before the softmax.
+    pub scale: f32,
+    /// Position of the first query row; query row `i` sees keys `0..=start + i`.
+    pub start: usize,
+    /// Keys at or before `position - window` are masked.
+    pub window: Option<usize>,
+}
+
+/// How the router turns a row of logits into top-k experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RouteSpec {
+    /// Softmax, top-k, optional renormalization, then scaling.
+    SoftmaxTopK {
+        top_k: usize,
+        renormalize: bool,
+        scale: f32,
+    },
+    /// PhiMoE SparseMixer top-2 at inference.
+    SparseMixer { jitter_eps: f32 },
+}
+
+/// Top-k routing of a batch, on the host (the decode loop and the expert cache need it there).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    /// Row-major `[rows, top_k]` expert ids.
+    pub ids: Vec<u32>,
+    /// Row-major `[rows, top_k]` weights.
+    pub weights: Vec<f32>,
+}
+
+/// A gated (SwiGLU) MLP: `down(silu(gate(x)) * up(x))`, gate and up fused into one
+/// `[2 * inter, in]` weight (gate rows first).
+pub struct GatedMlp<B: Backend + ?Sized> {
+    pub gate_up: B::Weight,
+    pub down: B::Weight,
+}
+
+pub trait Backend: Send + Sync {
+    /// A row-major `[rows, cols]` f32 activation.
+    type Act: Send + Sync;
+    /// A resident weight: a matrix `[out, in]` or a vector.
+    type Weight: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    /// An FP16 weight (matrix `[out, in]` or vector).
+    fn weight_f16(&self, name: &str, shape: &[usize], data: &[f16]) -> Result<Self::Weight>;
+    /// An INT4 Marlin-tiled weight used as `[n, k]`: `k` inputs, `n` outputs.
+    fn weight_int4(
+        &self,
+        name: &str,
+        k: usize,
+        n: usize,
+        qweight: &[u32],
+        scales: &[f16],
+    ) -> Result<Self::Weight>;
+
+    /// `rows x cols` zeros.
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;
+    fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>>;
+    fn shape(&self, x: &Self::Act) -> (usize, usize);
+
+    /// Rows of `table` (`[vocab, hidden]`) for `ids`.
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Act>;
+    /// RMSNorm over each consecutive group of `group` columns (the whole row when `group` equals
+    /// the width), times `weight` (of length `group`).
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        weight: &Self::Weight,
+        eps: f32,
+        group: usize,
+    ) -> Result<Self::Act>;
+    fn layer_norm(
+        &self,
+        x: &Self::Act,
+        weight: &Self::Weight,
+        bias: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Act>;
+    /// `x @ w^T (+ bias)`.
+    fn linear(
+        &self,
+        x: &Self::Act,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+    ) -> Result<Self::Act>;
+    /// Splits columns into consecutive pieces of the given widths.
+    fn split_cols(&self, x: &Self::Act, widths: &[usize]) -> Result<Vec<Self::Act>>;
+    /// Clamps every element to `[-limit, limit]`.
+    fn clamp(&self, x: &mut Self::Act, limit: f32) -> Result<()>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// `x += sigmoid(gate) * y`, `gate` being `[rows, 1]`.
+    fn add_sigmoid_gated(&self, x: &mut Self::Act, y: &Self::Act, gate: &Self::Act) -> Result<()>;
+
+    /// Rotates row `r` by angles `positions[r] * inv_freq[i]`, cos/sin scaled by `scales[r]`.
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        spec: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()>;
+
+    /// Copies `src`'s rows into `dst` starting at row `row`.
+    fn write_rows(&self, dst: &mut Self::Act, row: usize, src: &Self::Act) -> Result<()>;
+    /// A copy of the first `rows` rows.
+    fn head_rows(&self, x: &Self::Act, rows: usize) -> Result<Self::Act>;
+    /// MLA: from `kv` (`[len, heads * (nope + v)]`, per head nope then v) and the shared rotated
+    /// key `k_pe` (`[len, rope]`), builds keys `[len, heads * (nope + rope)]` and values
+    /// `[len, heads * v]`.
+    fn mla_expand_kv(
+        &self,
+        kv: &Self::Act,
+        k_pe: &Self::Act,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+    ) -> Result<(Self::Act, Self::Act)>;
+    /// Causal softmax attention of `q` (`[rows, heads * qk_dim]`) over the first `kv_len` rows of
+    /// `k` (`[.., kv_heads * qk_dim]`) and `v` (`[.., kv_heads * v_dim]`).
+    fn attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        kv_len: usize,
+        spec: AttentionSpec,
+    ) -> Result<Self::Act>;
+
+    /// Router top-k over `logits` (`[rows, num_experts]`).
+    fn route(&self, logits: &Self::Act, spec: RouteSpec) -> Result<Routing>;
+    /// A dense gated MLP over every row.
+    fn gated_mlp(&self, x: &Self::Act, mlp: &GatedMlp<Self>) -> Result<Self::Act>;
+    /// Routed experts: each expert hit by `routing` runs once over the rows routed to it; a row's
+    /// output is the weighted sum of its experts' outputs, added in ascending expert id.
+    /// `experts[e]` is expert `e`'s MLP.
+    fn moe_experts(
+        &self,
+        x: &Self::Act,
+        routing: &Routing,
+        experts: &[GatedMlp<Self>],
+    ) -> Result<Self::Act>;
+    /// Index of each row's maximum (the first one on ties).
+    fn argmax(&self, x: &Self::Act) -> Result<Vec<u32>>;
+}

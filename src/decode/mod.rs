@@ -1,1 +1,499 @@
-//! (placeholder)
+//! The speculative inference controller: prefill with the target, then rounds of "the draft
+//! proposes up to K tokens over the target's committed KV, the target verifies them in one pass,
+//! the longest agreeing prefix plus one target token is committed, the KV is cropped back to the
+//! committed boundary". Greedy output equals target-only decoding; sampled output follows the
+//! target's distribution (speculative rejection sampling).
+
+mod sampling;
+
+pub use sampling::{accept_or_resample, argmax, distribution, sample, Sampling};
+
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
+use crate::offload::{OffloadSimulator, OffloadStats};
+use crate::{Error, Result};
+
+/// Which model(s) decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// The target alone, one token per forward pass.
+    Target,
+    /// The draft alone (INT4 experts), one token per forward pass: a baseline, not lossless.
+    Draft,
+    /// Draft proposes, target verifies.
+    Specter,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOptions {
+    pub mode: Mode,
+    pub max_new_tokens: usize,
+    /// Draft tokens per round (K >= 1); shrunk near the end so nothing is drafted past
+    /// `max_new_tokens`.
+    pub depth: usize,
+    pub sampling: Sampling,
+    /// Stop after committing one of the model's end-of-sequence tokens.
+    pub stop_at_eos: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerateStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Decode rounds after prefill: verify passes in Specter mode, forward passes otherwise.
+    pub rounds: usize,
+    /// Draft tokens proposed (Specter mode).
+    pub drafted: usize,
+    /// Draft tokens the target accepted (Specter mode).
+    pub accepted: usize,
+    /// `accepted / drafted` (0 when nothing was drafted).
+    pub acceptance_rate: f64,
+    /// `accepted / rounds` (0 without rounds).
+    pub mean_accepted_per_round: f64,
+    /// From the call to the first committed token.
+    pub ttft_ms: f64,
+    /// `(t_last_commit - t_first_commit) / (generated_tokens - 1)` (0 below two tokens).
+    pub tpot_ms: f64,
+    pub total_ms: f64,
+    /// Expert residency figures when decoding ran under an [`OffloadSimulator`].
+    pub offload: Option<OffloadStats>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOutput {
+    /// The generated tokens (the prompt excluded).
+    pub tokens: Vec<u32>,
+    pub stats: GenerateStats,
+}
+
+/// Told where the decode loop's phases begin and end, so expert prefetch and residency code can
+/// follow the draft window and the verify pass. Every method defaults to doing nothing; the
+/// routing of each pass still arrives through [`RouteHook`].
+pub trait DecodeObserver: RouteHook {
+    /// A target forward pass over `rows` rows is about to run (prefill, verify or single step).
+    fn on_target_pass(&mut self, _rows: usize) {}
+    /// A draft window of `depth` single-token draft steps begins.
+    fn on_draft_window(&mut self, _depth: usize) {}
+    /// Draft step `step` (0-based) of the current window has run.
+    fn on_draft_step(&mut self, _step: usize) {}
+    /// `committed` tokens were committed, `accepted` of them drafts the target accepted.
+    fn on_commit(&mut self, _accepted: usize, _committed: usize) {}
+}
+
+/// Wraps a plain route hook as an observer that ignores phase boundaries.
+struct HookOnly<'a>(&'a mut dyn RouteHook);
+
+impl RouteHook for HookOnly<'_> {
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        layer: usize,
+        moe_layer: usize,
+        top_k: usize,
+        topk: &[u32],
+    ) {
+        self.0.on_route(variant, layer, moe_layer, top_k, topk);
+    }
+}
+
+impl DecodeObserver for HookOnly<'_> {}
+
+/// Lets an observer be handed to a model as its route hook.
+struct RoutesOf<'a>(&'a mut dyn DecodeObserver);
+
+impl RouteHook for RoutesOf<'_> {
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        layer: usize,
+        moe_layer: usize,
+        top_k: usize,
+        topk: &[u32],
+    ) {
+        self.0.on_route(variant, layer, moe_layer, top_k, topk);
+    }
+}
+
+/// Validates the prompt (non-empty, ids < vocab, prompt + max_new_tokens <= max_context) and the
+/// options with [`Error::Request`] naming the problem, then decodes. `on_token` is called for
+/// every committed token as soon as it is committed (for streaming).
+pub fn generate<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    hook: &mut dyn RouteHook,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<GenerateOutput> {
+    generate_observed(model, prompt, opts, &mut HookOnly(hook), on_token)
+}
+
+/// [`generate`] with an observer told about draft windows, target passes and commits.
+pub fn generate_observed<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    observer: &mut dyn DecodeObserver,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<GenerateOutput> {
+    let info = model.info();
+    validate_request(info, prompt, opts)?;
+    let start = Instant::now();
+    let mut commits = Commits {
+        tokens: Vec::with_capacity(opts.max_new_tokens),
+        max_new: opts.max_new_tokens,
+        eos: if opts.stop_at_eos {
+            info.eos_token_ids.clone()
+        } else {
+            Vec::new()
+        },
+        finished: opts.max_new_tokens == 0,
+        first: None,
+        last: None,
+        on_token,
+    };
+    let mut counters = Counters::default();
+    if !commits.finished {
+        let mut chooser = Chooser::new(opts.sampling);
+        match opts.mode {
+            Mode::Target => decode_single(
+                model,
+                Variant::Target,
+                prompt,
+                &mut chooser,
+                observer,
+                &mut commits,
+                &mut counters,
+            )?,
+            Mode::Draft => decode_single(
+                model,
+                Variant::Draft,
+                prompt,
+                &mut chooser,
+                observer,
+                &mut commits,
+                &mut counters,
+            )?,
+            Mode::Specter => decode_speculative(
+                model,
+                prompt,
+                opts.depth,
+                &mut chooser,
+                observer,
+                &mut commits,
+                &mut counters,
+            )?,
+        }
+    }
+    let end = Instant::now();
+    let generated = commits.tokens.len();
+    let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
+    let stats = GenerateStats {
+        prompt_tokens: prompt.len(),
+        generated_tokens: generated,
+        rounds: counters.rounds,
+        drafted: counters.drafted,
+        accepted: counters.accepted,
+        acceptance_rate: ratio(counters.accepted, counters.drafted),
+        mean_accepted_per_round: ratio(counters.accepted, counters.rounds),
+        ttft_ms: commits.first.map_or(0.0, |t| ms(start, t)),
+        tpot_ms: match (commits.first, commits.last) {
+            (Some(first), Some(last)) if generated > 1 => ms(first, last) / (generated - 1) as f64,
+            _ => 0.0,
+        },
+        total_ms: ms(start, end),
+        offload: None,
+    };
+    Ok(GenerateOutput {
+        tokens: commits.tokens,
+        stats,
+    })
+}
+
+/// Decodes with `simulator` observing every pass (draft routing feeds its planner, target routing
+/// is looked up in its expert cache), and reports its figures in `stats.offload`.
+pub fn generate_with_offload<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    simulator: &mut OffloadSimulator,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<GenerateOutput> {
+    simulator.check_model(model.info())?;
+    let mut output = generate_observed(model, prompt, opts, simulator, on_token)?;
+    if let Some(problem) = simulator.routing_error() {
+        return Err(Error::Model(format!(
+            "routing reported by the model: {problem}"
+        )));
+    }
+    output.stats.offload = Some(simulator.stats());
+    Ok(output)
+}
+
+fn ratio(numerator: usize, denominator: usize) -> f64 {
+    if denominator == 0 {
+        0.0
+    } else {
+        numerator as f64 / denominator as f64
+    }
+}
+
+fn validate_request(info: &ModelInfo, prompt: &[u32], opts: &GenerateOptions) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::Request("the prompt is empty".into()));
+    }
+    if let Some((position, &id)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= info.vocab_size)
+    {
+        return Err(Error::Request(format!(
+            "prompt token {id} at position {position} is outside the vocabulary (size {})",
+            info.vocab_size
+        )));
+    }
+    let needed = prompt.len().checked_add(opts.max_new_tokens);
+    if needed.is_none_or(|n| n > info.max_context) {
+        return Err(Error::Request(format!(
+            "prompt of {} tokens plus max_new_tokens {} exceeds the model's context of {} positions",
+            prompt.len(),
+            opts.max_new_tokens,
+            info.max_context
+        )));
+    }
+    if opts.depth == 0 {
+        return Err(Error::Request("draft depth must be at least 1".into()));
+    }
+    let t = opts.sampling.temperature;
+    if !t.is_finite() || t < 0.0 {
+        return Err(Error::Request(format!(
+            "temperature {t} must be finite and >= 0"
+        )));
+    }
+    let p = opts.sampling.top_p;
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(Error::Request(format!("top_p {p} must be in (0, 1]")));
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct Counters {
+    rounds: usize,
+    drafted: usize,
+    accepted: usize,
+}
+
+/// The committed output: streams each token out and decides when generation is over.
+struct Commits<'a> {
+    tokens: Vec<u32>,
+    max_new: usize,
+    eos: Vec<u32>,
+    finished: bool,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    on_token: &'a mut dyn FnMut(u32),
+}
+
+impl Commits<'_> {
+    /// Commits `token` unless generation is already over; returns whether it was committed.
+    fn push(&mut self, token: u32) -> bool {
+        if self.finished {
+            return false;
+        }
+        self.tokens.push(token);
+        (self.on_token)(token);
+        let now = Instant::now();
+        self.first.get_or_insert(now);
+        self.last = Some(now);
+        if self.tokens.len() >= self.max_new || self.eos.contains(&token) {
+            self.finished = true;
+        }
+        true
+    }
+
+    fn remaining(&self) -> usize {
+        self.max_new - self.tokens.len()
+    }
+}
+
+/// Picks tokens from logits rows under one sampling configuration and one seeded RNG stream.
+struct Chooser {
+    sampling: Sampling,
+    rng: ChaCha8Rng,
+}
+
+impl Chooser {
+    fn new(sampling: Sampling) -> Self {
+        Chooser {
+            sampling,
+            rng: ChaCha8Rng::seed_from_u64(sampling.seed),
+        }
+    }
+
+    fn distribution(&self, row: &[f32]) -> Vec<f64> {
+        distribution(row, self.sampling.temperature, self.sampling.top_p)
+    }
+
+    fn choose(&mut self, row: &[f32]) -> u32 {
+        if self.sampling.is_greedy() {
+            argmax(row)
+        } else {
+            let probs = self.distribution(row);
+            sample(&probs, &mut self.rng)
+        }
+    }
+}
+
+/// Row `row` of a `[rows, vocab]` logits matrix, after checking the model returned that shape.
+fn logits_row(logits: &[f32], rows: usize, vocab: usize, row: usize) -> Result<&[f32]> {
+    if logits.len() != rows * vocab {
+        return Err(Error::Model(format!(
+            "forward returned {} logits for {rows} rows of vocabulary {vocab}",
+            logits.len()
+        )));
+    }
+    Ok(&logits[row * vocab..(row + 1) * vocab])
+}
+
+fn forward<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    tokens: &[u32],
+    kv: &mut M::Kv,
+    observer: &mut dyn DecodeObserver,
+) -> Result<Vec<f32>> {
+    if variant == Variant::Target {
+        observer.on_target_pass(tokens.len());
+    }
+    model.forward(variant, tokens, kv, &mut RoutesOf(observer))
+}
+
+/// One model variant alone: prefill, then one token per forward pass.
+fn decode_single<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    prompt: &[u32],
+    chooser: &mut Chooser,
+    observer: &mut dyn DecodeObserver,
+    commits: &mut Commits<'_>,
+    counters: &mut Counters,
+) -> Result<()> {
+    let vocab = model.info().vocab_size;
+    let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
+    let logits = forward(model, variant, prompt, &mut kv, observer)?;
+    let mut token = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
+    commits.push(token);
+    observer.on_commit(0, 1);
+    while !commits.finished {
+        let logits = forward(model, variant, &[token], &mut kv, observer)?;
+        token = chooser.choose(logits_row(&logits, 1, vocab, 0)?);
+        counters.rounds += 1;
+        commits.push(token);
+        observer.on_commit(0, 1);
+    }
+    Ok(())
+}
+
+/// Draft-then-verify rounds over one KV cache.
+///
+/// Invariant between rounds: the KV holds the target's keys and values for every committed token
+/// except the newest (`pending`), which the next verify pass runs first.
+fn decode_speculative<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    depth: usize,
+    chooser: &mut Chooser,
+    observer: &mut dyn DecodeObserver,
+    commits: &mut Commits<'_>,
+    counters: &mut Counters,
+) -> Result<()> {
+    let vocab = model.info().vocab_size;
+    let greedy = chooser.sampling.is_greedy();
+    let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
+    let logits = forward(model, Variant::Target, prompt, &mut kv, observer)?;
+    let mut pending = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
+    commits.push(pending);
+    observer.on_commit(0, 1);
+
+    let mut drafts: Vec<u32> = Vec::with_capacity(depth);
+    let mut draft_dists: Vec<Vec<f64>> = Vec::with_capacity(depth);
+    let mut verify_tokens: Vec<u32> = Vec::with_capacity(depth + 1);
+    while !commits.finished {
+        // A round commits at most K + 1 tokens; never draft past max_new_tokens (which also keeps
+        // the verify pass inside the KV capacity).
+        let k = depth.min(commits.remaining() - 1);
+        let committed_len = kv.len();
+        drafts.clear();
+        draft_dists.clear();
+        if k > 0 {
+            observer.on_draft_window(k);
+            let mut last = pending;
+            for step in 0..k {
+                let logits = forward(model, Variant::Draft, &[last], &mut kv, observer)?;
+                let row = logits_row(&logits, 1, vocab, 0)?;
+                let token = if greedy {
+                    argmax(row)
+                } else {
+                    let q = chooser.distribution(row);
+                    let token = sample(&q, &mut chooser.rng);
+                    draft_dists.push(q);
+                    token
+                };
+                drafts.push(token);
+                last = token;
+                observer.on_draft_step(step);
+            }
+            // Drop the draft's scratch positions: the target recomputes them.
+            kv.truncate(committed_len);
+        }
+
+        verify_tokens.clear();
+        verify_tokens.push(pending);
+        verify_tokens.extend_from_slice(&drafts);
+        let logits = forward(model, Variant::Target, &verify_tokens, &mut kv, observer)?;
+        let rows = verify_tokens.len();
+        let mut accepted = 0;
+        let mut next = None;
+        for (i, &draft) in drafts.iter().enumerate() {
+            let row = logits_row(&logits, rows, vocab, i)?;
+            let outcome = if greedy {
+                let target = argmax(row);
+                (target != draft).then_some(target)
+            } else {
+                let p = chooser.distribution(row);
+                accept_or_resample(&p, &draft_dists[i], draft, &mut chooser.rng)
+            };
+            match outcome {
+                None => accepted += 1,
+                Some(token) => {
+                    next = Some(token);
+                    break;
+                }
+            }
+        }
+        let next = match next {
+            Some(token) => token,
+            // Every draft accepted: the bonus token comes from the last verify row.
+            None => chooser.choose(logits_row(&logits, rows, vocab, k)?),
+        };
+        // Valid target KV: the committed prefix, the pending token and the accepted drafts.
+        kv.truncate(committed_len + 1 + accepted);
+        counters.rounds += 1;
+        counters.drafted += k;
+        counters.accepted += accepted;
+
+        let mut committed = 0;
+        for &token in drafts[..accepted].iter().chain(std::iter::once(&next)) {
+            if commits.push(token) {
+                committed += 1;
+            }
+        }
+        observer.on_commit(accepted, committed);
+        pending = next;
+    }
+    Ok(())
+}

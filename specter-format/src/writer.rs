@@ -1,0 +1,434 @@
+//! Streaming bundle writer: sections are hashed as they are written and never held in memory; the
+//! file appears under its final name only when complete (temp file, fsync, rename, fsync dir).
+
+use std::collections::HashSet;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::header::{Header, HEADER_LEN};
+use crate::{
+    DType, ExpertEntry, FormatError, Manifest, Provenance, Result, SectionEntry, SectionKind,
+    TensorEntry, PAGE, TENSOR_ALIGN,
+};
+
+/// Buffer between the writer and the file: large enough that writes are few, small enough that
+/// nothing close to a section is ever held in memory.
+const WRITE_BUFFER: usize = 4 << 20;
+
+const ZEROS: [u8; PAGE as usize] = [0u8; PAGE as usize];
+
+struct OpenSection {
+    name: String,
+    kind: SectionKind,
+    offset: u64,
+    hasher: Sha256,
+    tensors: usize,
+    raw_bytes: bool,
+}
+
+struct OpenExpert {
+    layer: u32,
+    expert: u32,
+    offset: u64,
+    tensors: usize,
+}
+
+/// Writes a bundle, one section at a time. See docs/FORMAT.md for the layout it produces.
+pub struct BundleWriter {
+    /// `None` once finished (or after the file was handed to `finish`).
+    out: Option<BufWriter<File>>,
+    path: PathBuf,
+    temp_path: PathBuf,
+    /// Bytes written so far: the absolute offset of the next byte.
+    pos: u64,
+    sections: Vec<SectionEntry>,
+    tensors: Vec<TensorEntry>,
+    experts: Vec<ExpertEntry>,
+    tensor_names: HashSet<String>,
+    section_names: HashSet<String>,
+    expert_keys: HashSet<(u32, u32)>,
+    open_section: Option<OpenSection>,
+    open_expert: Option<OpenExpert>,
+}
+
+impl BundleWriter {
+    /// Creates `<dir>/.<file>.tmp-<pid>` next to `path`; nothing appears under `path` until
+    /// [`BundleWriter::finish`].
+    pub fn create(path: &Path) -> Result<BundleWriter> {
+        let bad_path = |reason: &str| FormatError::BadOutputPath {
+            path: path.to_path_buf(),
+            reason: reason.to_string(),
+        };
+        let file_name = path
+            .file_name()
+            .ok_or_else(|| bad_path("it does not name a file"))?;
+        if path.is_dir() {
+            return Err(bad_path("it is a directory"));
+        }
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if !dir.is_dir() {
+            return Err(bad_path(&format!(
+                "its directory {} does not exist",
+                dir.display()
+            )));
+        }
+        let mut temp_name = std::ffi::OsString::from(".");
+        temp_name.push(file_name);
+        temp_name.push(format!(".tmp-{}", std::process::id()));
+        let temp_path = dir.join(temp_name);
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&temp_path)
+            .map_err(|e| bad_path(&format!("cannot create {}: {e}", temp_path.display())))?;
+        let mut writer = BundleWriter {
+            out: Some(BufWriter::with_capacity(WRITE_BUFFER, file)),
+            path: path.to_path_buf(),
+            temp_path,
+            pos: 0,
+            sections: Vec::new(),
+            tensors: Vec::new(),
+            experts: Vec::new(),
+            tensor_names: HashSet::new(),
+            section_names: HashSet::new(),
+            expert_keys: HashSet::new(),
+            open_section: None,
+            open_expert: None,
+        };
+        // The header is written last, when the manifest's place and hash are known; reserve its page.
+        writer.write_unhashed_zeros(HEADER_LEN as u64)?;
+        Ok(writer)
+    }
+
+    /// Starts a section on a page boundary. Only one section is open at a time.
+    pub fn begin_section(&mut self, name: &str, kind: SectionKind) -> Result<()> {
+        if let Some(open) = &self.open_section {
+            return Err(FormatError::WriterMisuse(format!(
+                "begin_section({name:?}) while section {:?} is still open; call end_section first",
+                open.name
+            )));
+        }
+        if !self.section_names.insert(name.to_string()) {
+            return Err(FormatError::DuplicateSection(name.to_string()));
+        }
+        self.pad_unhashed_to(PAGE)?;
+        self.open_section = Some(OpenSection {
+            name: name.to_string(),
+            kind,
+            offset: self.pos,
+            hasher: Sha256::new(),
+            tensors: 0,
+            raw_bytes: false,
+        });
+        Ok(())
+    }
+
+    /// Appends a tensor to the open section, its start aligned to 64 bytes (to a page when it
+    /// starts an expert blob). `bytes.len()` must equal the product of `shape` times the dtype size.
+    pub fn write_tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        bytes: &[u8],
+    ) -> Result<()> {
+        let section_index = self.sections.len() as u32;
+        let section = self.open_section.as_ref().ok_or_else(|| {
+            FormatError::WriterMisuse(format!("write_tensor({name:?}) with no open section"))
+        })?;
+        if section.raw_bytes {
+            return Err(FormatError::WriterMisuse(format!(
+                "write_tensor({name:?}) into section {:?}, which already holds raw bytes",
+                section.name
+            )));
+        }
+        let expected = tensor_byte_len(name, dtype, shape)?;
+        if expected != bytes.len() as u64 {
+            return Err(FormatError::TensorLength {
+                name: name.to_string(),
+                dtype: dtype.name(),
+                shape: shape.to_vec(),
+                expected,
+                actual: bytes.len() as u64,
+            });
+        }
+        if self.tensor_names.contains(name) {
+            return Err(FormatError::DuplicateTensor(name.to_string()));
+        }
+        self.pad_hashed_to(TENSOR_ALIGN)?;
+        let offset = self.pos;
+        self.write_hashed(bytes)?;
+        self.tensor_names.insert(name.to_string());
+        self.tensors.push(TensorEntry {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            section: section_index,
+            offset,
+            length: bytes.len() as u64,
+        });
+        if let Some(section) = &mut self.open_section {
+            section.tensors += 1;
+        }
+        if let Some(expert) = &mut self.open_expert {
+            expert.tensors += 1;
+        }
+        Ok(())
+    }
+
+    /// Starts one FP16 routed expert's blob, on a page boundary, inside the open Experts section
+    /// of `layer`; the tensors written until [`BundleWriter::end_expert`] form the blob.
+    pub fn begin_expert(&mut self, layer: u32, expert: u32) -> Result<()> {
+        let section = self.open_section.as_ref().ok_or_else(|| {
+            FormatError::WriterMisuse(format!(
+                "begin_expert({layer}, {expert}) with no open section"
+            ))
+        })?;
+        if section.kind != (SectionKind::Experts { layer }) {
+            return Err(FormatError::WriterMisuse(format!(
+                "begin_expert({layer}, {expert}) in section {:?} of kind {:?}; expert blobs go in \
+                 the Experts section of their layer",
+                section.name, section.kind
+            )));
+        }
+        if let Some(open) = &self.open_expert {
+            return Err(FormatError::WriterMisuse(format!(
+                "begin_expert({layer}, {expert}) while expert {} of layer {} is open; call end_expert first",
+                open.expert, open.layer
+            )));
+        }
+        if !self.expert_keys.insert((layer, expert)) {
+            return Err(FormatError::DuplicateExpert { layer, expert });
+        }
+        self.pad_hashed_to(PAGE)?;
+        self.open_expert = Some(OpenExpert {
+            layer,
+            expert,
+            offset: self.pos,
+            tensors: 0,
+        });
+        Ok(())
+    }
+
+    /// Ends the open expert blob and records it.
+    pub fn end_expert(&mut self) -> Result<()> {
+        let open = self
+            .open_expert
+            .take()
+            .ok_or_else(|| FormatError::WriterMisuse("end_expert with no open expert".into()))?;
+        if open.tensors == 0 {
+            return Err(FormatError::WriterMisuse(format!(
+                "expert {} of layer {} has no tensors; write its gate, up and down before end_expert",
+                open.expert, open.layer
+            )));
+        }
+        self.experts.push(ExpertEntry {
+            layer: open.layer,
+            expert: open.expert,
+            section: self.sections.len() as u32,
+            offset: open.offset,
+            length: self.pos - open.offset,
+        });
+        Ok(())
+    }
+
+    /// Appends raw bytes to the open Tokenizer, Config or Other section (which then holds no
+    /// tensors). May be called several times to stream large contents.
+    pub fn write_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        let section = self
+            .open_section
+            .as_mut()
+            .ok_or_else(|| FormatError::WriterMisuse("write_raw with no open section".into()))?;
+        if !matches!(
+            section.kind,
+            SectionKind::Tokenizer | SectionKind::Config | SectionKind::Other
+        ) {
+            return Err(FormatError::WriterMisuse(format!(
+                "write_raw into section {:?} of kind {:?}; raw bytes go in Tokenizer, Config or Other sections",
+                section.name, section.kind
+            )));
+        }
+        if section.tensors > 0 {
+            return Err(FormatError::WriterMisuse(format!(
+                "write_raw into section {:?}, which already holds tensors",
+                section.name
+            )));
+        }
+        section.raw_bytes = true;
+        self.write_hashed(bytes)
+    }
+
+    /// Closes the open section and records its length and sha256.
+    pub fn end_section(&mut self) -> Result<()> {
+        if let Some(open) = &self.open_expert {
+            return Err(FormatError::WriterMisuse(format!(
+                "end_section while expert {} of layer {} is open; call end_expert first",
+                open.expert, open.layer
+            )));
+        }
+        let open = self
+            .open_section
+            .take()
+            .ok_or_else(|| FormatError::WriterMisuse("end_section with no open section".into()))?;
+        self.sections.push(SectionEntry {
+            name: open.name,
+            kind: open.kind,
+            offset: open.offset,
+            length: self.pos - open.offset,
+            sha256: open.hasher.finalize().into(),
+        });
+        Ok(())
+    }
+
+    /// Writes the manifest (sections, tensors and experts as written; the rest from the caller)
+    /// and the header, fsyncs the file, renames it over the output path and fsyncs the directory.
+    /// Returns the file's length.
+    pub fn finish(
+        mut self,
+        architecture: &str,
+        hyperparameters_json: &str,
+        provenance: Provenance,
+    ) -> Result<u64> {
+        if let Some(open) = &self.open_section {
+            return Err(FormatError::WriterMisuse(format!(
+                "finish while section {:?} is open; call end_section first",
+                open.name
+            )));
+        }
+        let manifest = Manifest {
+            architecture: architecture.to_string(),
+            hyperparameters_json: hyperparameters_json.to_string(),
+            sections: std::mem::take(&mut self.sections),
+            tensors: std::mem::take(&mut self.tensors),
+            experts: std::mem::take(&mut self.experts),
+            provenance,
+        };
+        let manifest_bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&manifest)
+            .map_err(|e| FormatError::ManifestEncode(e.to_string()))?;
+        self.pad_unhashed_to(PAGE)?;
+        let manifest_offset = self.pos;
+        self.write_unhashed(&manifest_bytes)?;
+        let file_len = self.pos;
+        let header = Header::new(
+            file_len,
+            manifest_offset,
+            manifest_bytes.len() as u64,
+            Sha256::digest(&manifest_bytes).into(),
+        );
+
+        let temp = self.temp_path.display().to_string();
+        let out = self
+            .out
+            .take()
+            .ok_or_else(|| FormatError::WriterMisuse("finish called twice".into()))?;
+        let mut file = out
+            .into_inner()
+            .map_err(|e| FormatError::io(format!("writing {temp}"), e.into_error()))?;
+        file.seek(SeekFrom::Start(0))
+            .and_then(|_| file.write_all(&header.encode()))
+            .map_err(|e| FormatError::io(format!("writing the header of {temp}"), e))?;
+        file.sync_all()
+            .map_err(|e| FormatError::io(format!("syncing {temp} to disk"), e))?;
+        drop(file);
+        std::fs::rename(&self.temp_path, &self.path).map_err(|e| {
+            FormatError::io(format!("renaming {temp} to {}", self.path.display()), e)
+        })?;
+        // From here the temp file no longer exists; Drop must not try to remove anything.
+        self.temp_path = PathBuf::new();
+        sync_parent_dir(&self.path)?;
+        Ok(file_len)
+    }
+
+    fn write_unhashed(&mut self, bytes: &[u8]) -> Result<()> {
+        let temp = &self.temp_path;
+        let out = self
+            .out
+            .as_mut()
+            .ok_or_else(|| FormatError::WriterMisuse("write after finish".into()))?;
+        out.write_all(bytes)
+            .map_err(|e| FormatError::io(format!("writing {}", temp.display()), e))?;
+        self.pos += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes bytes that belong to the open section, so they go into its checksum.
+    fn write_hashed(&mut self, bytes: &[u8]) -> Result<()> {
+        if let Some(section) = &mut self.open_section {
+            section.hasher.update(bytes);
+        }
+        self.write_unhashed(bytes)
+    }
+
+    fn write_unhashed_zeros(&mut self, mut count: u64) -> Result<()> {
+        while count > 0 {
+            let n = count.min(PAGE) as usize;
+            self.write_unhashed(&ZEROS[..n])?;
+            count -= n as u64;
+        }
+        Ok(())
+    }
+
+    /// Zero padding between sections: not part of any section, so not hashed.
+    fn pad_unhashed_to(&mut self, align: u64) -> Result<()> {
+        let pad = padding(self.pos, align);
+        self.write_unhashed_zeros(pad)
+    }
+
+    /// Zero padding inside the open section: counted in its length and checksum.
+    fn pad_hashed_to(&mut self, align: u64) -> Result<()> {
+        let pad = padding(self.pos, align) as usize;
+        // `align` is at most a page, so one slice of zeros covers it.
+        self.write_hashed(&ZEROS[..pad])
+    }
+}
+
+impl Drop for BundleWriter {
+    fn drop(&mut self) {
+        if self.temp_path.as_os_str().is_empty() {
+            return;
+        }
+        // An unfinished bundle is useless; leave nothing behind. Errors here have nowhere to go.
+        drop(self.out.take());
+        let _ = std::fs::remove_file(&self.temp_path);
+    }
+}
+
+/// Zero bytes needed to bring `pos` to a multiple of `align` (a power of two).
+fn padding(pos: u64, align: u64) -> u64 {
+    (align - pos % align) % align
+}
+
+/// Bytes a tensor of `shape` and `dtype` occupies, or an error if that overflows.
+pub(crate) fn tensor_byte_len(name: &str, dtype: DType, shape: &[u64]) -> Result<u64> {
+    shape
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| FormatError::ShapeOverflow {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+        })
+}
+
+/// Makes the rename durable: without syncing the directory a crash can lose the new entry.
+fn sync_parent_dir(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| FormatError::io(format!("syncing directory {}", dir.display()), e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}

@@ -1,0 +1,717 @@
+//! The forward pass shared by every architecture, over a [`Backend`].
+//!
+//! One decoder layer is: norm, attention (standard or MLA), residual, norm, MLP (dense or MoE),
+//! residual. The architectures differ only in the parts [`ArchConfig`] describes.
+
+use half::f16;
+
+use super::config::{ArchConfig, AttentionKind, ModelType, NormKind, QkNorm, RouterKind};
+use super::rope::{attention_scale, rope_table, RopeTable};
+use super::tensors::{
+    draft_tensor_name, expected_tensors, expert_tensor_name, router_tensor_name,
+    shared_expert_gate_name, shared_expert_prefix,
+};
+use super::{Proj, TensorSpec};
+use crate::backend::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec};
+use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
+use crate::weights::WeightStore;
+use crate::{Error, Result};
+
+/// DeepSeek-V2's `q_a_layernorm` and `kv_a_layernorm` are built with the RMSNorm default eps,
+/// not `rms_norm_eps`.
+const MLA_LATENT_NORM_EPS: f32 = 1e-6;
+
+struct Norm<B: Backend> {
+    weight: B::Weight,
+    bias: Option<B::Weight>,
+}
+
+struct Linear<B: Backend> {
+    weight: B::Weight,
+    bias: Option<B::Weight>,
+}
+
+enum MlaQuery<B: Backend> {
+    Full(B::Weight),
+    Lora {
+        a: Linear<B>,
+        norm: B::Weight,
+        b: B::Weight,
+        rank: usize,
+    },
+}
+
+enum Attention<B: Backend> {
+    Standard {
+        q: Linear<B>,
+        k: Linear<B>,
+        v: Linear<B>,
+        o: Linear<B>,
+        q_norm: Option<B::Weight>,
+        k_norm: Option<B::Weight>,
+    },
+    Mla {
+        q: MlaQuery<B>,
+        kv_a: Linear<B>,
+        kv_a_norm: B::Weight,
+        kv_b: B::Weight,
+        o: Linear<B>,
+    },
+}
+
+struct MoeBlock<B: Backend> {
+    moe_index: usize,
+    router: B::Weight,
+    target: Vec<GatedMlp<B>>,
+    /// Empty when the store holds no draft experts.
+    draft: Vec<GatedMlp<B>>,
+    shared: Option<GatedMlp<B>>,
+    shared_gate: Option<B::Weight>,
+}
+
+enum Mlp<B: Backend> {
+    Dense(GatedMlp<B>),
+    Moe(Box<MoeBlock<B>>),
+}
+
+struct Layer<B: Backend> {
+    input_norm: Norm<B>,
+    post_attention_norm: Norm<B>,
+    attention: Attention<B>,
+    mlp: Mlp<B>,
+}
+
+/// A Mixture-of-Experts causal LM of any supported architecture, with its weights resident on
+/// backend `B`.
+pub struct MoeModel<B: Backend> {
+    cfg: ArchConfig,
+    info: ModelInfo,
+    backend: B,
+    embed: B::Weight,
+    layers: Vec<Layer<B>>,
+    final_norm: Norm<B>,
+    /// `None`: tied to the embedding.
+    lm_head: Option<B::Weight>,
+    lm_head_bias: Option<B::Weight>,
+    rope: RopeTable,
+    attention_scale: f32,
+    /// The first draft tensor the store lacks, if any.
+    draft_missing: Option<String>,
+}
+
+/// One layer's cache.
+enum LayerKv<B: Backend> {
+    /// Rotated keys `[capacity, kv_heads * head_dim]` and values.
+    Standard { k: B::Act, v: B::Act },
+    /// MLA: the normalized latent `c_kv` `[capacity, kv_lora_rank]` and the rotated shared key
+    /// `k_pe` `[capacity, rope_dim]`; keys and values are expanded from them at every step, as
+    /// transformers does, so caching the latent loses nothing.
+    Mla { c_kv: B::Act, k_pe: B::Act },
+}
+
+/// The KV cache of a [`MoeModel`]: positions `0..len` are filled, room for `capacity`.
+pub struct MoeKv<B: Backend> {
+    len: usize,
+    capacity: usize,
+    layers: Vec<LayerKv<B>>,
+}
+
+impl<B: Backend> MoeKv<B> {
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+impl<B: Backend> KvCache for MoeKv<B> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) {
+        // Rows past `len` are stale and are overwritten by the next forward.
+        self.len = self.len.min(len);
+    }
+}
+
+/// Reads tensors by name and checks them against the expected shapes.
+struct Loader<'a, B: Backend> {
+    store: &'a dyn WeightStore,
+    backend: &'a B,
+    specs: std::collections::HashMap<String, Vec<usize>>,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn raw(&self, name: &str) -> Result<(Vec<usize>, Vec<f16>)> {
+        if !self.store.contains(name) {
+            return Err(Error::Model(format!("weights: missing tensor {name}")));
+        }
+        let t = self.store.f16(name)?;
+        if let Some(expected) = self.specs.get(name) {
+            if &t.shape != expected {
+                return Err(Error::Model(format!(
+                    "weights: tensor {name} has shape {:?}, expected {expected:?}",
+                    t.shape
+                )));
+            }
+        }
+        Ok((t.shape, t.data.into_owned()))
+    }
+
+    fn weight(&self, name: &str) -> Result<B::Weight> {
+        let (shape, data) = self.raw(name)?;
+        self.backend.weight_f16(name, &shape, &data)
+    }
+
+    fn opt(&self, name: &str, present: bool) -> Result<Option<B::Weight>> {
+        present.then(|| self.weight(name)).transpose()
+    }
+
+    fn linear(&self, prefix: &str, bias: bool) -> Result<Linear<B>> {
+        Ok(Linear {
+            weight: self.weight(&format!("{prefix}.weight"))?,
+            bias: self.opt(&format!("{prefix}.bias"), bias)?,
+        })
+    }
+
+    fn norm(&self, prefix: &str, kind: NormKind) -> Result<Norm<B>> {
+        Ok(Norm {
+            weight: self.weight(&format!("{prefix}.weight"))?,
+            bias: self.opt(&format!("{prefix}.bias"), kind == NormKind::LayerNorm)?,
+        })
+    }
+
+    /// A gated MLP from separate gate/up/down tensors, gate and up fused.
+    fn gated(&self, gate: &str, up: &str, down: &str) -> Result<GatedMlp<B>> {
+        let (gs, mut g) = self.raw(gate)?;
+        let (us, u) = self.raw(up)?;
+        if gs != us || gs.len() != 2 {
+            return Err(Error::Model(format!(
+                "weights: {gate} {gs:?} and {up} {us:?} differ"
+            )));
+        }
+        g.extend_from_slice(&u);
+        let fused = format!("{gate}+{up}");
+        Ok(GatedMlp {
+            gate_up: self.backend.weight_f16(&fused, &[2 * gs[0], gs[1]], &g)?,
+            down: self.weight(down)?,
+        })
+    }
+
+    fn int4(
+        &self,
+        layer: usize,
+        expert: usize,
+        part: &str,
+        k: usize,
+        n: usize,
+    ) -> Result<B::Weight> {
+        let qname = draft_tensor_name(layer, expert, part, "qweight");
+        let sname = draft_tensor_name(layer, expert, part, "scales");
+        let q = self.store.u32(&qname)?;
+        let s = self.store.f16(&sname)?;
+        self.backend.weight_int4(&qname, k, n, &q.data, &s.data)
+    }
+}
+
+impl<B: Backend> MoeModel<B> {
+    /// Loads every tensor `cfg` needs from `store` (by Hugging Face name) onto `backend`. The
+    /// draft's INT4 experts are loaded when the store holds them; otherwise a Draft forward fails
+    /// naming the first missing one.
+    pub fn load(cfg: ArchConfig, store: &dyn WeightStore, backend: B) -> Result<Self> {
+        let specs: Vec<TensorSpec> = expected_tensors(&cfg);
+        let loader = Loader::<B> {
+            store,
+            backend: &backend,
+            specs: specs.into_iter().map(|s| (s.name, s.shape)).collect(),
+        };
+        let (hidden, inter) = cfg.expert_dims();
+
+        let mut draft_missing = None;
+        'find: for l in cfg.moe_layers() {
+            for e in 0..cfg.moe.num_experts {
+                for part in ["gate_up", "down"] {
+                    for kind in ["qweight", "scales"] {
+                        let name = draft_tensor_name(l, e, part, kind);
+                        if !store.contains(&name) {
+                            draft_missing = Some(name);
+                            break 'find;
+                        }
+                    }
+                }
+            }
+        }
+
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mut moe_index = 0;
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let a = format!("{p}.self_attn");
+            let attention = match &cfg.attention {
+                AttentionKind::Standard {
+                    qkv_bias,
+                    o_bias,
+                    qk_norm,
+                    ..
+                } => Attention::Standard {
+                    q: loader.linear(&format!("{a}.q_proj"), *qkv_bias)?,
+                    k: loader.linear(&format!("{a}.k_proj"), *qkv_bias)?,
+                    v: loader.linear(&format!("{a}.v_proj"), *qkv_bias)?,
+                    o: loader.linear(&format!("{a}.o_proj"), *o_bias)?,
+                    q_norm: loader.opt(&format!("{a}.q_norm.weight"), *qk_norm != QkNorm::None)?,
+                    k_norm: loader.opt(&format!("{a}.k_norm.weight"), *qk_norm != QkNorm::None)?,
+                },
+                AttentionKind::Mla {
+                    q_lora_rank, bias, ..
+                } => Attention::Mla {
+                    q: match q_lora_rank {
+                        None => MlaQuery::Full(loader.weight(&format!("{a}.q_proj.weight"))?),
+                        Some(rank) => MlaQuery::Lora {
+                            a: loader.linear(&format!("{a}.q_a_proj"), *bias)?,
+                            norm: loader.weight(&format!("{a}.q_a_layernorm.weight"))?,
+                            b: loader.weight(&format!("{a}.q_b_proj.weight"))?,
+                            rank: *rank,
+                        },
+                    },
+                    kv_a: loader.linear(&format!("{a}.kv_a_proj_with_mqa"), *bias)?,
+                    kv_a_norm: loader.weight(&format!("{a}.kv_a_layernorm.weight"))?,
+                    kv_b: loader.weight(&format!("{a}.kv_b_proj.weight"))?,
+                    o: loader.linear(&format!("{a}.o_proj"), *bias)?,
+                },
+            };
+            let mlp = if cfg.moe.is_moe[l] {
+                let mut target = Vec::with_capacity(cfg.moe.num_experts);
+                let mut draft = Vec::new();
+                for e in 0..cfg.moe.num_experts {
+                    target.push(loader.gated(
+                        &expert_tensor_name(&cfg, l, e, Proj::Gate),
+                        &expert_tensor_name(&cfg, l, e, Proj::Up),
+                        &expert_tensor_name(&cfg, l, e, Proj::Down),
+                    )?);
+                    if draft_missing.is_none() {
+                        draft.push(GatedMlp {
+                            gate_up: loader.int4(l, e, "gate_up", hidden, 2 * inter)?,
+                            down: loader.int4(l, e, "down", inter, hidden)?,
+                        });
+                    }
+                }
+                let shared = match cfg.moe.shared {
+                    None => None,
+                    Some(_) => {
+                        let sp = shared_expert_prefix(&cfg, l);
+                        Some(loader.gated(
+                            &format!("{sp}.gate_proj.weight"),
+                            &format!("{sp}.up_proj.weight"),
+                            &format!("{sp}.down_proj.weight"),
+                        )?)
+                    }
+                };
+                let shared_gate = loader.opt(
+                    &shared_expert_gate_name(&cfg, l),
+                    cfg.moe.shared.is_some_and(|s| s.sigmoid_gate),
+                )?;
+                let block = MoeBlock {
+                    moe_index,
+                    router: loader.weight(&router_tensor_name(&cfg, l))?,
+                    target,
+                    draft,
+                    shared,
+                    shared_gate,
+                };
+                moe_index += 1;
+                Mlp::Moe(Box::new(block))
+            } else {
+                Mlp::Dense(loader.gated(
+                    &format!("{p}.mlp.gate_proj.weight"),
+                    &format!("{p}.mlp.up_proj.weight"),
+                    &format!("{p}.mlp.down_proj.weight"),
+                )?)
+            };
+            layers.push(Layer {
+                input_norm: loader.norm(&format!("{p}.input_layernorm"), cfg.norm)?,
+                post_attention_norm: loader
+                    .norm(&format!("{p}.post_attention_layernorm"), cfg.norm)?,
+                attention,
+                mlp,
+            });
+        }
+        let embed = loader.weight("model.embed_tokens.weight")?;
+        let final_norm = loader.norm("model.norm", cfg.norm)?;
+        let lm_head = loader.opt("lm_head.weight", !cfg.tie_word_embeddings)?;
+        let lm_head_bias = loader.opt("lm_head.bias", cfg.lm_head_bias)?;
+        drop(loader);
+        Ok(MoeModel {
+            info: cfg.model_info(),
+            rope: rope_table(&cfg),
+            attention_scale: attention_scale(&cfg),
+            cfg,
+            backend,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            lm_head_bias,
+            draft_missing,
+        })
+    }
+
+    pub fn config(&self) -> &ArchConfig {
+        &self.cfg
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Whether the store held the draft's INT4 experts.
+    pub fn has_draft(&self) -> bool {
+        self.draft_missing.is_none()
+    }
+
+    fn norm(&self, x: &B::Act, n: &Norm<B>) -> Result<B::Act> {
+        match &n.bias {
+            Some(b) => self.backend.layer_norm(x, &n.weight, b, self.cfg.norm_eps),
+            None => {
+                let (_, cols) = self.backend.shape(x);
+                self.backend.rms_norm(x, &n.weight, self.cfg.norm_eps, cols)
+            }
+        }
+    }
+
+    fn linear(&self, x: &B::Act, l: &Linear<B>) -> Result<B::Act> {
+        self.backend.linear(x, &l.weight, l.bias.as_ref())
+    }
+
+    fn attention(
+        &self,
+        attn: &Attention<B>,
+        h: &B::Act,
+        kv: &mut LayerKv<B>,
+        start: usize,
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<B::Act> {
+        let be = &self.backend;
+        let rows = positions.len();
+        let end = start + rows;
+        let cfg = &self.cfg;
+        match (attn, &cfg.attention, kv) {
+            (
+                Attention::Standard {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                },
+                AttentionKind::Standard {
+                    head_dim,
+                    qk_norm,
+                    clip_qkv,
+                    ..
+                },
+                LayerKv::Standard {
+                    k: k_cache,
+                    v: v_cache,
+                },
+            ) => {
+                let mut qs = self.linear(h, q)?;
+                let mut ks = self.linear(h, k)?;
+                let mut vs = self.linear(h, v)?;
+                if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+                    let (q_group, k_group) = match qk_norm {
+                        QkNorm::PerHead => (*head_dim, *head_dim),
+                        _ => (be.shape(&qs).1, be.shape(&ks).1),
+                    };
+                    qs = be.rms_norm(&qs, qn, cfg.norm_eps, q_group)?;
+                    ks = be.rms_norm(&ks, kn, cfg.norm_eps, k_group)?;
+                }
+                if let Some(c) = clip_qkv {
+                    be.clamp(&mut qs, *c)?;
+                    be.clamp(&mut ks, *c)?;
+                    be.clamp(&mut vs, *c)?;
+                }
+                let spec = |heads| RopeSpec {
+                    heads,
+                    head_stride: *head_dim,
+                    offset: 0,
+                    rot_dim: *head_dim,
+                    style: cfg.rope.style,
+                };
+                be.rope(
+                    &mut qs,
+                    spec(cfg.num_heads),
+                    &self.rope.inv_freq,
+                    positions,
+                    scales,
+                )?;
+                be.rope(
+                    &mut ks,
+                    spec(cfg.num_kv_heads),
+                    &self.rope.inv_freq,
+                    positions,
+                    scales,
+                )?;
+                be.write_rows(k_cache, start, &ks)?;
+                be.write_rows(v_cache, start, &vs)?;
+                let out = be.attention(
+                    &qs,
+                    k_cache,
+                    v_cache,
+                    end,
+                    AttentionSpec {
+                        heads: cfg.num_heads,
+                        kv_heads: cfg.num_kv_heads,
+                        qk_dim: *head_dim,
+                        v_dim: *head_dim,
+                        scale: self.attention_scale,
+                        start,
+                        window: cfg.sliding_window,
+                    },
+                )?;
+                self.linear(&out, o)
+            }
+            (
+                Attention::Mla {
+                    q,
+                    kv_a,
+                    kv_a_norm,
+                    kv_b,
+                    o,
+                },
+                AttentionKind::Mla {
+                    kv_lora_rank,
+                    qk_nope_head_dim,
+                    qk_rope_head_dim,
+                    v_head_dim,
+                    ..
+                },
+                LayerKv::Mla { c_kv, k_pe },
+            ) => {
+                let (nope, rope, vd) = (*qk_nope_head_dim, *qk_rope_head_dim, *v_head_dim);
+                let mut qs = match q {
+                    MlaQuery::Full(w) => be.linear(h, w, None)?,
+                    MlaQuery::Lora { a, norm, b, rank } => {
+                        let qa = self.linear(h, a)?;
+                        let qa = be.rms_norm(&qa, norm, MLA_LATENT_NORM_EPS, *rank)?;
+                        be.linear(&qa, b, None)?
+                    }
+                };
+                let q_spec = RopeSpec {
+                    heads: cfg.num_heads,
+                    head_stride: nope + rope,
+                    offset: nope,
+                    rot_dim: rope,
+                    style: cfg.rope.style,
+                };
+                be.rope(&mut qs, q_spec, &self.rope.inv_freq, positions, scales)?;
+                let compressed = self.linear(h, kv_a)?;
+                let mut parts = be
+                    .split_cols(&compressed, &[*kv_lora_rank, rope])?
+                    .into_iter();
+                let (latent, mut pe) = match (parts.next(), parts.next()) {
+                    (Some(a), Some(b)) => (a, b),
+                    _ => return Err(Error::Backend("split_cols returned too few parts".into())),
+                };
+                let latent = be.rms_norm(&latent, kv_a_norm, MLA_LATENT_NORM_EPS, *kv_lora_rank)?;
+                let k_spec = RopeSpec {
+                    heads: 1,
+                    head_stride: rope,
+                    offset: 0,
+                    rot_dim: rope,
+                    style: cfg.rope.style,
+                };
+                be.rope(&mut pe, k_spec, &self.rope.inv_freq, positions, scales)?;
+                be.write_rows(c_kv, start, &latent)?;
+                be.write_rows(k_pe, start, &pe)?;
+                let expanded = be.linear(&be.head_rows(c_kv, end)?, kv_b, None)?;
+                let (keys, values) = be.mla_expand_kv(
+                    &expanded,
+                    &be.head_rows(k_pe, end)?,
+                    cfg.num_heads,
+                    nope,
+                    vd,
+                )?;
+                let out = be.attention(
+                    &qs,
+                    &keys,
+                    &values,
+                    end,
+                    AttentionSpec {
+                        heads: cfg.num_heads,
+                        kv_heads: cfg.num_heads,
+                        qk_dim: nope + rope,
+                        v_dim: vd,
+                        scale: self.attention_scale,
+                        start,
+                        window: None,
+                    },
+                )?;
+                self.linear(&out, o)
+            }
+            _ => Err(Error::Backend(
+                "attention weights and cache do not match the configuration".into(),
+            )),
+        }
+    }
+
+    fn moe(
+        &self,
+        block: &MoeBlock<B>,
+        layer: usize,
+        h: &B::Act,
+        variant: Variant,
+        hook: &mut dyn RouteHook,
+    ) -> Result<B::Act> {
+        let be = &self.backend;
+        let experts = match variant {
+            Variant::Target => &block.target,
+            Variant::Draft => match &self.draft_missing {
+                Some(name) => {
+                    return Err(Error::Model(format!(
+                        "draft forward: the weights have no draft tensor {name}"
+                    )))
+                }
+                None => &block.draft,
+            },
+        };
+        let logits = be.linear(h, &block.router, None)?;
+        let moe = &self.cfg.moe;
+        let spec = match moe.router {
+            RouterKind::SoftmaxTopK => RouteSpec::SoftmaxTopK {
+                top_k: moe.top_k,
+                // transformers' DeepSeek-V2 router ignores norm_topk_prob.
+                renormalize: moe.norm_topk_prob && self.cfg.model_type != ModelType::DeepseekV2,
+                scale: moe.routed_scaling_factor,
+            },
+            RouterKind::SparseMixer { jitter_eps } => RouteSpec::SparseMixer { jitter_eps },
+        };
+        let routing = be.route(&logits, spec)?;
+        hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
+        let mut out = be.moe_experts(h, &routing, experts)?;
+        if let Some(shared) = &block.shared {
+            let s = be.gated_mlp(h, shared)?;
+            match &block.shared_gate {
+                Some(g) => {
+                    let gate = be.linear(h, g, None)?;
+                    be.add_sigmoid_gated(&mut out, &s, &gate)?;
+                }
+                None => be.add_assign(&mut out, &s)?,
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<B: Backend> LanguageModel for MoeModel<B> {
+    type Kv = MoeKv<B>;
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_kv(&self, capacity: usize) -> Result<MoeKv<B>> {
+        if capacity == 0 || capacity > self.info.max_context {
+            return Err(Error::Request(format!(
+                "KV capacity {capacity} must be in 1..={} (the model's max context)",
+                self.info.max_context
+            )));
+        }
+        let be = &self.backend;
+        let cfg = &self.cfg;
+        let layers = (0..cfg.num_layers)
+            .map(|_| {
+                Ok(match &cfg.attention {
+                    AttentionKind::Standard { head_dim, .. } => LayerKv::Standard {
+                        k: be.zeros(capacity, cfg.num_kv_heads * head_dim)?,
+                        v: be.zeros(capacity, cfg.num_kv_heads * head_dim)?,
+                    },
+                    AttentionKind::Mla {
+                        kv_lora_rank,
+                        qk_rope_head_dim,
+                        ..
+                    } => LayerKv::Mla {
+                        c_kv: be.zeros(capacity, *kv_lora_rank)?,
+                        k_pe: be.zeros(capacity, *qk_rope_head_dim)?,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(MoeKv {
+            len: 0,
+            capacity,
+            layers,
+        })
+    }
+
+    fn forward(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::Request("forward needs at least one token".into()));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(Error::Request(format!(
+                "token id {bad} is out of the vocabulary (size {})",
+                self.cfg.vocab_size
+            )));
+        }
+        let start = kv.len;
+        let end = start + tokens.len();
+        if kv.layers.len() != self.layers.len() {
+            return Err(Error::Request(format!(
+                "the KV cache has {} layers, the model {}: it was made for another model",
+                kv.layers.len(),
+                self.layers.len()
+            )));
+        }
+        if end > kv.capacity {
+            return Err(Error::Request(format!(
+                "{} tokens at position {start} exceed the KV cache capacity {}",
+                tokens.len(),
+                kv.capacity
+            )));
+        }
+        if variant == Variant::Draft {
+            if let Some(name) = &self.draft_missing {
+                return Err(Error::Model(format!(
+                    "draft forward: the weights have no draft tensor {name}"
+                )));
+            }
+        }
+        let be = &self.backend;
+        let positions: Vec<usize> = (start..end).collect();
+        let scales: Vec<f32> = positions.iter().map(|&p| self.rope.scale_at(p)).collect();
+        let mut x = be.embedding(&self.embed, tokens)?;
+        for (l, (layer, layer_kv)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
+            let h = self.norm(&x, &layer.input_norm)?;
+            let a = self.attention(&layer.attention, &h, layer_kv, start, &positions, &scales)?;
+            be.add_assign(&mut x, &a)?;
+            let h = self.norm(&x, &layer.post_attention_norm)?;
+            let m = match &layer.mlp {
+                Mlp::Dense(mlp) => be.gated_mlp(&h, mlp)?,
+                Mlp::Moe(block) => self.moe(block, l, &h, variant, hook)?,
+            };
+            be.add_assign(&mut x, &m)?;
+        }
+        let x = self.norm(&x, &self.final_norm)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let logits = be.linear(&x, head, self.lm_head_bias.as_ref())?;
+        kv.len = end;
+        be.to_host(&logits)
+    }
+}
+
+impl MoeModel<crate::backend::cpu::Cpu> {
+    /// A Hugging Face checkpoint directory (config.json and safetensors) on the CPU reference
+    /// backend.
+    pub fn open_checkpoint_cpu(dir: &std::path::Path) -> Result<Self> {
+        let ck = crate::checkpoint::Checkpoint::open(dir)?;
+        let cfg = ArchConfig::from_config_json(ck.config_json())?;
+        MoeModel::load(cfg, &ck, crate::backend::cpu::Cpu)
+    }
+}

@@ -1,0 +1,53 @@
+//! CUDA device access: driver loading, kernel modules and host-memory helpers.
+//!
+//! The driver (`libcuda.so.1`) and NVRTC (`libnvrtc.so`) are loaded at run time, so the crate
+//! builds and runs on machines without CUDA; there every entry point returns
+//! [`Error::Backend`](crate::Error::Backend) naming what is missing instead of panicking.
+//!
+//! Kernels live in `kernels/*.cu` and are embedded by `build.rs` (see [`KERNELS`]): as PTX when
+//! `nvcc` was available at build time, and always as source, which [`CudaDevice::module`]
+//! compiles with NVRTC for the device's architecture and caches on disk.
+
+mod device;
+mod host;
+mod nvrtc;
+
+pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
+pub use host::{PinnedBuffer, RegisteredHost};
+pub use nvrtc::{
+    cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,
+    PtxCache,
+};
+
+// Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
+pub use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+
+/// One embedded kernel file from `kernels/`.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File stem: `kernels/util.cu` is `"util"`.
+    pub name: &'static str,
+    /// The CUDA C++ source text, byte for byte.
+    pub source: &'static str,
+    /// PTX compiled by `nvcc` at build time, when it was available.
+    pub ptx: Option<&'static str>,
+    /// The architecture `ptx` targets (e.g. `"sm_90"`).
+    pub ptx_arch: Option<&'static str>,
+    /// Lower-case hex SHA-256 of `source`.
+    pub sha256: &'static str,
+}
+
+include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+
+/// The embedded kernel file called `name`.
+pub fn kernel_source(name: &str) -> crate::Result<&'static KernelSource> {
+    KERNELS.iter().find(|k| k.name == name).ok_or_else(|| {
+        let known: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
+        crate::Error::Backend(format!(
+            "no CUDA kernel file named {name:?} is embedded (known: {})",
+            known.join(", ")
+        ))
+    })
+}

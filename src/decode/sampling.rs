@@ -1,0 +1,188 @@
+//! Token selection: greedy argmax, temperature + nucleus (top-p) distributions, and the
+//! speculative accept/reject step that keeps the output distribution equal to the target's.
+
+use rand::Rng;
+
+/// How a token is chosen from a row of logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0 selects greedy decoding (argmax); otherwise logits are divided by it before softmax.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]: only the most likely tokens whose probabilities sum to at least
+    /// this are kept. 1 keeps every token.
+    pub top_p: f32,
+    /// Seed of the sampling RNG, so a sampled generation is reproducible.
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+/// Index of the largest logit; the lowest index wins a tie, and NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_value = f32::NEG_INFINITY;
+    for (index, &value) in logits.iter().enumerate() {
+        if value > best_value {
+            best = index;
+            best_value = value;
+        }
+    }
+    best as u32
+}
+
+/// The distribution a sampler draws from: softmax of `logits / temperature`, restricted to the
+/// top-p nucleus and renormalised. Applied identically to the target's and the draft's rows, so
+/// speculative sampling reproduces sampling from the target's processed distribution.
+/// `temperature` must be > 0.
+pub fn distribution(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
+    let inv_t = 1.0 / f64::from(temperature);
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f64> = logits
+        .iter()
+        .map(|&v| {
+            if v.is_finite() {
+                ((f64::from(v) - f64::from(max)) * inv_t).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let total: f64 = probs.iter().sum();
+    if total <= 0.0 {
+        // No finite logit: fall back to the argmax rule's choice so sampling stays defined.
+        probs.iter_mut().for_each(|p| *p = 0.0);
+        if let Some(p) = probs.get_mut(argmax(logits) as usize) {
+            *p = 1.0;
+        }
+        return probs;
+    }
+    probs.iter_mut().for_each(|p| *p /= total);
+    if top_p < 1.0 {
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        // Stable sort: equal probabilities keep index order, so the nucleus is deterministic.
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let mut kept = 0.0;
+        let mut keep = vec![false; probs.len()];
+        for &index in &order {
+            keep[index] = true;
+            kept += probs[index];
+            if kept >= f64::from(top_p) {
+                break;
+            }
+        }
+        let mut total = 0.0;
+        for (p, keep) in probs.iter_mut().zip(keep) {
+            if !keep {
+                *p = 0.0;
+            }
+            total += *p;
+        }
+        probs.iter_mut().for_each(|p| *p /= total);
+    }
+    probs
+}
+
+/// Draws an index from a normalised distribution.
+pub fn sample(probs: &[f64], rng: &mut impl Rng) -> u32 {
+    let total: f64 = probs.iter().sum();
+    let r = rng.random::<f64>() * total;
+    let mut cumulative = 0.0;
+    let mut last_nonzero = 0usize;
+    for (index, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cumulative += p;
+            last_nonzero = index;
+            if r < cumulative {
+                return index as u32;
+            }
+        }
+    }
+    // Rounding left r at the very top of the range.
+    last_nonzero as u32
+}
+
+/// The speculative sampling decision for one drafted token `x` drawn from the draft's `q`:
+/// accepted with probability min(1, p(x)/q(x)); otherwise the replacement is drawn from
+/// norm(max(0, p - q)). Returns `None` when `x` is accepted, `Some(token)` on rejection.
+pub fn accept_or_resample(p: &[f64], q: &[f64], x: u32, rng: &mut impl Rng) -> Option<u32> {
+    let index = x as usize;
+    let px = p.get(index).copied().unwrap_or(0.0);
+    let qx = q.get(index).copied().unwrap_or(0.0);
+    let u = rng.random::<f64>();
+    if qx > 0.0 && u * qx < px {
+        return None;
+    }
+    let residual: Vec<f64> = p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect();
+    if residual.iter().sum::<f64>() > 0.0 {
+        Some(sample(&residual, rng))
+    } else {
+        // p <= q everywhere means p == q (both normalised), where rejection has probability
+        // zero; reaching here is rounding, and p itself is the right distribution.
+        Some(sample(p, rng))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn argmax_takes_lowest_index_on_ties_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.2]), 1);
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_nucleus() {
+        // Probabilities proportional to 4, 3, 2, 1 at temperature 1 (f32 logits: 1e-6 slack).
+        let logits: Vec<f32> = [4.0f32, 3.0, 2.0, 1.0].iter().map(|v| v.ln()).collect();
+        let full = distribution(&logits, 1.0, 1.0);
+        assert!((full[0] - 0.4).abs() < 1e-6 && (full[3] - 0.1).abs() < 1e-6);
+        let nucleus = distribution(&logits, 1.0, 0.65);
+        // 0.4 < 0.65 <= 0.7: the two most likely tokens survive.
+        assert!((nucleus[0] - 4.0 / 7.0).abs() < 1e-6);
+        assert!((nucleus[1] - 3.0 / 7.0).abs() < 1e-6);
+        assert_eq!(nucleus[2], 0.0);
+        assert_eq!(nucleus[3], 0.0);
+    }
+
+    #[test]
+    fn sample_matches_distribution() {
+        let probs = [0.1, 0.0, 0.6, 0.3];
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut counts = [0usize; 4];
+        let n = 40_000;
+        for _ in 0..n {
+            counts[sample(&probs, &mut rng) as usize] += 1;
+        }
+        assert_eq!(counts[1], 0);
+        for (count, p) in counts.iter().zip(probs) {
+            assert!((*count as f64 / n as f64 - p).abs() < 0.01, "{counts:?}");
+        }
+    }
+}

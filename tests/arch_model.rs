@@ -1,0 +1,396 @@
+//! Properties of the forward pass every architecture must hold: batch/sequential bit-exactness,
+//! KV cropping, routing reports, request validation and the INT4 draft variant.
+
+mod common;
+
+use common::{Fixture, FIXTURES};
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specter::arch::{
+    draft_tensor_name, expected_tensors, expert_tensor_name, MoeModel, Proj, TensorRole,
+};
+use specter::backend::cpu::Cpu;
+use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
+use specter::weights::{Tensor, WeightStore};
+use specter::{Error, Result};
+
+fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// Runs `tokens` in calls of the given sizes (cycled) and returns all logits.
+fn run_chunked<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    tokens: &[u32],
+    sizes: &[usize],
+) -> Vec<f32> {
+    let mut kv = model.new_kv(tokens.len()).unwrap();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &s in sizes.iter().cycle() {
+        if at >= tokens.len() {
+            break;
+        }
+        let end = (at + s).min(tokens.len());
+        out.extend(
+            model
+                .forward(variant, &tokens[at..end], &mut kv, &mut NoHook)
+                .unwrap(),
+        );
+        at = end;
+    }
+    assert_eq!(kv.len(), tokens.len());
+    out
+}
+
+fn assert_bitwise(name: &str, what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    let differing = a
+        .iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    assert_eq!(
+        differing, 0,
+        "{name}: {what}: {differing} logits differ bitwise"
+    );
+}
+
+#[test]
+fn batched_forward_is_bitwise_equal_to_sequential() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0001);
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let model = fx.model();
+        let tokens = random_tokens(&mut rng, 21, fx.cfg.vocab_size);
+        let all_at_once = run_chunked(&model, Variant::Target, &tokens, &[tokens.len()]);
+        let one_by_one = run_chunked(&model, Variant::Target, &tokens, &[1]);
+        let mixed = run_chunked(&model, Variant::Target, &tokens, &[6, 1, 5, 2]);
+        assert_bitwise(
+            name,
+            "one call vs one token per call",
+            &all_at_once,
+            &one_by_one,
+        );
+        assert_bitwise(name, "one call vs mixed call sizes", &all_at_once, &mixed);
+    }
+}
+
+#[test]
+fn truncated_cache_continues_like_a_fresh_one() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0002);
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let model = fx.model();
+        let vocab = fx.cfg.vocab_size;
+        let prompt = random_tokens(&mut rng, 9, vocab);
+        let rejected = random_tokens(&mut rng, 5, vocab);
+        let continuation = random_tokens(&mut rng, 4, vocab);
+
+        let mut kv = model.new_kv(32).unwrap();
+        model
+            .forward(Variant::Target, &prompt, &mut kv, &mut NoHook)
+            .unwrap();
+        model
+            .forward(Variant::Target, &rejected, &mut kv, &mut NoHook)
+            .unwrap();
+        assert_eq!(kv.len(), prompt.len() + rejected.len());
+        kv.truncate(prompt.len());
+        assert_eq!(kv.len(), prompt.len());
+        let after_crop = model
+            .forward(Variant::Target, &continuation, &mut kv, &mut NoHook)
+            .unwrap();
+
+        let mut fresh = model.new_kv(32).unwrap();
+        model
+            .forward(Variant::Target, &prompt, &mut fresh, &mut NoHook)
+            .unwrap();
+        let expected = model
+            .forward(Variant::Target, &continuation, &mut fresh, &mut NoHook)
+            .unwrap();
+        assert_bitwise(name, "continuation after crop", &after_crop, &expected);
+    }
+}
+
+#[derive(Default)]
+struct Recorder {
+    calls: Vec<(Variant, usize, usize, usize, Vec<u32>)>,
+}
+
+impl RouteHook for Recorder {
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        layer: usize,
+        moe_layer: usize,
+        top_k: usize,
+        topk: &[u32],
+    ) {
+        self.calls
+            .push((variant, layer, moe_layer, top_k, topk.to_vec()));
+    }
+}
+
+#[test]
+fn every_moe_layer_reports_its_routing() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0003);
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let model = fx.model();
+        let info = model.info().clone();
+        let tokens = random_tokens(&mut rng, 3, fx.cfg.vocab_size);
+        let mut kv = model.new_kv(8).unwrap();
+        let mut hook = Recorder::default();
+        model
+            .forward(Variant::Target, &tokens, &mut kv, &mut hook)
+            .unwrap();
+        assert_eq!(hook.calls.len(), info.moe_layers.len(), "{name}");
+        for (i, (variant, layer, moe_layer, top_k, ids)) in hook.calls.iter().enumerate() {
+            assert_eq!(*variant, Variant::Target);
+            assert_eq!(
+                (*layer, *moe_layer, *top_k),
+                (info.moe_layers[i], i, info.top_k),
+                "{name}"
+            );
+            assert_eq!(ids.len(), tokens.len() * info.top_k, "{name}");
+            for row in ids.chunks(info.top_k) {
+                assert!(
+                    row.iter().all(|&e| (e as usize) < info.num_experts),
+                    "{name}: {row:?}"
+                );
+                let mut distinct = row.to_vec();
+                distinct.sort_unstable();
+                distinct.dedup();
+                assert_eq!(
+                    distinct.len(),
+                    row.len(),
+                    "{name}: repeated expert in {row:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn invalid_requests_are_rejected() {
+    let fx = Fixture::load("mixtral");
+    let model = MoeModel::open_checkpoint_cpu(&fx.dir).unwrap();
+    let vocab = fx.cfg.vocab_size as u32;
+    let mut kv = model.new_kv(4).unwrap();
+    let request_err = |r: Result<Vec<f32>>| match r {
+        Err(Error::Request(m)) => m,
+        other => panic!("expected a request error, got {:?}", other.map(|v| v.len())),
+    };
+    let m = request_err(model.forward(Variant::Target, &[], &mut kv, &mut NoHook));
+    assert!(m.contains("at least one token"), "{m}");
+    let m = request_err(model.forward(Variant::Target, &[1, vocab], &mut kv, &mut NoHook));
+    assert!(
+        m.contains(&vocab.to_string()) && m.contains("vocabulary"),
+        "{m}"
+    );
+    assert_eq!(kv.len(), 0);
+    let m = request_err(model.forward(Variant::Target, &[1, 2, 3, 4, 5], &mut kv, &mut NoHook));
+    assert!(m.contains("capacity 4"), "{m}");
+    model
+        .forward(Variant::Target, &[1, 2, 3], &mut kv, &mut NoHook)
+        .unwrap();
+    let m = request_err(model.forward(Variant::Target, &[4, 5], &mut kv, &mut NoHook));
+    assert!(m.contains("position 3"), "{m}");
+    match model.new_kv(model.info().max_context + 1) {
+        Err(Error::Request(m)) => assert!(m.contains("max context"), "{m}"),
+        _ => panic!("a cache longer than the context must be refused"),
+    }
+}
+
+/// A fixture's store whose routed experts lie exactly on an INT4 grid with power-of-two scales,
+/// plus the same experts as Marlin-packed draft tensors. Every grid value is exact in f16, so
+/// the FP16 target experts and the dequantized INT4 draft experts are the same numbers.
+struct WithDraft {
+    base: specter::checkpoint::Checkpoint,
+    experts: std::collections::HashMap<String, Vec<f16>>,
+    qweights: std::collections::HashMap<String, Vec<u32>>,
+    scales: std::collections::HashMap<String, Vec<f16>>,
+}
+
+/// Quantizes `w` (`[n][k]`) to codes with scale `2^-(5 + (col + group) % 3)`; returns the packed
+/// matrix and the grid values in `[n][k]`.
+fn grid_quantize(
+    name: &str,
+    w: &[f32],
+    n: usize,
+    k: usize,
+) -> (specter::quant::MarlinWeight, Vec<f16>) {
+    let groups = k / specter::quant::GROUP_SIZE;
+    let scale = |g: usize, col: usize| f16::from_f32((2.0f32).powi(-(5 + ((col + g) % 3) as i32)));
+    let scales: Vec<f16> = (0..groups)
+        .flat_map(|g| (0..n).map(move |c| scale(g, c)))
+        .collect();
+    let mut q = vec![0u8; k * n];
+    let mut grid = vec![f16::ZERO; n * k];
+    for col in 0..n {
+        for kk in 0..k {
+            let s = scale(kk / specter::quant::GROUP_SIZE, col).to_f32();
+            let code = ((w[col * k + kk] / s).round() + 8.0).clamp(0.0, 15.0);
+            q[kk * n + col] = code as u8;
+            let value = f16::from_f32((code - 8.0) * s);
+            assert_eq!(
+                value.to_f32(),
+                (code - 8.0) * s,
+                "grid value not exact in f16"
+            );
+            grid[col * k + kk] = value;
+        }
+    }
+    let m = specter::quant::QuantMatrix::new(name, k, n, q, scales).unwrap();
+    (specter::quant::marlin_pack(&m).unwrap(), grid)
+}
+
+impl WithDraft {
+    fn new(fx: &Fixture) -> WithDraft {
+        let base = fx.checkpoint();
+        let (hidden, inter) = fx.cfg.expert_dims();
+        let mut experts = std::collections::HashMap::new();
+        let mut qweights = std::collections::HashMap::new();
+        let mut scales = std::collections::HashMap::new();
+        let f32s = |name: &str| -> Vec<f32> {
+            base.f16(name)
+                .unwrap()
+                .data
+                .iter()
+                .map(|v| v.to_f32())
+                .collect()
+        };
+        for l in fx.cfg.moe_layers() {
+            for e in 0..fx.cfg.moe.num_experts {
+                let [gate, up, down] = [Proj::Gate, Proj::Up, Proj::Down]
+                    .map(|p| expert_tensor_name(&fx.cfg, l, e, p));
+                let mut gate_up = f32s(&gate);
+                gate_up.extend(f32s(&up));
+                let (packed, grid) = grid_quantize(&gate, &gate_up, 2 * inter, hidden);
+                experts.insert(gate.clone(), grid[..inter * hidden].to_vec());
+                experts.insert(up.clone(), grid[inter * hidden..].to_vec());
+                qweights.insert(
+                    draft_tensor_name(l, e, "gate_up", "qweight"),
+                    packed.qweight,
+                );
+                scales.insert(draft_tensor_name(l, e, "gate_up", "scales"), packed.scales);
+                let (packed, grid) = grid_quantize(&down, &f32s(&down), hidden, inter);
+                experts.insert(down.clone(), grid);
+                qweights.insert(draft_tensor_name(l, e, "down", "qweight"), packed.qweight);
+                scales.insert(draft_tensor_name(l, e, "down", "scales"), packed.scales);
+            }
+        }
+        WithDraft {
+            base,
+            experts,
+            qweights,
+            scales,
+        }
+    }
+}
+
+impl WeightStore for WithDraft {
+    fn contains(&self, name: &str) -> bool {
+        self.base.contains(name)
+            || self.qweights.contains_key(name)
+            || self.scales.contains_key(name)
+    }
+    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
+        if let Some(s) = self.scales.get(name) {
+            return Ok(Tensor {
+                shape: vec![s.len()],
+                data: s.as_slice().into(),
+            });
+        }
+        match self.experts.get(name) {
+            Some(w) => Ok(Tensor {
+                shape: self.base.f16(name)?.shape,
+                data: w.as_slice().into(),
+            }),
+            None => self.base.f16(name),
+        }
+    }
+    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
+        let q = self
+            .qweights
+            .get(name)
+            .ok_or_else(|| Error::Model(format!("missing {name}")))?;
+        Ok(Tensor {
+            shape: vec![q.len()],
+            data: q.as_slice().into(),
+        })
+    }
+}
+
+#[test]
+fn draft_without_int4_experts_names_the_missing_tensor() {
+    let fx = Fixture::load("olmoe");
+    let model = fx.model();
+    assert!(!model.has_draft());
+    let mut kv = model.new_kv(4).unwrap();
+    match model.forward(Variant::Draft, &[1, 2], &mut kv, &mut NoHook) {
+        Err(Error::Model(m)) => assert!(
+            m.contains("draft.layers.0.experts.0.gate_up.qweight"),
+            "{m}"
+        ),
+        other => panic!("expected a model error, got {:?}", other.map(|v| v.len())),
+    }
+    assert_eq!(kv.len(), 0);
+}
+
+#[test]
+fn draft_int4_experts_equal_target_experts_on_the_int4_grid() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0004);
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let store = WithDraft::new(&fx);
+        let model = MoeModel::load(fx.cfg.clone(), &store, Cpu).unwrap();
+        assert!(model.has_draft());
+        let tokens = random_tokens(&mut rng, 10, fx.cfg.vocab_size);
+        let target = run_chunked(&model, Variant::Target, &tokens, &[10]);
+        let draft = run_chunked(&model, Variant::Draft, &tokens, &[1, 3]);
+        // Same expert values through two paths (FP16 and Marlin INT4): same logits, bit for bit.
+        assert_bitwise(name, "draft vs target on grid experts", &target, &draft);
+        // The grid experts are not the fixture's: the comparison is not vacuous.
+        let original = run_chunked(&fx.model(), Variant::Target, &tokens, &[10]);
+        assert!(original.iter().zip(&target).any(|(a, b)| a != b), "{name}");
+
+        let mut hook = Recorder::default();
+        let mut kv = model.new_kv(4).unwrap();
+        model
+            .forward(Variant::Draft, &tokens[..2], &mut kv, &mut hook)
+            .unwrap();
+        assert!(!hook.calls.is_empty() && hook.calls.iter().all(|c| c.0 == Variant::Draft));
+    }
+}
+
+#[test]
+fn expected_tensors_are_exactly_the_checkpoint_tensors() {
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let ck = fx.checkpoint();
+        let mut want: Vec<(String, Vec<usize>)> = expected_tensors(&fx.cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        let mut got: Vec<(String, Vec<usize>)> = ck
+            .tensor_names()
+            .into_iter()
+            .map(|n| (n.clone(), ck.shape(&n).unwrap()))
+            .collect();
+        want.sort();
+        got.sort();
+        assert_eq!(want, got, "{name}");
+        let routed = expected_tensors(&fx.cfg)
+            .iter()
+            .filter(|s| matches!(s.role, TensorRole::RoutedExpert { .. }))
+            .count();
+        assert_eq!(
+            routed,
+            3 * fx.cfg.moe.num_experts * fx.cfg.moe_layers().len(),
+            "{name}"
+        );
+    }
+}

@@ -1,0 +1,89 @@
+//! `doctor` on whatever machine runs the tests: system facts are always filled in, and a missing
+//! driver is reported as a problem with a fix rather than an error or a panic.
+
+use specter::backend::cuda::{driver_library_present, NO_DRIVER_MESSAGE};
+use specter::doctor::{diagnose, render_text, DoctorOptions};
+
+fn small_options() -> DoctorOptions {
+    DoctorOptions {
+        mapping_bytes: 1 << 20,
+        bandwidth_bytes: 4 << 20,
+        chunk_bytes: 1 << 20,
+        repeats: 1,
+        ..DoctorOptions::default()
+    }
+}
+
+#[test]
+fn system_facts_are_reported() {
+    let report = diagnose(&DoctorOptions {
+        gpu: false,
+        ..small_options()
+    });
+    let s = &report.system;
+    assert!(s.cpu_cores >= 1);
+    let (total, avail) = (
+        s.ram_total_bytes.expect("MemTotal"),
+        s.ram_available_bytes.expect("MemAvailable"),
+    );
+    assert!(
+        total > 0 && avail <= total,
+        "RAM {avail} available of {total}"
+    );
+    assert!(s.disk_free_bytes.is_some_and(|b| b > 0));
+    assert!(
+        report.gpu.is_none() && report.problems.is_empty(),
+        "GPU checks were skipped: {:?}",
+        report.problems
+    );
+    let text = render_text(&report);
+    assert!(
+        text.contains("cores") && text.contains("GiB total") && text.contains("No problems found"),
+        "{text}"
+    );
+}
+
+#[test]
+fn cuda_state_is_reported_with_fixes() {
+    let report = diagnose(&small_options());
+    let text = render_text(&report);
+    let json = serde_json::to_value(&report).expect("report serialises");
+    assert_eq!(
+        json["cuda_driver_library"],
+        serde_json::Value::Bool(driver_library_present())
+    );
+    if !driver_library_present() {
+        assert!(
+            report.gpu.is_none() && report.host_copy_path.is_none() && report.bandwidth.is_none()
+        );
+        let p = report
+            .problems
+            .iter()
+            .find(|p| p.what == NO_DRIVER_MESSAGE)
+            .expect("no-driver problem listed");
+        assert!(
+            p.fix.contains("NVIDIA driver") && p.fix.contains("--backend cpu"),
+            "{}",
+            p.fix
+        );
+        assert!(
+            text.contains(NO_DRIVER_MESSAGE) && text.contains("fix:"),
+            "{text}"
+        );
+        assert!(!report.cuda_ready());
+        return;
+    }
+    // With a GPU: the checks ran, a copy path was chosen, and the copies arrived intact.
+    let gpu = report.gpu.as_ref().expect("GPU found");
+    assert!(gpu.memory_total_bytes > 0 && !gpu.name.is_empty());
+    let path = report.host_copy_path.expect("copy path chosen");
+    assert_eq!(
+        json["host_copy_path"],
+        serde_json::Value::String(path.as_str().to_string())
+    );
+    assert!(report
+        .bandwidth
+        .as_ref()
+        .is_some_and(|b| b.verified && b.pinned_median_gbps > 0.0));
+    assert!(text.contains("copy path"), "{text}");
+}

@@ -1,0 +1,189 @@
+//! Speculative decoding over the real architectures: every fixture checkpoint, with a draft made
+//! by converting it into a bundle (RTN INT4 quantization of its own routed experts, Marlin tiled)
+//! and loading the model from the bundle.
+
+mod common;
+
+use std::cell::RefCell;
+
+use common::{Fixture, FIXTURES};
+use specter::arch::MoeModel;
+use specter::backend::cpu::Cpu;
+use specter::decode::{generate, generate_with_offload, GenerateOptions, Mode, Sampling};
+use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
+use specter::offload::{
+    ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
+};
+use specter::pack::{convert, ConvertOptions, Silent};
+use specter::Result;
+use specter_format::Bundle;
+
+/// A fixture converted into a bundle by the real pipeline (RTN INT4 draft, Marlin tiled), and its
+/// model loaded from the bundle's mapping.
+fn load(name: &str) -> (Fixture, MoeModel<Cpu>) {
+    let fixture = Fixture::load(name);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("model.specter");
+    convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+    let bundle = Bundle::open(&path).expect("open bundle");
+    let model = MoeModel::load(fixture.cfg.clone(), &bundle, Cpu).expect("load");
+    assert!(model.has_draft());
+    (fixture, model)
+}
+
+/// One recorded target pass: where it started, what it ran, what it returned.
+struct TargetPass {
+    start: usize,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+/// Passes everything through to the model, keeping every target pass.
+struct Recording<'m, M: LanguageModel> {
+    model: &'m M,
+    passes: RefCell<Vec<TargetPass>>,
+}
+
+impl<M: LanguageModel> LanguageModel for Recording<'_, M> {
+    type Kv = M::Kv;
+    fn info(&self) -> &ModelInfo {
+        self.model.info()
+    }
+    fn new_kv(&self, capacity: usize) -> Result<M::Kv> {
+        self.model.new_kv(capacity)
+    }
+    fn forward(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut M::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>> {
+        let start = kv.len();
+        let logits = self.model.forward(variant, tokens, kv, hook)?;
+        if variant == Variant::Target {
+            self.passes.borrow_mut().push(TargetPass {
+                start,
+                tokens: tokens.to_vec(),
+                logits: logits.clone(),
+            });
+        }
+        Ok(logits)
+    }
+}
+
+fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
+    GenerateOptions {
+        mode,
+        max_new_tokens,
+        depth,
+        sampling: Sampling::greedy(),
+        stop_at_eos: false,
+    }
+}
+
+/// For every fixture: greedy Specter output equals target-only output at every depth, and
+/// every verify pass's logits equal, bit for bit, those of one target pass over the whole
+/// committed sequence (so the KV each verify pass read was exactly the committed prefix's).
+#[test]
+fn greedy_specter_is_lossless_on_every_fixture() {
+    for name in FIXTURES {
+        let (fixture, model) = load(name);
+        let vocab = model.info().vocab_size;
+        let mut drafted = 0;
+        let mut accepted = 0;
+        for prompt in fixture.prompts().iter().take(2) {
+            let max_new = 12;
+            let target = generate(
+                &model,
+                prompt,
+                &options(Mode::Target, max_new, 1),
+                &mut NoHook,
+                &mut |_| {},
+            )
+            .expect("target");
+            let full: Vec<u32> = prompt.iter().chain(&target.tokens).copied().collect();
+            let mut kv = model.new_kv(full.len()).expect("kv");
+            let reference = model
+                .forward(Variant::Target, &full, &mut kv, &mut NoHook)
+                .expect("reference");
+            for depth in [1, 2, 4, 16] {
+                let recording = Recording {
+                    model: &model,
+                    passes: RefCell::new(Vec::new()),
+                };
+                let out = generate(
+                    &recording,
+                    prompt,
+                    &options(Mode::Specter, max_new, depth),
+                    &mut NoHook,
+                    &mut |_| {},
+                )
+                .expect("specter");
+                assert_eq!(out.tokens, target.tokens, "{name}: depth {depth}");
+                drafted += out.stats.drafted;
+                accepted += out.stats.accepted;
+                let mut compared = 0;
+                for pass in recording.passes.borrow().iter().skip(1) {
+                    // Rows whose own and earlier tokens were committed must match the reference.
+                    for (i, &token) in pass.tokens.iter().enumerate() {
+                        let position = pass.start + i;
+                        if full.get(position) != Some(&token) {
+                            break;
+                        }
+                        if position + 1 >= full.len() {
+                            break;
+                        }
+                        let got = &pass.logits[i * vocab..(i + 1) * vocab];
+                        let want = &reference[position * vocab..(position + 1) * vocab];
+                        assert!(
+                            got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{name}: depth {depth}, verify row at position {position} differs from the reference"
+                        );
+                        compared += 1;
+                    }
+                }
+                assert!(
+                    compared >= max_new - 1,
+                    "{name}: only {compared} rows compared"
+                );
+            }
+        }
+        eprintln!("{name}: drafted {drafted}, accepted {accepted}");
+        assert!(
+            accepted > 0,
+            "{name}: the INT4 draft never agreed with the target"
+        );
+    }
+}
+
+#[test]
+fn offload_simulation_runs_on_a_real_model() {
+    let (fixture, model) = load("deepseek_v2");
+    let prompt = &fixture.prompts()[0];
+    let info = model.info().clone();
+    let mut sim = OffloadSimulator::new(SimulatorConfig {
+        residency: ResidencyConfig::for_model(&info, 3, Policy::Specter),
+        initial: InitialResidency::FirstExperts,
+        bandwidth_bytes_per_s: 55e9,
+        latency_s: 10e-6,
+        compute: ComputeModel {
+            draft_step_s: 2e-3,
+            target_pass_s: 6e-3,
+            target_row_s: 0.1e-3,
+        },
+    })
+    .expect("simulator");
+    let opts = options(Mode::Specter, 16, 4);
+    let plain = generate(&model, prompt, &opts, &mut NoHook, &mut |_| {}).expect("plain");
+    let out = generate_with_offload(&model, prompt, &opts, &mut sim, &mut |_| {}).expect("offload");
+    assert_eq!(out.tokens, plain.tokens);
+    let s = out.stats.offload.expect("stats");
+    assert_eq!(s.hits + s.misses, s.lookups);
+    assert!(s.lookups > 0 && s.prefetched > 0);
+    assert_eq!(
+        s.bytes_moved,
+        (s.demand_loads + s.prefetched) * info.expert_bytes as u64
+    );
+    assert_eq!(s.prefetched, s.prefetched_used + s.prefetched_wasted);
+}
