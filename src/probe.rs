@@ -17,6 +17,13 @@ use crate::{Error, Result};
 /// Verification window depth used for the window figures when none is given.
 pub const DEFAULT_WINDOW: usize = 16;
 
+/// A sensible cap on the tokens read from a calibration file: enough positions for stable
+/// shares, few enough for two passes of a large model to stay quick.
+pub const DEFAULT_CALIBRATION_TOKENS: usize = 2048;
+
+/// Most positions run in one forward call.
+const PASS_CHUNK: usize = 256;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeOptions {
     /// Positions per window for the union figures (the verify window depth K).
@@ -234,9 +241,22 @@ fn run_pass<M: LanguageModel>(
         routes: vec![Vec::with_capacity(shape.rows * shape.top_k); shape.moe_layers],
         fault: None,
     };
-    // One call over every position: the batched path computes each row exactly as a sequential
-    // pass would (the model's exactness contract), so this is the teacher-forced routing.
-    let logits = model.forward(variant, tokens, &mut kv, &mut recorder)?;
+    // The batched path computes each row exactly as a sequential pass would (the model's
+    // exactness contract), so calls of many positions give the teacher-forced routing; calls of
+    // at most PASS_CHUNK positions bound the logits (and activations) held at once on long
+    // calibration sequences.
+    let mut argmax_ids = Vec::with_capacity(shape.rows);
+    for chunk in tokens.chunks(PASS_CHUNK) {
+        let logits = model.forward(variant, chunk, &mut kv, &mut recorder)?;
+        if vocab == 0 || logits.len() != chunk.len() * vocab {
+            return Err(Error::Model(format!(
+                "{variant:?} pass returned {} logits for {} positions of vocabulary {vocab}",
+                logits.len(),
+                chunk.len()
+            )));
+        }
+        argmax_ids.extend(logits.chunks_exact(vocab).map(argmax));
+    }
     if let Some(fault) = recorder.fault {
         return Err(Error::Model(format!("{variant:?} pass: {fault}")));
     }
@@ -252,17 +272,9 @@ fn run_pass<M: LanguageModel>(
             )));
         }
     }
-    if vocab == 0 || logits.len() != shape.rows * vocab {
-        return Err(Error::Model(format!(
-            "{variant:?} pass returned {} logits for {} positions of vocabulary {vocab}",
-            logits.len(),
-            shape.rows
-        )));
-    }
-    let argmax = logits.chunks_exact(vocab).map(argmax).collect();
     Ok(PassRoutes {
         routes: recorder.routes,
-        argmax,
+        argmax: argmax_ids,
     })
 }
 

@@ -92,24 +92,69 @@ impl RouteHook for Routes {
     }
 }
 
-/// Runs `variant` one token per call (as decoding does) and returns the arg-max per position and
-/// the routes.
-fn sequential<M: LanguageModel>(model: &M, variant: Variant, tokens: &[u32]) -> (Vec<u32>, Routes) {
+/// Runs `variant` over `tokens` in calls of `call` positions and returns the arg-max per position
+/// and the routes.
+fn run_in_calls<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    tokens: &[u32],
+    call: usize,
+) -> (Vec<u32>, Routes) {
     let vocab = model.info().vocab_size;
     let mut routes = Routes {
         variant,
         per_layer: vec![Vec::new(); model.info().moe_layers.len()],
     };
     let mut kv = model.new_kv(tokens.len()).unwrap();
-    let argmaxes = tokens
-        .iter()
-        .map(|&t| {
-            let logits = model.forward(variant, &[t], &mut kv, &mut routes).unwrap();
-            assert_eq!(logits.len(), vocab);
-            argmax(&logits)
-        })
-        .collect();
+    let mut argmaxes = Vec::new();
+    for chunk in tokens.chunks(call) {
+        let logits = model.forward(variant, chunk, &mut kv, &mut routes).unwrap();
+        assert_eq!(logits.len(), chunk.len() * vocab);
+        argmaxes.extend(logits.chunks(vocab).map(argmax));
+    }
     (argmaxes, routes)
+}
+
+/// Checks the report's token agreement, per-layer recall and exact match against a direct count
+/// over passes run in calls of `call` positions.
+fn assert_matches_direct_count<M: LanguageModel>(
+    name: &str,
+    report: &ProbeReport,
+    model: &M,
+    tokens: &[u32],
+    call: usize,
+) {
+    let (target_argmax, target_routes) = run_in_calls(model, Variant::Target, tokens, call);
+    let (draft_argmax, draft_routes) = run_in_calls(model, Variant::Draft, tokens, call);
+    let agree = target_argmax
+        .iter()
+        .zip(&draft_argmax)
+        .filter(|(a, b)| a == b)
+        .count();
+    assert_eq!(
+        report.token_agreement,
+        agree as f64 / tokens.len() as f64,
+        "{name}"
+    );
+    let k = model.info().top_k;
+    for (m, layer) in report.per_layer.iter().enumerate() {
+        let (t, d) = (&target_routes.per_layer[m], &draft_routes.per_layer[m]);
+        assert_eq!((t.len(), d.len()), (tokens.len() * k, tokens.len() * k));
+        let mut shared = 0usize;
+        let mut equal = 0usize;
+        for (tr, dr) in t.chunks(k).zip(d.chunks(k)) {
+            let hits = tr.iter().filter(|e| dr.contains(e)).count();
+            shared += hits;
+            equal += usize::from(hits == k);
+        }
+        let rows = tokens.len() as f64;
+        let recall = shared as f64 / (k as f64 * rows);
+        assert!((layer.recall - recall).abs() < 1e-12, "{name} layer {m}");
+        assert!(
+            (layer.exact_match - equal as f64 / rows).abs() < 1e-12,
+            "{name} layer {m}"
+        );
+    }
 }
 
 #[test]
@@ -131,37 +176,9 @@ fn every_fixture_with_an_rtn_draft() {
         assert_well_formed(name, &report, model, tokens.len());
         assert_eq!(report.window, 16);
 
-        // The probe's figures equal a direct count over one-token-per-call passes.
-        let (target_argmax, target_routes) = sequential(model, Variant::Target, &tokens);
-        let (draft_argmax, draft_routes) = sequential(model, Variant::Draft, &tokens);
-        let agree = target_argmax
-            .iter()
-            .zip(&draft_argmax)
-            .filter(|(a, b)| a == b)
-            .count();
-        assert_eq!(
-            report.token_agreement,
-            agree as f64 / tokens.len() as f64,
-            "{name}"
-        );
-        let k = model.info().top_k;
-        for (m, layer) in report.per_layer.iter().enumerate() {
-            let (t, d) = (&target_routes.per_layer[m], &draft_routes.per_layer[m]);
-            let mut shared = 0usize;
-            let mut equal = 0usize;
-            for (tr, dr) in t.chunks(k).zip(d.chunks(k)) {
-                let hits = tr.iter().filter(|e| dr.contains(e)).count();
-                shared += hits;
-                equal += usize::from(hits == k);
-            }
-            let rows = tokens.len() as f64;
-            let recall = shared as f64 / (k as f64 * rows);
-            assert!((layer.recall - recall).abs() < 1e-12, "{name} layer {m}");
-            assert!(
-                (layer.exact_match - equal as f64 / rows).abs() < 1e-12,
-                "{name} layer {m}"
-            );
-        }
+        // The probe's figures equal a direct count over one-token-per-call passes (decoding's
+        // way of running the model).
+        assert_matches_direct_count(name, &report, model, &tokens, 1);
 
         let text = render_text(&report);
         assert!(text.contains("token agreement") && text.lines().count() > report.per_layer.len());
@@ -424,6 +441,18 @@ fn the_window_depth_sets_the_union_figures() {
         assert_eq!((a.recall, a.exact_match), (b.recall, b.exact_match));
     }
     assert_eq!((one.window, wide.window), (1, 16));
+}
+
+#[test]
+fn a_long_sequence_gives_the_figures_of_one_whole_pass() {
+    // Longer than the probe's largest forward call, so it runs in several.
+    let fx = Fixture::load("olmoe");
+    let model = grid_model(&fx, DraftExperts::Noise(0x5eed_9005));
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_9006);
+    let tokens = random_tokens(&mut rng, 600, fx.cfg.vocab_size);
+    let report = probe(&model, &tokens, &ProbeOptions::default()).unwrap();
+    assert_well_formed("olmoe", &report, &model, tokens.len());
+    assert_matches_direct_count("olmoe", &report, &model, &tokens, tokens.len());
 }
 
 #[test]
