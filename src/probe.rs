@@ -6,6 +6,27 @@
 //! comparison of the top-k expert sets, plus the window figures the prefetcher cares about: over
 //! `window` consecutive positions (a verification window), how much of the target's union of
 //! experts the draft's union covers.
+//!
+//! ```no_run
+//! use std::path::Path;
+//!
+//! use specter::probe::{
+//!     probe, read_calibration_tokens, render_text, ProbeOptions, DEFAULT_CALIBRATION_TOKENS,
+//! };
+//! use specter::session::{BackendKind, Session};
+//!
+//! # fn main() -> specter::Result<()> {
+//! let session = Session::open(Path::new("model.specter"), BackendKind::Cpu)?;
+//! let tokens = read_calibration_tokens(
+//!     Path::new("calibration.txt"),
+//!     session.tokenizer.as_ref(),
+//!     DEFAULT_CALIBRATION_TOKENS,
+//! )?;
+//! let report = probe(&session.model, &tokens, &ProbeOptions { window: 16 })?;
+//! print!("{}", render_text(&report));
+//! # Ok(())
+//! # }
+//! ```
 
 use std::path::Path;
 
