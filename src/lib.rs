@@ -17,6 +17,7 @@ pub mod error;
 pub mod model;
 pub mod offload;
 pub mod pack;
+pub mod probe;
 pub mod quant;
 pub mod session;
 pub mod synth;

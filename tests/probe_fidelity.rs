@@ -1,0 +1,500 @@
+//! The route-fidelity probe over the real architectures: every fixture converted into a bundle
+//! (RTN INT4 draft), a draft that equals its target exactly (experts on the INT4 grid), and
+//! degraded drafts (experts swapped between ids, experts quantized from noise).
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{argmax, Fixture, FIXTURES};
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
+use specter::backend::cpu::Cpu;
+use specter::model::{LanguageModel, NoHook, RouteHook, Variant};
+use specter::pack::{convert, ConvertOptions, Silent};
+use specter::probe::{probe, render_json, render_text, ProbeOptions, ProbeReport};
+use specter::session::{BackendKind, Session};
+use specter::weights::{Tensor, WeightStore};
+use specter::{Error, Result};
+
+fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// The fixture's three prompts, each followed by its greedy continuation, back to back: text the
+/// model itself finds likely, so the comparison is not only over noise.
+fn fixture_sequence(fx: &Fixture) -> Vec<u32> {
+    fx.prompts()
+        .into_iter()
+        .zip(fx.greedy())
+        .flat_map(|(p, g)| p.into_iter().chain(g))
+        .collect()
+}
+
+/// Every figure of a report is a share in [0, 1] (or a count in range), and the shapes match
+/// the model.
+fn assert_well_formed(name: &str, r: &ProbeReport, model: &impl LanguageModel, tokens: usize) {
+    let info = model.info();
+    let unit = |what: &str, v: f64| {
+        assert!(
+            (0.0..=1.0).contains(&v),
+            "{name}: {what} = {v} outside [0, 1]"
+        );
+    };
+    assert_eq!(r.tokens, tokens, "{name}");
+    for (what, v) in [
+        ("token_agreement", r.token_agreement),
+        ("route_recall", r.route_recall),
+        ("route_exact_match", r.route_exact_match),
+        ("window_recall", r.window_recall),
+        ("window_precision", r.window_precision),
+    ] {
+        unit(what, v);
+    }
+    assert!(r.route_recall >= r.route_exact_match, "{name}");
+    assert_eq!(r.per_layer.len(), info.moe_layers.len(), "{name}");
+    assert_eq!(r.expert_reuse.len(), info.moe_layers.len(), "{name}");
+    let most_per_window = (info.num_experts.min(r.window.min(tokens) * info.top_k)) as f64;
+    for (m, l) in r.per_layer.iter().enumerate() {
+        assert_eq!((l.moe_layer, l.layer), (m, info.moe_layers[m]), "{name}");
+        for (what, v) in [
+            ("recall", l.recall),
+            ("exact_match", l.exact_match),
+            ("window_recall", l.window_recall),
+            ("window_precision", l.window_precision),
+            ("expert_reuse", r.expert_reuse[m]),
+        ] {
+            unit(what, v);
+        }
+        assert!(l.recall >= l.exact_match, "{name} layer {m}");
+        for v in [l.target_window_unique, l.predicted_window_unique] {
+            assert!(
+                (info.top_k as f64..=most_per_window).contains(&v),
+                "{name} layer {m}: {v} unique experts per window"
+            );
+        }
+    }
+}
+
+/// Keeps every route of one variant, per MoE layer, in call order.
+struct Routes {
+    variant: Variant,
+    per_layer: Vec<Vec<u32>>,
+}
+
+impl RouteHook for Routes {
+    fn on_route(&mut self, v: Variant, _: usize, moe_layer: usize, _: usize, topk: &[u32]) {
+        if v == self.variant {
+            self.per_layer[moe_layer].extend_from_slice(topk);
+        }
+    }
+}
+
+/// Runs `variant` over `tokens` in calls of `call` positions and returns the arg-max per position
+/// and the routes.
+fn run_in_calls<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    tokens: &[u32],
+    call: usize,
+) -> (Vec<u32>, Routes) {
+    let vocab = model.info().vocab_size;
+    let mut routes = Routes {
+        variant,
+        per_layer: vec![Vec::new(); model.info().moe_layers.len()],
+    };
+    let mut kv = model.new_kv(tokens.len()).unwrap();
+    let mut argmaxes = Vec::new();
+    for chunk in tokens.chunks(call) {
+        let logits = model.forward(variant, chunk, &mut kv, &mut routes).unwrap();
+        assert_eq!(logits.len(), chunk.len() * vocab);
+        argmaxes.extend(logits.chunks(vocab).map(argmax));
+    }
+    (argmaxes, routes)
+}
+
+/// Checks the report's token agreement, per-layer recall and exact match against a direct count
+/// over passes run in calls of `call` positions.
+fn assert_matches_direct_count<M: LanguageModel>(
+    name: &str,
+    report: &ProbeReport,
+    model: &M,
+    tokens: &[u32],
+    call: usize,
+) {
+    let (target_argmax, target_routes) = run_in_calls(model, Variant::Target, tokens, call);
+    let (draft_argmax, draft_routes) = run_in_calls(model, Variant::Draft, tokens, call);
+    let agree = target_argmax
+        .iter()
+        .zip(&draft_argmax)
+        .filter(|(a, b)| a == b)
+        .count();
+    assert_eq!(
+        report.token_agreement,
+        agree as f64 / tokens.len() as f64,
+        "{name}"
+    );
+    let k = model.info().top_k;
+    for (m, layer) in report.per_layer.iter().enumerate() {
+        let (t, d) = (&target_routes.per_layer[m], &draft_routes.per_layer[m]);
+        assert_eq!((t.len(), d.len()), (tokens.len() * k, tokens.len() * k));
+        let mut shared = 0usize;
+        let mut equal = 0usize;
+        for (tr, dr) in t.chunks(k).zip(d.chunks(k)) {
+            let hits = tr.iter().filter(|e| dr.contains(e)).count();
+            shared += hits;
+            equal += usize::from(hits == k);
+        }
+        let rows = tokens.len() as f64;
+        let recall = shared as f64 / (k as f64 * rows);
+        assert!((layer.recall - recall).abs() < 1e-12, "{name} layer {m}");
+        assert!(
+            (layer.exact_match - equal as f64 / rows).abs() < 1e-12,
+            "{name} layer {m}"
+        );
+    }
+}
+
+#[test]
+fn every_fixture_with_an_rtn_draft() {
+    let mut table = String::from(
+        "| fixture | tokens | token_agreement | route_recall | route_exact_match | window_recall (16) |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.specter");
+        convert(&fx.dir, &path, &ConvertOptions::default(), &Silent).unwrap();
+        let session = Session::open(&path, BackendKind::Cpu).unwrap();
+        let model = &session.model;
+        assert!(model.has_draft(), "{name}");
+        let tokens = fixture_sequence(&fx);
+        let report = probe(model, &tokens, &ProbeOptions::default()).unwrap();
+        assert_well_formed(name, &report, model, tokens.len());
+        assert_eq!(report.window, 16);
+
+        // The probe's figures equal a direct count over one-token-per-call passes (decoding's
+        // way of running the model).
+        assert_matches_direct_count(name, &report, model, &tokens, 1);
+
+        let text = render_text(&report);
+        assert!(text.contains("token agreement") && text.lines().count() > report.per_layer.len());
+        let json: serde_json::Value = serde_json::from_str(&render_json(&report).unwrap()).unwrap();
+        for key in [
+            "tokens",
+            "token_agreement",
+            "route_recall",
+            "route_exact_match",
+            "window",
+            "window_recall",
+            "window_precision",
+            "per_layer",
+            "expert_reuse",
+        ] {
+            assert!(json.get(key).is_some(), "{name}: JSON lacks {key}");
+        }
+        assert_eq!(
+            json["per_layer"].as_array().map(Vec::len),
+            Some(report.per_layer.len())
+        );
+
+        println!("{name}:\n{text}");
+        table.push_str(&format!(
+            "| {name} | {} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+            report.tokens,
+            report.token_agreement,
+            report.route_recall,
+            report.route_exact_match,
+            report.window_recall
+        ));
+    }
+    println!("{table}");
+}
+
+/// What the draft experts of a [`GridStore`] hold.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DraftExperts {
+    /// The target's experts exactly (both on one INT4 grid).
+    Exact,
+    /// Expert e's draft holds expert e + 1's weights (mod the expert count).
+    Shifted,
+    /// Weights drawn from noise of the fixture's spread, quantized onto the grid.
+    Noise(u64),
+}
+
+/// A fixture's store whose routed experts lie exactly on an INT4 grid with power-of-two scales,
+/// plus Marlin-packed draft experts: the same grid values (the INT4 draft then computes exactly
+/// what the FP16 target does), or degraded ones.
+struct GridStore {
+    base: specter::checkpoint::Checkpoint,
+    experts: HashMap<String, Vec<f16>>,
+    qweights: HashMap<String, Vec<u32>>,
+    scales: HashMap<String, Vec<f16>>,
+}
+
+/// Quantizes `w` (`[n][k]`) to codes with scale `2^-(5 + (col + group) % 3)`: every grid value
+/// is exact in f16. Returns the packed matrix and the grid values in `[n][k]`.
+fn grid_quantize(
+    name: &str,
+    w: &[f32],
+    n: usize,
+    k: usize,
+) -> (specter::quant::MarlinWeight, Vec<f16>) {
+    let group = specter::quant::GROUP_SIZE;
+    let scale = |g: usize, col: usize| f16::from_f32((2.0f32).powi(-(5 + ((col + g) % 3) as i32)));
+    let scales: Vec<f16> = (0..k / group)
+        .flat_map(|g| (0..n).map(move |c| scale(g, c)))
+        .collect();
+    let mut codes = vec![0u8; k * n];
+    let mut grid = vec![f16::ZERO; n * k];
+    for col in 0..n {
+        for kk in 0..k {
+            let s = scale(kk / group, col).to_f32();
+            let code = ((w[col * k + kk] / s).round() + 8.0).clamp(0.0, 15.0);
+            codes[kk * n + col] = code as u8;
+            grid[col * k + kk] = f16::from_f32((code - 8.0) * s);
+        }
+    }
+    let m = specter::quant::QuantMatrix::new(name, k, n, codes, scales).unwrap();
+    (specter::quant::marlin_pack(&m).unwrap(), grid)
+}
+
+impl GridStore {
+    fn new(fx: &Fixture, draft: DraftExperts) -> GridStore {
+        let base = fx.checkpoint();
+        let (hidden, inter) = fx.cfg.expert_dims();
+        let num_experts = fx.cfg.moe.num_experts;
+        let mut noise = ChaCha8Rng::seed_from_u64(match draft {
+            DraftExperts::Noise(seed) => seed,
+            _ => 0,
+        });
+        let mut noise_like = |len: usize| -> Vec<f32> {
+            // Uniform with the fixture weights' spread (standard deviation 0.15).
+            let half_width = 0.15 * 3f32.sqrt();
+            (0..len)
+                .map(|_| noise.random_range(-half_width..half_width))
+                .collect()
+        };
+        let f32s = |name: &str| -> Vec<f32> {
+            base.f16(name)
+                .unwrap()
+                .data
+                .iter()
+                .map(|v| v.to_f32())
+                .collect()
+        };
+        let mut experts = HashMap::new();
+        let mut qweights = HashMap::new();
+        let mut scales = HashMap::new();
+        for l in fx.cfg.moe_layers() {
+            for e in 0..num_experts {
+                let [gate, up, down] = [Proj::Gate, Proj::Up, Proj::Down]
+                    .map(|p| expert_tensor_name(&fx.cfg, l, e, p));
+                let mut gate_up = f32s(&gate);
+                gate_up.extend(f32s(&up));
+                let down_w = f32s(&down);
+                let (gate_up_packed, gate_up_grid) =
+                    grid_quantize(&gate, &gate_up, 2 * inter, hidden);
+                let (down_packed, down_grid) = grid_quantize(&down, &down_w, hidden, inter);
+                experts.insert(gate.clone(), gate_up_grid[..inter * hidden].to_vec());
+                experts.insert(up.clone(), gate_up_grid[inter * hidden..].to_vec());
+                experts.insert(down.clone(), down_grid);
+
+                let (draft_expert, gate_up_packed, down_packed) = match draft {
+                    DraftExperts::Exact => (e, gate_up_packed, down_packed),
+                    DraftExperts::Shifted => (
+                        (e + num_experts - 1) % num_experts,
+                        gate_up_packed,
+                        down_packed,
+                    ),
+                    DraftExperts::Noise(_) => (
+                        e,
+                        grid_quantize(&gate, &noise_like(gate_up.len()), 2 * inter, hidden).0,
+                        grid_quantize(&down, &noise_like(down_w.len()), hidden, inter).0,
+                    ),
+                };
+                for (part, packed) in [("gate_up", gate_up_packed), ("down", down_packed)] {
+                    qweights.insert(
+                        draft_tensor_name(l, draft_expert, part, "qweight"),
+                        packed.qweight,
+                    );
+                    scales.insert(
+                        draft_tensor_name(l, draft_expert, part, "scales"),
+                        packed.scales,
+                    );
+                }
+            }
+        }
+        GridStore {
+            base,
+            experts,
+            qweights,
+            scales,
+        }
+    }
+}
+
+impl WeightStore for GridStore {
+    fn contains(&self, name: &str) -> bool {
+        self.base.contains(name)
+            || self.qweights.contains_key(name)
+            || self.scales.contains_key(name)
+    }
+    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
+        if let Some(s) = self.scales.get(name) {
+            return Ok(Tensor {
+                shape: vec![s.len()],
+                data: s.as_slice().into(),
+            });
+        }
+        match self.experts.get(name) {
+            Some(w) => Ok(Tensor {
+                shape: self.base.f16(name)?.shape,
+                data: w.as_slice().into(),
+            }),
+            None => self.base.f16(name),
+        }
+    }
+    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
+        let q = self
+            .qweights
+            .get(name)
+            .ok_or_else(|| Error::Model(format!("missing {name}")))?;
+        Ok(Tensor {
+            shape: vec![q.len()],
+            data: q.as_slice().into(),
+        })
+    }
+}
+
+fn grid_model(fx: &Fixture, draft: DraftExperts) -> MoeModel<Cpu> {
+    let model = MoeModel::load(fx.cfg.clone(), &GridStore::new(fx, draft), Cpu).unwrap();
+    assert!(model.has_draft());
+    model
+}
+
+#[test]
+fn a_draft_equal_to_its_target_scores_one_and_degraded_drafts_score_clearly_lower() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_9001);
+    for name in FIXTURES {
+        let fx = Fixture::load(name);
+        let tokens = random_tokens(&mut rng, 40, fx.cfg.vocab_size);
+        let opts = ProbeOptions { window: 8 };
+
+        let exact = grid_model(&fx, DraftExperts::Exact);
+        let r = probe(&exact, &tokens, &opts).unwrap();
+        assert_well_formed(name, &r, &exact, tokens.len());
+        assert_eq!(
+            (r.token_agreement, r.route_recall, r.route_exact_match),
+            (1.0, 1.0, 1.0),
+            "{name}"
+        );
+        assert_eq!((r.window_recall, r.window_precision), (1.0, 1.0), "{name}");
+        for l in &r.per_layer {
+            assert_eq!(l.target_window_unique, l.predicted_window_unique, "{name}");
+        }
+
+        for degraded in [DraftExperts::Shifted, DraftExperts::Noise(rng.random())] {
+            let model = grid_model(&fx, degraded);
+            let d = probe(&model, &tokens, &opts).unwrap();
+            assert_well_formed(name, &d, &model, tokens.len());
+            println!(
+                "{name} {degraded:?}: token agreement {:.3}, route recall {:.3}, exact {:.3}, \
+                 window recall {:.3}",
+                d.token_agreement, d.route_recall, d.route_exact_match, d.window_recall
+            );
+            // The target is the same model: its own figures do not move.
+            assert_eq!(d.expert_reuse, r.expert_reuse, "{name} {degraded:?}");
+            assert!(d.token_agreement < 0.8, "{name} {degraded:?}: {d:?}");
+            assert!(d.route_exact_match < 0.95, "{name} {degraded:?}: {d:?}");
+            // The first MoE layer sees the same input in both passes (nothing before it differs):
+            // its routing stays exact; every later one degrades.
+            assert_eq!(d.per_layer[0].exact_match, 1.0, "{name} {degraded:?}");
+            for l in &d.per_layer[1..] {
+                assert!(
+                    l.exact_match < 0.85 && l.recall < 0.95,
+                    "{name} {degraded:?}: {l:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_window_depth_sets_the_union_figures() {
+    let fx = Fixture::load("qwen2_moe");
+    let model = grid_model(&fx, DraftExperts::Noise(0x5eed_9002));
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_9003);
+    let tokens = random_tokens(&mut rng, 48, fx.cfg.vocab_size);
+    let one = probe(&model, &tokens, &ProbeOptions { window: 1 }).unwrap();
+    let wide = probe(&model, &tokens, &ProbeOptions { window: 16 }).unwrap();
+    for (a, b) in one.per_layer.iter().zip(&wide.per_layer) {
+        // A one-position window is the per-position comparison.
+        assert!((a.window_recall - a.recall).abs() < 1e-12);
+        assert_eq!(a.target_window_unique, fx.cfg.moe.top_k as f64);
+        // Unions over more positions hold more experts, and the per-position figures do not
+        // depend on the window.
+        assert!(b.target_window_unique > a.target_window_unique);
+        assert_eq!((a.recall, a.exact_match), (b.recall, b.exact_match));
+    }
+    assert_eq!((one.window, wide.window), (1, 16));
+}
+
+#[test]
+fn a_long_sequence_gives_the_figures_of_one_whole_pass() {
+    // Longer than the probe's largest forward call, so it runs in several.
+    let fx = Fixture::load("olmoe");
+    let model = grid_model(&fx, DraftExperts::Noise(0x5eed_9005));
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_9006);
+    let tokens = random_tokens(&mut rng, 600, fx.cfg.vocab_size);
+    let report = probe(&model, &tokens, &ProbeOptions::default()).unwrap();
+    assert_well_formed("olmoe", &report, &model, tokens.len());
+    assert_matches_direct_count("olmoe", &report, &model, &tokens, tokens.len());
+}
+
+#[test]
+fn bad_requests_are_refused_with_the_reason() {
+    let fx = Fixture::load("mixtral");
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_9004);
+    let vocab = fx.cfg.vocab_size;
+    let tokens = random_tokens(&mut rng, 6, vocab);
+    let with_draft = grid_model(&fx, DraftExperts::Exact);
+    let opts = ProbeOptions::default();
+
+    let err = probe(&with_draft, &tokens[..1], &opts).unwrap_err();
+    assert!(
+        matches!(&err, Error::Request(m) if m.contains("at least 2 tokens")),
+        "{err}"
+    );
+
+    let mut out_of_vocab = tokens.clone();
+    out_of_vocab[3] = vocab as u32 + 7;
+    let err = probe(&with_draft, &out_of_vocab, &opts).unwrap_err();
+    assert!(
+        matches!(&err, Error::Request(m) if m.contains(&(vocab + 7).to_string())),
+        "{err}"
+    );
+
+    let err = probe(&with_draft, &tokens, &ProbeOptions { window: 0 }).unwrap_err();
+    assert!(matches!(err, Error::Request(_)), "{err}");
+
+    let too_long = random_tokens(&mut rng, with_draft.info().max_context + 1, vocab);
+    let err = probe(&with_draft, &too_long, &opts).unwrap_err();
+    assert!(matches!(err, Error::Request(_)), "{err}");
+
+    // The plain checkpoint has no INT4 experts: the draft pass fails, and the error says so.
+    let no_draft = fx.model();
+    assert!(!no_draft.has_draft());
+    let mut kv = no_draft.new_kv(4).unwrap();
+    assert!(no_draft
+        .forward(Variant::Target, &tokens[..2], &mut kv, &mut NoHook)
+        .is_ok());
+    let err = probe(&no_draft, &tokens, &opts).unwrap_err();
+    assert!(
+        matches!(&err, Error::Model(m) if m.contains("draft") && m.contains("probe")),
+        "{err}"
+    );
+}
