@@ -24,7 +24,7 @@ run() {
     cd "$ROOT"
     local layers="${1:-27}"
     local bin=.carry/bench dir="${BENCH_DIR:-/dev/shm/specter-bench}" out="${OUT:-$(mktemp -d)}"
-    rm -rf "$dir"; mkdir -p "$dir"
+    rm -rf "$dir"; mkdir -p "$dir" "$out"
     echo "== machine"; nproc; free -g | head -2; git rev-parse --short HEAD 2>/dev/null || true
     "$bin/specter-run" doctor --work-dir "$dir" | tee "$out/doctor.txt"
 
