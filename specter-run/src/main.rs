@@ -31,6 +31,31 @@ enum Command {
     ///
     /// Example: specter-run generate model.specter --prompt "def fib(n):" --max-new-tokens 64 --mode specter --depth 8
     Generate(GenerateArgs),
+    /// Measure how well the INT4 draft's routing forecasts the FP16 target's (teacher-forced):
+    /// per-layer top-k recall and exact-set match, next-token agreement, and per verify window
+    /// the union of experts the target needs versus what the draft routed to.
+    ///
+    /// Example: specter-run probe model.specter --calib calibration.txt --depth 16 --json
+    Probe {
+        bundle: PathBuf,
+        /// Text to probe on, tokenized with the bundle's tokenizer.
+        #[arg(long, conflicts_with_all = ["prompt_ids", "calib"])]
+        prompt: Option<String>,
+        /// Token ids, comma separated.
+        #[arg(long, value_delimiter = ',', conflicts_with = "calib")]
+        prompt_ids: Option<Vec<u32>>,
+        /// A file of text or of token ids (integers separated by spaces, commas or newlines).
+        #[arg(long)]
+        calib: Option<PathBuf>,
+        /// Most tokens read from --calib.
+        #[arg(long, default_value_t = specter::probe::DEFAULT_CALIBRATION_TOKENS)]
+        max_tokens: usize,
+        /// Verify-window depth for the window figures.
+        #[arg(long, default_value_t = specter::probe::DEFAULT_WINDOW)]
+        depth: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Build a small random-weight model, convert, verify and generate with it: the whole product
     /// in one command, with no download and no GPU needed.
     ///
@@ -130,6 +155,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Probe {
+            bundle,
+            prompt,
+            prompt_ids,
+            calib,
+            max_tokens,
+            depth,
+            json,
+        } => probe(bundle, prompt, prompt_ids, calib, max_tokens, depth, json),
         Command::Demo {
             arch,
             dir,
@@ -358,6 +392,40 @@ fn doctor(json: bool, device: usize, no_gpu: bool, work_dir: PathBuf) -> Result<
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", specter::doctor::render_text(&report));
+    }
+    Ok(())
+}
+
+fn probe(
+    path: PathBuf,
+    prompt: Option<String>,
+    prompt_ids: Option<Vec<u32>>,
+    calib: Option<PathBuf>,
+    max_tokens: usize,
+    depth: usize,
+    json: bool,
+) -> Result<()> {
+    let session = Session::open(&path, BackendKind::Cpu)
+        .with_context(|| format!("loading {}", path.display()))?;
+    let tokens = match (prompt, prompt_ids, calib) {
+        (Some(text), _, _) => session.encode(&text)?,
+        (None, Some(ids), _) => ids,
+        (None, None, Some(file)) => {
+            specter::probe::read_calibration_tokens(&file, session.tokenizer.as_ref(), max_tokens)?
+        }
+        (None, None, None) => {
+            bail!("give tokens to probe with --prompt, --prompt-ids or --calib FILE")
+        }
+    };
+    let report = specter::probe::probe(
+        &session.model,
+        &tokens,
+        &specter::probe::ProbeOptions { window: depth },
+    )?;
+    if json {
+        println!("{}", specter::probe::render_json(&report)?);
+    } else {
+        print!("{}", specter::probe::render_text(&report));
     }
     Ok(())
 }
