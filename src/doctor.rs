@@ -939,7 +939,7 @@ pub fn render_text(report: &DoctorReport) -> String {
     }
     let _ = writeln!(out);
     if report.problems.is_empty() {
-        let _ = writeln!(out, "No problems found: the CUDA backend can run here.");
+        let _ = writeln!(out, "No problems found: the driver, NVRTC kernels and the host copy path all work here.");
     } else {
         let _ = writeln!(out, "Problems ({})", report.problems.len());
         for p in &report.problems {
@@ -950,7 +950,7 @@ pub fn render_text(report: &DoctorReport) -> String {
             let _ = writeln!(out);
             let _ = writeln!(
                 out,
-                "The CUDA backend cannot run here; --backend cpu still works."
+                "CUDA cannot be used here; --backend cpu still works."
             );
         }
     }
