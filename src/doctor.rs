@@ -939,7 +939,10 @@ pub fn render_text(report: &DoctorReport) -> String {
     }
     let _ = writeln!(out);
     if report.problems.is_empty() {
-        let _ = writeln!(out, "No problems found: the driver, NVRTC kernels and the host copy path all work here.");
+        let _ = writeln!(
+            out,
+            "No problems found: the driver, NVRTC kernels and the host copy path all work here."
+        );
     } else {
         let _ = writeln!(out, "Problems ({})", report.problems.len());
         for p in &report.problems {
@@ -948,10 +951,7 @@ pub fn render_text(report: &DoctorReport) -> String {
         }
         if !report.cuda_ready() {
             let _ = writeln!(out);
-            let _ = writeln!(
-                out,
-                "CUDA cannot be used here; --backend cpu still works."
-            );
+            let _ = writeln!(out, "CUDA cannot be used here; --backend cpu still works.");
         }
     }
     out
