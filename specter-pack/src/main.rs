@@ -84,7 +84,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_message(&err));
             ExitCode::FAILURE
         }
     }
@@ -336,4 +336,21 @@ fn kind_name(kind: &specter_format::SectionKind) -> String {
         Config => "config".into(),
         Other => "other".into(),
     }
+}
+
+/// The error and its causes joined by ": ", each cause printed once: some errors (a bundle error
+/// naming its file, for one) already include their cause's text, which `{:#}` would repeat.
+fn error_message(err: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if message.contains(&text) {
+            continue;
+        }
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        message.push_str(&text);
+    }
+    message
 }

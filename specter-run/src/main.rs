@@ -101,7 +101,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_message(&err));
             ExitCode::FAILURE
         }
     }
@@ -269,4 +269,21 @@ fn generate(args: GenerateArgs) -> Result<()> {
         eprintln!("]");
     }
     Ok(())
+}
+
+/// The error and its causes joined by ": ", each cause printed once: some errors (a bundle error
+/// naming its file, for one) already include their cause's text, which `{:#}` would repeat.
+fn error_message(err: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if message.contains(&text) {
+            continue;
+        }
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        message.push_str(&text);
+    }
+    message
 }
