@@ -83,6 +83,23 @@ pub fn assert_clean_failure(run: &Run, needles: &[&str]) {
             "the error does not mention {needle:?}: {run:?}"
         );
     }
+    assert_no_repeated_clause(error);
+}
+
+/// An error message says each thing once: no clause of some length appears twice (as happens when
+/// an error's text already includes its cause and the cause is printed again).
+pub fn assert_no_repeated_clause(message: &str) {
+    let clauses: Vec<&str> = message
+        .split([':', ';'])
+        .map(str::trim)
+        .filter(|c| c.len() >= 16)
+        .collect();
+    for (i, c) in clauses.iter().enumerate() {
+        assert!(
+            !clauses[i + 1..].contains(c),
+            "the message repeats {c:?}: {message}"
+        );
+    }
 }
 
 /// Names of the entries of `dir`, sorted.
