@@ -55,7 +55,11 @@ fn inspect(path: &Path) -> Run {
 fn assert_refused(path: &Path, needles: &[&str]) {
     let mut all = vec![path.to_str().unwrap()];
     all.extend(needles);
-    for run in [verify(path), inspect(path), pack(&["inspect".as_ref(), path.as_os_str(), "--json".as_ref()])] {
+    for run in [
+        verify(path),
+        inspect(path),
+        pack(&["inspect".as_ref(), path.as_os_str(), "--json".as_ref()]),
+    ] {
         assert_clean_failure(&run, &all);
         assert!(run.stdout.is_empty(), "{run:?}");
     }
@@ -82,7 +86,13 @@ fn the_good_bundle_verifies_and_inspects() {
     let run = inspect(&path);
     assert!(run.ok(), "{run:?}");
     assert!(run.stdout.contains("architecture deepseek_v2"), "{run:?}");
-    for name in ["shared", "experts.1", "draft.2", "tokenizer.json", "config.json"] {
+    for name in [
+        "shared",
+        "experts.1",
+        "draft.2",
+        "tokenizer.json",
+        "config.json",
+    ] {
         assert!(run.stdout.contains(name), "{name}: {run:?}");
     }
 }
@@ -128,7 +138,11 @@ fn a_truncated_file_is_refused() {
     let good = &converted().bytes;
     for len in [good.len() - 1, good.len() / 2, HEADER_LEN + 7, 100, 0] {
         let path = damaged("cut.specter", &damage::truncated(good, len));
-        let needle = if len >= HEADER_LEN { "truncated" } else { "bundle" };
+        let needle = if len >= HEADER_LEN {
+            "truncated"
+        } else {
+            "bundle"
+        };
         assert_refused(&path, &[needle]);
     }
 }
@@ -138,14 +152,18 @@ fn a_wrong_magic_is_refused() {
     let path = damaged("magic.specter", &damage::wrong_magic(&converted().bytes));
     assert_refused(&path, &["not a Specter bundle", "SPECTER"]);
     // A file that is not a bundle at all.
-    let json = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepseek_v2/config.json");
+    let json =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepseek_v2/config.json");
     assert_refused(&json, &["not a Specter bundle"]);
 }
 
 #[test]
 fn a_newer_major_version_is_refused() {
     let path = damaged("v2.specter", &damage::newer_major(&converted().bytes));
-    assert_refused(&path, &["version 2.x", "newer than this build supports (1.x)"]);
+    assert_refused(
+        &path,
+        &["version 2.x", "newer than this build supports (1.x)"],
+    );
 }
 
 #[test]
@@ -157,7 +175,10 @@ fn manifest_ranges_outside_the_file_are_refused() {
     );
     assert_refused(&path, &["draft.1", "lies outside"]);
     let tensor = "model.layers.2.mlp.experts.3.up_proj.weight";
-    let path = damaged("tensor-out.specter", &damage::tensor_outside_file(good, tensor));
+    let path = damaged(
+        "tensor-out.specter",
+        &damage::tensor_outside_file(good, tensor),
+    );
     assert_refused(&path, &[tensor, "lies outside"]);
 }
 

@@ -179,7 +179,10 @@ fn a_truncated_safetensors_file() {
         file.set_len(cut).unwrap();
         drop(file);
         let run = case.assert_fails_before_writing(&[&shard(&case.src), "safetensors"]);
-        assert!(run.stderr.contains("not a valid safetensors file"), "{run:?}");
+        assert!(
+            run.stderr.contains("not a valid safetensors file"),
+            "{run:?}"
+        );
     }
 }
 
@@ -231,10 +234,7 @@ fn an_output_directory_that_does_not_exist() {
         "-o".as_ref(),
         output.as_os_str(),
     ]);
-    assert_clean_failure(
-        &run,
-        &[&output.display().to_string(), "does not exist"],
-    );
+    assert_clean_failure(&run, &[&output.display().to_string(), "does not exist"]);
     assert!(!case.out_dir.join("no").exists());
     assert!(common::entries(&case.out_dir).is_empty());
 }
@@ -290,7 +290,10 @@ fn a_value_beyond_f16_range_in_an_f32_checkpoint_names_the_tensor() {
     let case = Case::new();
     model.write(&case.src, 14);
     put_f32(&case.src, "model.norm.weight", 5, f32::NAN);
-    case.assert_fails(&[], &["model.norm.weight", "element 5", "not a finite number"]);
+    case.assert_fails(
+        &[],
+        &["model.norm.weight", "element 5", "not a finite number"],
+    );
 }
 
 #[test]
@@ -345,7 +348,11 @@ fn an_unreadable_shard_named_in_the_index() {
     let shards = common::shard_paths(&case.src);
     assert!(shards.len() > 2);
     std::fs::remove_file(&shards[1]).unwrap();
-    let name = shards[1].file_name().unwrap().to_string_lossy().into_owned();
+    let name = shards[1]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     case.assert_fails_before_writing(&[&name, "model.safetensors.index.json"]);
 }
 
@@ -355,7 +362,10 @@ fn trailing_garbage_after_a_safetensors_header_keeps_the_error_on_that_file() {
     let case = Case::new();
     Model::fixture("mixtral").write(&case.src, 20);
     let path = common::only_shard(&case.src);
-    let mut file = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
     file.seek(SeekFrom::End(0)).unwrap();
     file.write_all(&[0xab; 10]).unwrap();
     drop(file);

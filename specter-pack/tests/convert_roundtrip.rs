@@ -43,7 +43,10 @@ fn round_trip(fixture: &str, storage: Storage, sharded: bool, seed: u64) {
         "2".as_ref(),
     ]);
     assert!(run.ok(), "{fixture} {storage:?}: {run:?}");
-    assert!(run.stdout.contains(model.cfg.model_type.as_str()), "{run:?}");
+    assert!(
+        run.stdout.contains(model.cfg.model_type.as_str()),
+        "{run:?}"
+    );
     // The temporary file was renamed into place: the bundle is all the output directory holds.
     assert_eq!(common::entries(&out_dir), vec!["model.specter".to_string()]);
 
@@ -150,7 +153,11 @@ fn check_expert_blobs(bundle: &Bundle, model: &Model) {
             assert_eq!(t.offset, cursor, "{name} does not follow the previous part");
             cursor += t.length;
         }
-        assert_eq!(cursor, entry.offset + entry.length, "layer {layer} expert {expert}");
+        assert_eq!(
+            cursor,
+            entry.offset + entry.length,
+            "layer {layer} expert {expert}"
+        );
         // The blob as served is the three tensors' bytes concatenated.
         let blob = bundle.expert_blob(layer as u32, expert as u32).unwrap();
         let joined: Vec<u8> = names
@@ -209,13 +216,9 @@ fn check_draft(bundle: &Bundle, model: &Model, expected: &BTreeMap<String, Vec<f
                 .unwrap();
             assert_eq!(qweight.shape, vec![k / 16, n * 2]);
             assert_eq!(scales.shape, vec![k / GROUP_SIZE, n]);
-            let got = quant::marlin_unpack(
-                k,
-                n,
-                qweight.as_u32().unwrap(),
-                scales.as_f16().unwrap(),
-            )
-            .unwrap();
+            let got =
+                quant::marlin_unpack(k, n, qweight.as_u32().unwrap(), scales.as_f16().unwrap())
+                    .unwrap();
             assert!(
                 got.q == want.q,
                 "layer {layer} expert {expert} {part}: INT4 codes differ"
@@ -244,7 +247,11 @@ fn check_sources(bundle: &Bundle, src: &Path) {
     for name in on_disk {
         let bytes = std::fs::read(src.join(&name)).unwrap();
         let digest: [u8; 32] = <sha2::Sha256 as sha2::Digest>::digest(&bytes).into();
-        assert_eq!(listed[name.as_str()], (bytes.len() as u64, digest), "{name}");
+        assert_eq!(
+            listed[name.as_str()],
+            (bytes.len() as u64, digest),
+            "{name}"
+        );
     }
 }
 

@@ -85,7 +85,9 @@ fn specter_mode_gives_the_target_tokens_at_every_depth_and_residency() {
     let new_tokens = "24";
     for prompt_len in [1usize, 9] {
         // Ids from 3 up: 0..=2 are the pad, BOS and EOS tokens.
-        let prompt: Vec<u32> = (0..prompt_len).map(|_| rng.random_range(3..VOCAB)).collect();
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|_| rng.random_range(3..VOCAB))
+            .collect();
         let prompt = ids(&prompt);
         let base = [
             "--prompt-ids",
@@ -121,8 +123,10 @@ fn specter_mode_gives_the_target_tokens_at_every_depth_and_residency() {
                 match resident {
                     None => assert!(cache.is_null(), "{what}"),
                     Some(r) => {
-                        let (hits, misses) =
-                            (cache["hits"].as_u64().unwrap(), cache["misses"].as_u64().unwrap());
+                        let (hits, misses) = (
+                            cache["hits"].as_u64().unwrap(),
+                            cache["misses"].as_u64().unwrap(),
+                        );
                         assert_eq!(hits + misses, cache["lookups"].as_u64().unwrap());
                         assert!(hits + misses > 0);
                         if r == all {
@@ -136,8 +140,15 @@ fn specter_mode_gives_the_target_tokens_at_every_depth_and_residency() {
         }
         // Offloading in target mode does not change the output either.
         for resident in ["1", "3"] {
-            let record = generate_json(&with(&base, &["--mode", "target", "--resident-experts", resident]));
-            assert_eq!(tokens(&record, "tokens"), want, "target, {resident} resident");
+            let record = generate_json(&with(
+                &base,
+                &["--mode", "target", "--resident-experts", resident],
+            ));
+            assert_eq!(
+                tokens(&record, "tokens"),
+                want,
+                "target, {resident} resident"
+            );
             assert!(record["stats"]["cache"]["misses"].as_u64().unwrap() > 0);
         }
     }
@@ -288,7 +299,11 @@ fn damaged_or_foreign_bundles_are_refused() {
         &damage::newer_major(&good),
         &["version 2.x", "newer than this build supports"],
     );
-    assert_bundle_refused("magic.specter", &damage::wrong_magic(&good), &["not a Specter bundle"]);
+    assert_bundle_refused(
+        "magic.specter",
+        &damage::wrong_magic(&good),
+        &["not a Specter bundle"],
+    );
     assert_bundle_refused(
         "cut.specter",
         &damage::truncated(&good, good.len() - 4096),

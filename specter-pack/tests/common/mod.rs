@@ -5,6 +5,8 @@
 pub mod cli;
 pub mod damage;
 
+// Each test binary uses a different subset.
+#[allow(unused_imports)]
 pub use cli::{assert_clean_failure, assert_no_repeated_clause, run, Run};
 
 use std::collections::BTreeMap;
@@ -37,7 +39,10 @@ pub fn entries(dir: &Path) -> Vec<String> {
 /// anything was created in it (or created and removed again) since.
 pub fn mark_untouched(dir: &Path) -> SystemTime {
     let past = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
-    std::fs::File::open(dir).unwrap().set_modified(past).unwrap();
+    std::fs::File::open(dir)
+        .unwrap()
+        .set_modified(past)
+        .unwrap();
     assert_eq!(std::fs::metadata(dir).unwrap().modified().unwrap(), past);
     past
 }
