@@ -323,3 +323,69 @@ fn damaged_or_foreign_bundles_are_refused() {
     let run = generate_on(&missing, &["--prompt-ids".to_string(), "5".to_string()]);
     assert_clean_failure(&run, &["missing.specter", "No such file"]);
 }
+
+/// The good bundle with its manifest edited by `edit` (header re-sealed to match).
+fn with_edited_manifest(edit: impl FnOnce(&mut specter_format::Manifest)) -> Vec<u8> {
+    let good = std::fs::read(&converted().bundle).unwrap();
+    let mut manifest = damage::manifest(&good);
+    edit(&mut manifest);
+    damage::with_manifest(&good, &manifest)
+}
+
+#[test]
+fn a_bundle_lacking_a_tensor_names_it() {
+    let name = "model.layers.1.self_attn.k_proj.weight";
+    let bytes = with_edited_manifest(|m| m.tensors.retain(|t| t.name != name));
+    assert_bundle_refused("no-tensor.specter", &bytes, &[name]);
+}
+
+#[test]
+fn a_bundle_of_an_unsupported_architecture_lists_the_supported_ones() {
+    let bytes = with_edited_manifest(|m| {
+        m.architecture = "gpt2".into();
+        m.hyperparameters_json = m.hyperparameters_json.replace("\"qwen2_moe\"", "\"gpt2\"");
+    });
+    let mut needles = vec!["gpt2"];
+    needles.extend(specter::arch::SUPPORTED_MODEL_TYPES);
+    assert_bundle_refused("gpt2.specter", &bytes, &needles);
+}
+
+#[test]
+fn a_bundle_without_the_draft_runs_the_target_and_refuses_to_draft() {
+    let bytes = with_edited_manifest(|m| m.tensors.retain(|t| !t.name.starts_with("draft.")));
+    let path = converted().dir.path().join("no-draft.specter");
+    std::fs::write(&path, bytes).unwrap();
+    let args = |mode: &str| -> Vec<String> {
+        [
+            "--prompt-ids",
+            "5,6,7",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            "--mode",
+            mode,
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run = generate_on(&path, &args("target"));
+    assert!(run.ok(), "{run:?}");
+    let reference = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--mode",
+        "target",
+    ]);
+    assert_eq!(tokens(&reference, "tokens").len(), 4);
+    let record: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(tokens(&record, "tokens"), tokens(&reference, "tokens"));
+    for mode in ["specter", "draft"] {
+        let run = generate_on(&path, &args(mode));
+        assert_clean_failure(&run, &["no draft tensor", "draft.layers.0.experts.0"]);
+    }
+}
