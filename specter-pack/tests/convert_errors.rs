@@ -371,3 +371,58 @@ fn trailing_garbage_after_a_safetensors_header_keeps_the_error_on_that_file() {
     drop(file);
     case.assert_fails_before_writing(&[&shard(&case.src), "not a valid safetensors file"]);
 }
+
+#[test]
+fn an_output_path_naming_an_input_file_is_refused_and_the_input_kept() {
+    let case = Case::new();
+    let model = Model::fixture("mixtral");
+    model.write_specs(&case.src, &model.specs, 21, 256 << 10);
+    let before: Vec<(String, Vec<u8>)> = common::entries(&case.src)
+        .into_iter()
+        .map(|n| {
+            let bytes = std::fs::read(case.src.join(&n)).unwrap();
+            (n, bytes)
+        })
+        .collect();
+    let shard = common::shard_paths(&case.src)[1].clone();
+    for output in [
+        shard.clone(),
+        case.src.join("config.json"),
+        case.src.join("model.safetensors.index.json"),
+        // A new shard would be read by the next conversion of a checkpoint without an index.
+        case.src.join("model.safetensors"),
+        // Reached through another spelling of the directory.
+        case.src.join("..").join("hf").join("tokenizer.json"),
+    ] {
+        let run = pack(&[
+            "convert".as_ref(),
+            case.src.as_os_str(),
+            "-o".as_ref(),
+            output.as_os_str(),
+        ]);
+        assert_clean_failure(
+            &run,
+            &[
+                &output.display().to_string(),
+                "would replace the checkpoint's own",
+            ],
+        );
+        let after: Vec<(String, Vec<u8>)> = common::entries(&case.src)
+            .into_iter()
+            .map(|n| {
+                let bytes = std::fs::read(case.src.join(&n)).unwrap();
+                (n, bytes)
+            })
+            .collect();
+        assert!(after == before, "the checkpoint changed");
+    }
+    // Any other name in the checkpoint directory is a valid output.
+    let output = case.src.join("model.specter");
+    let run = pack(&[
+        "convert".as_ref(),
+        case.src.as_os_str(),
+        "-o".as_ref(),
+        output.as_os_str(),
+    ]);
+    assert!(run.ok(), "{run:?}");
+}
