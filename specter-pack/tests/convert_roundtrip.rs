@@ -283,3 +283,102 @@ fn every_architecture_from_f32() {
         round_trip(fixture, Storage::F32, i % 2 == 0, 400 + i as u64);
     }
 }
+
+/// Rewrites the per-expert checkpoint in `dir` the way transformers 5 stores experts: per MoE
+/// layer one `experts.gate_up_proj` `[E, 2I, H]` (each expert's gate rows, then its up rows) and
+/// one `experts.down_proj` `[E, H, I]`, under the `mlp` module name.
+fn fuse_experts(dir: &Path, model: &Model) {
+    let path = common::only_shard(dir);
+    let mut tensors = common::read_safetensors(&path);
+    let mut fused: BTreeMap<usize, Vec<[Vec<u8>; 3]>> = BTreeMap::new();
+    let mut prefixes: BTreeMap<usize, String> = BTreeMap::new();
+    for spec in &model.specs {
+        if let TensorRole::RoutedExpert {
+            layer,
+            expert,
+            proj,
+        } = spec.role
+        {
+            let t = tensors.remove(&spec.name).unwrap();
+            let slots = fused.entry(layer).or_default();
+            if slots.len() <= expert {
+                slots.resize(expert + 1, Default::default());
+            }
+            let slot = match proj {
+                Proj::Gate => 0,
+                Proj::Up => 1,
+                Proj::Down => 2,
+            };
+            slots[expert][slot] = t.bytes;
+            let block = spec.name.split(".experts.").next().unwrap();
+            prefixes.insert(layer, block.replace(".block_sparse_moe", ".mlp"));
+        }
+    }
+    let (hidden, inter) = model.cfg.expert_dims();
+    for (layer, experts) in fused {
+        let n = experts.len();
+        let gate_up: Vec<u8> = experts
+            .iter()
+            .flat_map(|[g, u, _]| g.iter().chain(u).copied())
+            .collect();
+        let down: Vec<u8> = experts.iter().flat_map(|[_, _, d]| d.clone()).collect();
+        let prefix = &prefixes[&layer];
+        for (name, shape, bytes) in [
+            ("gate_up_proj", vec![n, 2 * inter, hidden], gate_up),
+            ("down_proj", vec![n, hidden, inter], down),
+        ] {
+            tensors.insert(
+                format!("{prefix}.experts.{name}"),
+                common::RawTensor {
+                    dtype: safetensors::Dtype::F16,
+                    shape,
+                    bytes,
+                },
+            );
+        }
+    }
+    // The rest of a Mixtral-style block moves to the `mlp` name too (router included).
+    let tensors = tensors
+        .into_iter()
+        .map(|(name, t)| (name.replace(".block_sparse_moe.", ".mlp."), t))
+        .collect();
+    common::write_safetensors(&path, &tensors);
+}
+
+#[test]
+fn fused_expert_storage_converts_to_the_same_tensors_as_per_expert_storage() {
+    for (i, fixture) in ["qwen2_moe", "mixtral", "deepseek_v2"].iter().enumerate() {
+        let model = Model::fixture(fixture);
+        let work = tempfile::tempdir().unwrap();
+        let mut bundles = Vec::new();
+        for fused in [false, true] {
+            let src = work.path().join(format!("hf-{fused}"));
+            model.write(&src, 500 + i as u64);
+            if fused {
+                fuse_experts(&src, &model);
+                let names = common::read_safetensors(&common::only_shard(&src));
+                assert!(names.keys().any(|n| n.ends_with(".experts.gate_up_proj")));
+                assert!(!names.keys().any(|n| n.contains(".experts.0.")));
+            }
+            let out = work.path().join(format!("{fused}.specter"));
+            let run = pack(&[
+                "convert".as_ref(),
+                src.as_os_str(),
+                "-o".as_ref(),
+                out.as_os_str(),
+            ]);
+            assert!(run.ok(), "{fixture} fused={fused}: {run:?}");
+            bundles.push(Bundle::open(&out).unwrap());
+        }
+        let names: Vec<&str> = bundles[0].tensor_names().collect();
+        assert_eq!(names, bundles[1].tensor_names().collect::<Vec<_>>());
+        for name in names {
+            let (a, b) = (
+                bundles[0].tensor(name).unwrap(),
+                bundles[1].tensor(name).unwrap(),
+            );
+            assert_eq!(a.shape, b.shape, "{fixture}: {name}");
+            assert!(a.bytes == b.bytes, "{fixture}: {name} differs");
+        }
+    }
+}
