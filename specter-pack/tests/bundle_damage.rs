@@ -86,14 +86,34 @@ fn the_good_bundle_verifies_and_inspects() {
     let run = inspect(&path);
     assert!(run.ok(), "{run:?}");
     assert!(run.stdout.contains("architecture deepseek_v2"), "{run:?}");
-    for name in [
-        "shared",
-        "experts.1",
-        "draft.2",
-        "tokenizer.json",
-        "config.json",
-    ] {
-        assert!(run.stdout.contains(name), "{name}: {run:?}");
+    let bundle = specter_format::Bundle::open(&path).unwrap();
+    let manifest = bundle.to_manifest().unwrap();
+    for section in &manifest.sections {
+        assert!(
+            run.stdout.contains(&format!("  {} ", section.name)),
+            "{}: {run:?}",
+            section.name
+        );
+    }
+    assert!(
+        run.stdout.contains(&format!(
+            "{} tensors, {} FP16 expert blobs",
+            manifest.tensors.len(),
+            manifest.experts.len()
+        )),
+        "{run:?}"
+    );
+    // --tensors lists every tensor with its dtype and shape.
+    let run = pack(&["inspect".as_ref(), path.as_os_str(), "--tensors".as_ref()]);
+    assert!(run.ok(), "{run:?}");
+    for t in &manifest.tensors {
+        let line = run
+            .stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(t.name.as_str()))
+            .unwrap_or_else(|| panic!("{} not listed: {run:?}", t.name));
+        assert!(line.contains(t.dtype.name()), "{line}");
+        assert!(line.contains(&format!("{:?}", t.shape)), "{line}");
     }
 }
 
