@@ -389,3 +389,62 @@ fn a_bundle_without_the_draft_runs_the_target_and_refuses_to_draft() {
         assert_clean_failure(&run, &["no draft tensor", "draft.layers.0.experts.0"]);
     }
 }
+
+#[test]
+fn draft_mode_runs_the_int4_draft_alone() {
+    let record = generate_json(&[
+        "--prompt-ids",
+        "11,12,13",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--mode",
+        "draft",
+    ]);
+    assert_eq!(record["mode"], "draft");
+    let got = tokens(&record, "tokens");
+    assert_eq!(got.len(), 12);
+    assert!(got.iter().all(|&t| t < VOCAB));
+}
+
+#[test]
+fn a_bundle_without_a_tokenizer_takes_ids_and_refuses_text() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/olmoe");
+    let work = tempfile::tempdir().unwrap();
+    let hf = work.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(name), hf.join(name)).unwrap();
+    }
+    let bundle = work.path().join("no-tokenizer.specter");
+    convert(&hf, &bundle, &ConvertOptions::default(), &Silent).unwrap();
+
+    let run = generate_on(&bundle, &["--prompt".into(), "hello".into()]);
+    assert_clean_failure(&run, &["no tokenizer.json", "--prompt-ids"]);
+    // Ids work; without a tokenizer the tokens are printed as ids, not streamed as text.
+    let args: Vec<String> = [
+        "--prompt-ids",
+        "7,8,9",
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let run = generate_on(&bundle, &args);
+    assert!(run.ok(), "{run:?}");
+    let printed: Vec<u32> = run
+        .stdout
+        .trim()
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(printed.len(), 5, "{run:?}");
+    let mut json_args = args.clone();
+    json_args.push("--json".into());
+    let run = generate_on(&bundle, &json_args);
+    let record: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(tokens(&record, "tokens"), printed);
+    assert!(record["text"].is_null());
+}
