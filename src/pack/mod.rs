@@ -119,6 +119,16 @@ fn convert_inner(
     let specs = arch::expected_tensors(&cfg);
     let plan = LayoutPlan::new(&cfg, &specs)?;
     let ignored = validate(&ckpt, &specs)?;
+    // The runtime loads the tokenizer with the model; one that does not load makes the bundle
+    // unusable, so find out now rather than after writing it.
+    if let Some(tok) = ckpt.tokenizer_json() {
+        tokenizers::Tokenizer::from_bytes(tok).map_err(|e| {
+            Error::Model(format!(
+                "{}: does not load as a tokenizer: {e}",
+                src.join("tokenizer.json").display()
+            ))
+        })?;
+    }
     if opts.quant == QuantMethod::Gptq {
         return Err(Error::Quant(
             "--quant gptq needs calibration, which this build does not provide yet; use --quant rtn".into(),
