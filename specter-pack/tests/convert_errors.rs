@@ -426,3 +426,17 @@ fn an_output_path_naming_an_input_file_is_refused_and_the_input_kept() {
     ]);
     assert!(run.ok(), "{run:?}");
 }
+
+#[test]
+fn a_tokenizer_that_does_not_load_is_refused_before_writing() {
+    let case = Case::new();
+    Model::fixture("mixtral").write(&case.src, 22);
+    let path = case.src.join("tokenizer.json");
+    let bytes = std::fs::read(&path).unwrap();
+    // Cut short: no longer JSON.
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    case.assert_fails_before_writing(&[&path.display().to_string(), "tokenizer"]);
+    // Valid JSON, but not a tokenizer.
+    std::fs::write(&path, r#"{"model": {"type": "NoSuchModel"}}"#).unwrap();
+    case.assert_fails_before_writing(&[&path.display().to_string(), "tokenizer"]);
+}
