@@ -440,3 +440,19 @@ fn a_tokenizer_that_does_not_load_is_refused_before_writing() {
     std::fs::write(&path, r#"{"model": {"type": "NoSuchModel"}}"#).unwrap();
     case.assert_fails_before_writing(&[&path.display().to_string(), "tokenizer"]);
 }
+
+#[test]
+fn a_tensor_of_an_integer_dtype_is_named() {
+    let case = Case::new();
+    let model = Model::fixture("qwen2_moe");
+    model.write(&case.src, 23);
+    let name = model.expert_tensor(Proj::Gate).name.clone();
+    let path = common::only_shard(&case.src);
+    let mut tensors = common::read_safetensors(&path);
+    let t = tensors.get_mut(&name).unwrap();
+    // The right shape, stored as 32-bit integers (as packed quantized weights are).
+    t.dtype = Dtype::I32;
+    t.bytes = t.bytes.iter().flat_map(|&b| [b, b]).collect();
+    common::write_safetensors(&path, &tensors);
+    case.assert_fails(&[], &[&name, "I32", "F16, BF16 or F32"]);
+}
