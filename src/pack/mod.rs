@@ -292,6 +292,7 @@ fn refuse_overwriting_input(ckpt: &Checkpoint, out: &Path) -> Result<()> {
         parent
     };
     let (Ok(out_dir), Ok(ckpt_dir)) = (parent.canonicalize(), ckpt.dir().canonicalize()) else {
+        // The output directory does not exist: the bundle writer says so.
         return Ok(());
     };
     let is_input = name.ends_with(".safetensors")
