@@ -17,12 +17,12 @@ pub enum FormatError {
     #[error("{0}")]
     Io(String),
 
-    /// Any other error, with the bundle file it concerns.
-    #[error("{}: {source}", path.display())]
+    /// Any other error, with the bundle file it concerns. The inner error is part of the message
+    /// and deliberately not reported as a separate `source()`, so that error chains print it once.
+    #[error("{}: {error}", path.display())]
     InFile {
         path: PathBuf,
-        #[source]
-        source: Box<FormatError>,
+        error: Box<FormatError>,
     },
 
     #[error(
@@ -203,7 +203,7 @@ impl FormatError {
     /// The specific error, looking through any [`FormatError::InFile`] wrapping.
     pub fn root(&self) -> &FormatError {
         match self {
-            FormatError::InFile { source, .. } => source.root(),
+            FormatError::InFile { error, .. } => error.root(),
             other => other,
         }
     }
@@ -219,7 +219,7 @@ impl FormatError {
             FormatError::Io(_) | FormatError::InFile { .. } => self,
             other => FormatError::InFile {
                 path: path.to_path_buf(),
-                source: Box::new(other),
+                error: Box::new(other),
             },
         }
     }

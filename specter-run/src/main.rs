@@ -194,8 +194,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         BackendArg::Cpu => BackendKind::Cpu,
         BackendArg::Cuda => BackendKind::Cuda,
     };
-    let session = Session::open(&args.bundle, backend)
-        .with_context(|| format!("loading {}", args.bundle.display()))?;
+    let session = Session::open(&args.bundle, backend)?;
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => session.encode(text)?,
         (None, Some(ids)) => ids.clone(),
@@ -218,19 +217,25 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
 
     // Stream text as tokens commit: decode everything so far and print what is new, so that
-    // multi-token characters come out whole.
+    // multi-token characters come out whole. Text ending in U+FFFD may be a character whose
+    // remaining bytes are still to come (its decoding then changes), so it is held back.
     let stream = !args.json && session.has_tokenizer();
     let mut committed: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let mut stdout = std::io::stdout();
+    let mut print_new = |text: String, printed: &mut String| {
+        if let Some(new) = text.strip_prefix(printed.as_str()) {
+            let _ = write!(stdout, "{new}");
+            let _ = stdout.flush();
+            *printed = text;
+        }
+    };
     let mut on_token = |t: u32| {
         committed.push(t);
         if stream {
             if let Ok(text) = session.decode(&committed) {
-                if let Some(new) = text.strip_prefix(printed.as_str()) {
-                    let _ = write!(stdout, "{new}");
-                    let _ = stdout.flush();
-                    printed = text;
+                if !text.ends_with(char::REPLACEMENT_CHARACTER) {
+                    print_new(text, &mut printed);
                 }
             }
         }
@@ -269,9 +274,6 @@ fn generate(args: GenerateArgs) -> Result<()> {
             decode::generate_with_offload(&session.model, &prompt, &opts, &mut sim, &mut on_token)?
         }
     };
-    if stream {
-        println!();
-    }
 
     let s = &output.stats;
     let text = if session.has_tokenizer() {
@@ -279,6 +281,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
     } else {
         None
     };
+    if stream {
+        // Whatever was held back at the end.
+        if let Some(text) = &text {
+            print_new(text.clone(), &mut printed);
+        }
+        println!();
+    }
     if args.json {
         let offload = s.offload.as_ref().map(|o| {
             json!({
@@ -405,8 +414,7 @@ fn probe(
     depth: usize,
     json: bool,
 ) -> Result<()> {
-    let session = Session::open(&path, BackendKind::Cpu)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let session = Session::open(&path, BackendKind::Cpu)?;
     let tokens = match (prompt, prompt_ids, calib) {
         (Some(text), _, _) => session.encode(&text)?,
         (None, Some(ids), _) => ids,

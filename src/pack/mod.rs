@@ -113,11 +113,22 @@ fn convert_inner(
 ) -> Result<ConvertReport> {
     progress.stage("reading checkpoint");
     let ckpt = Checkpoint::open(src)?;
+    refuse_overwriting_input(&ckpt, out)?;
     let cfg = ArchConfig::from_config_json(ckpt.config_json())
         .map_err(|e| Error::Model(format!("{}: {e}", src.join("config.json").display())))?;
     let specs = arch::expected_tensors(&cfg);
     let plan = LayoutPlan::new(&cfg, &specs)?;
     let ignored = validate(&ckpt, &specs)?;
+    // The runtime loads the tokenizer with the model; one that does not load makes the bundle
+    // unusable, so find out now rather than after writing it.
+    if let Some(tok) = ckpt.tokenizer_json() {
+        tokenizers::Tokenizer::from_bytes(tok).map_err(|e| {
+            Error::Model(format!(
+                "{}: does not load as a tokenizer: {e}",
+                src.join("tokenizer.json").display()
+            ))
+        })?;
+    }
     if opts.quant == QuantMethod::Gptq {
         return Err(Error::Quant(
             "--quant gptq needs calibration, which this build does not provide yet; use --quant rtn".into(),
@@ -265,6 +276,40 @@ fn convert_inner(
         mean_rel_err,
         ignored_tensors: ignored,
     })
+}
+
+/// The bundle is renamed over whatever `out` names, so an output path naming one of the
+/// checkpoint's input files (or a new shard the reader would pick up) would destroy the input.
+fn refuse_overwriting_input(ckpt: &Checkpoint, out: &Path) -> Result<()> {
+    let (Some(name), Some(parent)) = (out.file_name().and_then(|n| n.to_str()), out.parent())
+    else {
+        // Not a file path: the bundle writer says why.
+        return Ok(());
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let (Ok(out_dir), Ok(ckpt_dir)) = (parent.canonicalize(), ckpt.dir().canonicalize()) else {
+        // The output directory does not exist: the bundle writer says so.
+        return Ok(());
+    };
+    let is_input = name.ends_with(".safetensors")
+        || [
+            "config.json",
+            "tokenizer.json",
+            crate::checkpoint::INDEX_FILE,
+        ]
+        .contains(&name);
+    if out_dir == ckpt_dir && is_input {
+        return Err(Error::Io(format!(
+            "output {} would replace the checkpoint's own {name}; write the bundle to another path \
+             (for example model.specter)",
+            out.display()
+        )));
+    }
+    Ok(())
 }
 
 fn dims(shape: &[usize]) -> Vec<u64> {

@@ -1,0 +1,450 @@
+//! `specter-run generate` on a bundle converted from a checkpoint made by transformers
+//! (tests/fixtures/qwen2_moe): speculative decoding gives the target's tokens at every depth and
+//! residency, text prompts and streaming work, and bad requests or bundles fail cleanly.
+
+#[path = "../../specter-pack/tests/common/cli.rs"]
+mod cli;
+#[path = "../../specter-pack/tests/common/damage.rs"]
+mod damage;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use cli::{assert_clean_failure, Run};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::Value;
+use specter::pack::{convert, ConvertOptions, Silent};
+
+/// Experts per MoE layer and vocabulary of the fixture.
+const EXPERTS: usize = 8;
+const VOCAB: u32 = 512;
+
+struct Converted {
+    dir: tempfile::TempDir,
+    bundle: PathBuf,
+}
+
+/// The fixture converted once per test binary.
+fn converted() -> &'static Converted {
+    static ONCE: OnceLock<Converted> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen2_moe");
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = dir.path().join("qwen2_moe.specter");
+        convert(&src, &bundle, &ConvertOptions::default(), &Silent).unwrap();
+        Converted { dir, bundle }
+    })
+}
+
+fn generate_on(bundle: &Path, args: &[String]) -> Run {
+    let mut all = vec!["generate".to_string(), bundle.display().to_string()];
+    all.extend(args.iter().cloned());
+    cli::run(env!("CARGO_BIN_EXE_specter-run"), &all)
+}
+
+fn generate(args: &[&str]) -> Run {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    generate_on(&converted().bundle, &args)
+}
+
+/// Runs with `--json` and returns the record.
+fn generate_json(args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let run = generate(&all);
+    assert!(run.ok(), "{args:?}: {run:?}");
+    serde_json::from_str(&run.stdout).unwrap_or_else(|e| panic!("{e}: {run:?}"))
+}
+
+fn tokens(record: &Value, key: &str) -> Vec<u32> {
+    record[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {key} in {record}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// `base` followed by `extra`.
+fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    base.iter().chain(extra).copied().collect()
+}
+
+fn ids(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[test]
+fn specter_mode_gives_the_target_tokens_at_every_depth_and_residency() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let new_tokens = "24";
+    for prompt_len in [1usize, 9] {
+        // Ids from 3 up: 0..=2 are the pad, BOS and EOS tokens.
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|_| rng.random_range(3..VOCAB))
+            .collect();
+        let prompt = ids(&prompt);
+        let base = [
+            "--prompt-ids",
+            prompt.as_str(),
+            "--max-new-tokens",
+            new_tokens,
+            "--ignore-eos",
+        ];
+        let reference = generate_json(&with(&base, &["--mode", "target"]));
+        let want = tokens(&reference, "tokens");
+        assert_eq!(want.len(), 24);
+        assert_eq!(reference["mode"], "target");
+        assert!(reference["stats"]["cache"].is_null());
+
+        let all = EXPERTS.to_string();
+        for resident in [None, Some("1"), Some("2"), Some(all.as_str())] {
+            for depth in ["1", "4", "16"] {
+                let mut extra = vec!["--mode", "specter", "--depth", depth];
+                if let Some(r) = resident {
+                    extra.extend(["--resident-experts", r]);
+                }
+                let record = generate_json(&with(&base, &extra));
+                let what = format!("prompt {prompt} depth {depth} resident {resident:?}");
+                assert_eq!(tokens(&record, "tokens"), want, "{what}");
+                assert_eq!(tokens(&record, "prompt_tokens").len(), prompt_len);
+                assert_eq!(record["mode"], "specter");
+                assert_eq!(record["depth"], depth.parse::<u64>().unwrap());
+                let stats = &record["stats"];
+                assert_eq!(stats["generated_tokens"], 24);
+                assert!(stats["drafted"].as_u64().unwrap() > 0, "{what}");
+                assert!(stats["accepted"].as_u64() <= stats["drafted"].as_u64());
+                let cache = &stats["cache"];
+                match resident {
+                    None => assert!(cache.is_null(), "{what}"),
+                    Some(r) => {
+                        let (hits, misses) = (
+                            cache["hits"].as_u64().unwrap(),
+                            cache["misses"].as_u64().unwrap(),
+                        );
+                        assert_eq!(hits + misses, cache["lookups"].as_u64().unwrap());
+                        assert!(hits + misses > 0);
+                        if r == all {
+                            // Every expert resident from the start: nothing is ever copied.
+                            assert_eq!(misses, 0, "{what}");
+                            assert_eq!(cache["bytes_moved"], 0, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        // Offloading in target mode does not change the output either.
+        for resident in ["1", "3"] {
+            let record = generate_json(&with(
+                &base,
+                &["--mode", "target", "--resident-experts", resident],
+            ));
+            assert_eq!(
+                tokens(&record, "tokens"),
+                want,
+                "target, {resident} resident"
+            );
+            assert!(record["stats"]["cache"]["misses"].as_u64().unwrap() > 0);
+        }
+    }
+}
+
+#[test]
+fn a_text_prompt_is_tokenized_and_the_stream_prints_the_text() {
+    let text = "The quick brown fox";
+    let args = [
+        "--prompt",
+        text,
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--depth",
+        "3",
+    ];
+    let record = generate_json(&args);
+    let prompt = tokens(&record, "prompt_tokens");
+    assert!(prompt.len() >= 2, "{record}");
+    let generated = tokens(&record, "tokens");
+    assert_eq!(generated.len(), 16);
+    let decoded = record["text"].as_str().unwrap().to_string();
+
+    // The same ids given directly give the same continuation.
+    let prompt_ids = ids(&prompt);
+    let by_ids = generate_json(&[
+        "--prompt-ids",
+        &prompt_ids,
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--depth",
+        "3",
+    ]);
+    assert_eq!(tokens(&by_ids, "tokens"), generated);
+
+    // Without --json the text is streamed to stdout (and a summary goes to stderr).
+    let run = generate(&args);
+    assert!(run.ok(), "{run:?}");
+    assert_eq!(run.stdout, format!("{decoded}\n"), "{run:?}");
+    assert!(run.stderr.contains("[16 tokens"), "{run:?}");
+    assert!(!run.stderr.contains("error"), "{run:?}");
+}
+
+#[test]
+fn token_ids_outside_the_vocabulary_are_refused() {
+    let run = generate(&["--prompt-ids", "5,17,512"]);
+    assert_clean_failure(&run, &["512", "outside the vocabulary", "512)"]);
+    let run = generate(&["--prompt-ids", "4294967295"]);
+    assert_clean_failure(&run, &["4294967295", "outside the vocabulary"]);
+    // Not a number at all: refused by the argument parser.
+    let run = generate(&["--prompt-ids", "5,-3"]);
+    assert_clean_failure(&run, &["--prompt-ids"]);
+    assert_eq!(run.code, Some(2));
+}
+
+#[test]
+fn an_empty_prompt_is_refused() {
+    let run = generate(&["--prompt", ""]);
+    assert_clean_failure(&run, &["prompt is empty"]);
+    let run = generate(&["--prompt-ids", ""]);
+    assert_clean_failure(&run, &["--prompt-ids", "empty"]);
+    // No prompt at all.
+    let run = generate(&[]);
+    assert_clean_failure(&run, &["required arguments were not provided"]);
+    assert!(run.stderr.contains("--prompt <PROMPT>"), "{run:?}");
+    assert_eq!(run.code, Some(2));
+}
+
+#[test]
+fn more_tokens_than_the_context_are_refused() {
+    let run = generate(&["--prompt-ids", "5,6,7", "--max-new-tokens", "1000000"]);
+    assert_clean_failure(&run, &["1000000", "context of 4096"]);
+    let run = generate(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "18446744073709551615",
+        "--mode",
+        "target",
+    ]);
+    assert_clean_failure(&run, &["context"]);
+}
+
+#[test]
+fn an_unknown_mode_is_a_usage_error() {
+    let run = generate(&["--prompt-ids", "5", "--mode", "fastest"]);
+    assert_clean_failure(&run, &["fastest", "--mode"]);
+    assert_eq!(run.code, Some(2));
+    assert!(run.stderr.contains("specter, target, draft"), "{run:?}");
+}
+
+#[test]
+fn depth_zero_is_refused() {
+    let run = generate(&["--prompt-ids", "5", "--depth", "0"]);
+    assert_clean_failure(&run, &["--depth", "at least 1"]);
+}
+
+#[test]
+fn resident_experts_outside_one_to_all_are_refused() {
+    let too_many = (EXPERTS + 1).to_string();
+    for bad in ["0", too_many.as_str()] {
+        let run = generate(&["--prompt-ids", "5", "--resident-experts", bad]);
+        assert_clean_failure(&run, &["--resident-experts", "between 1 and 8"]);
+    }
+    let run = generate(&[
+        "--prompt-ids",
+        "5",
+        "--resident-experts",
+        "2",
+        "--bandwidth-gbps",
+        "0",
+    ]);
+    assert_clean_failure(&run, &["--bandwidth-gbps", "positive"]);
+}
+
+#[test]
+fn bad_sampling_parameters_are_refused() {
+    let run = generate(&["--prompt-ids", "5", "--temperature", "NaN"]);
+    assert_clean_failure(&run, &["temperature", "NaN"]);
+    let run = generate(&["--prompt-ids", "5", "--temperature", "1", "--top-p", "1.5"]);
+    assert_clean_failure(&run, &["top_p", "1.5"]);
+}
+
+#[test]
+fn the_cuda_backend_without_a_gpu_build_is_refused_clearly() {
+    let run = generate(&["--prompt-ids", "5", "--backend", "cuda"]);
+    assert_clean_failure(&run, &["cuda", "--backend cpu"]);
+}
+
+/// `specter-run generate` on `bytes` written as a file fails mentioning `needles` and the path.
+fn assert_bundle_refused(name: &str, bytes: &[u8], needles: &[&str]) {
+    let path = converted().dir.path().join(name);
+    std::fs::write(&path, bytes).unwrap();
+    let run = generate_on(&path, &["--prompt-ids".to_string(), "5,6".to_string()]);
+    let mut all = vec![path.to_str().unwrap()];
+    all.extend(needles);
+    assert_clean_failure(&run, &all);
+    assert!(run.stdout.is_empty(), "{run:?}");
+}
+
+#[test]
+fn damaged_or_foreign_bundles_are_refused() {
+    let good = std::fs::read(&converted().bundle).unwrap();
+    assert_bundle_refused(
+        "v2.specter",
+        &damage::newer_major(&good),
+        &["version 2.x", "newer than this build supports"],
+    );
+    assert_bundle_refused(
+        "magic.specter",
+        &damage::wrong_magic(&good),
+        &["not a Specter bundle"],
+    );
+    assert_bundle_refused(
+        "cut.specter",
+        &damage::truncated(&good, good.len() - 4096),
+        &["truncated"],
+    );
+    assert_bundle_refused(
+        "out.specter",
+        &damage::section_outside_file(&good, "experts.1"),
+        &["experts.1", "lies outside"],
+    );
+    let config = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen2_moe/config.json"),
+    )
+    .unwrap();
+    assert_bundle_refused("config.json", &config, &["not a Specter bundle"]);
+    let missing = converted().dir.path().join("missing.specter");
+    let run = generate_on(&missing, &["--prompt-ids".to_string(), "5".to_string()]);
+    assert_clean_failure(&run, &["missing.specter", "No such file"]);
+}
+
+/// The good bundle with its manifest edited by `edit` (header re-sealed to match).
+fn with_edited_manifest(edit: impl FnOnce(&mut specter_format::Manifest)) -> Vec<u8> {
+    let good = std::fs::read(&converted().bundle).unwrap();
+    let mut manifest = damage::manifest(&good);
+    edit(&mut manifest);
+    damage::with_manifest(&good, &manifest)
+}
+
+#[test]
+fn a_bundle_lacking_a_tensor_names_it() {
+    let name = "model.layers.1.self_attn.k_proj.weight";
+    let bytes = with_edited_manifest(|m| m.tensors.retain(|t| t.name != name));
+    assert_bundle_refused("no-tensor.specter", &bytes, &[name]);
+}
+
+#[test]
+fn a_bundle_of_an_unsupported_architecture_lists_the_supported_ones() {
+    let bytes = with_edited_manifest(|m| {
+        m.architecture = "gpt2".into();
+        m.hyperparameters_json = m.hyperparameters_json.replace("\"qwen2_moe\"", "\"gpt2\"");
+    });
+    let mut needles = vec!["gpt2"];
+    needles.extend(specter::arch::SUPPORTED_MODEL_TYPES);
+    assert_bundle_refused("gpt2.specter", &bytes, &needles);
+}
+
+#[test]
+fn a_bundle_without_the_draft_runs_the_target_and_refuses_to_draft() {
+    let bytes = with_edited_manifest(|m| m.tensors.retain(|t| !t.name.starts_with("draft.")));
+    let path = converted().dir.path().join("no-draft.specter");
+    std::fs::write(&path, bytes).unwrap();
+    let args = |mode: &str| -> Vec<String> {
+        [
+            "--prompt-ids",
+            "5,6,7",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            "--mode",
+            mode,
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run = generate_on(&path, &args("target"));
+    assert!(run.ok(), "{run:?}");
+    let reference = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--mode",
+        "target",
+    ]);
+    assert_eq!(tokens(&reference, "tokens").len(), 4);
+    let record: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(tokens(&record, "tokens"), tokens(&reference, "tokens"));
+    for mode in ["specter", "draft"] {
+        let run = generate_on(&path, &args(mode));
+        assert_clean_failure(&run, &["no draft tensor", "draft.layers.0.experts.0"]);
+    }
+}
+
+#[test]
+fn draft_mode_runs_the_int4_draft_alone() {
+    let record = generate_json(&[
+        "--prompt-ids",
+        "11,12,13",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--mode",
+        "draft",
+    ]);
+    assert_eq!(record["mode"], "draft");
+    let got = tokens(&record, "tokens");
+    assert_eq!(got.len(), 12);
+    assert!(got.iter().all(|&t| t < VOCAB));
+}
+
+#[test]
+fn a_bundle_without_a_tokenizer_takes_ids_and_refuses_text() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/olmoe");
+    let work = tempfile::tempdir().unwrap();
+    let hf = work.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(name), hf.join(name)).unwrap();
+    }
+    let bundle = work.path().join("no-tokenizer.specter");
+    convert(&hf, &bundle, &ConvertOptions::default(), &Silent).unwrap();
+
+    let run = generate_on(&bundle, &["--prompt".into(), "hello".into()]);
+    assert_clean_failure(&run, &["no tokenizer.json", "--prompt-ids"]);
+    // Ids work; without a tokenizer the tokens are printed as ids, not streamed as text.
+    let args: Vec<String> = [
+        "--prompt-ids",
+        "7,8,9",
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let run = generate_on(&bundle, &args);
+    assert!(run.ok(), "{run:?}");
+    let printed: Vec<u32> = run
+        .stdout
+        .trim()
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(printed.len(), 5, "{run:?}");
+    let mut json_args = args.clone();
+    json_args.push("--json".into());
+    let run = generate_on(&bundle, &json_args);
+    let record: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(tokens(&record, "tokens"), printed);
+    assert!(record["text"].is_null());
+}
