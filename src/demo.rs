@@ -11,9 +11,7 @@ use crate::arch::{expected_tensors, ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
 use crate::decode::{generate, generate_with_offload, GenerateOptions, Mode, Sampling};
 use crate::model::{LanguageModel, NoHook};
-use crate::offload::{
-    ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
-};
+use crate::offload::{OffloadSimulator, Policy, SimulatorConfig};
 use crate::pack::{convert, ConvertOptions, Silent};
 use crate::{synth, Error, Result};
 
@@ -127,17 +125,12 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         target.stats.tpot_ms
     ));
     let slots = opts.resident_experts.clamp(1, info.num_experts);
-    let mut sim = OffloadSimulator::new(SimulatorConfig {
-        residency: ResidencyConfig::for_model(&info, slots, Policy::Specter),
-        initial: InitialResidency::FirstExperts,
-        bandwidth_bytes_per_s: 55e9,
-        latency_s: 0.0,
-        compute: ComputeModel {
-            draft_step_s: 0.0,
-            target_pass_s: 0.0,
-            target_row_s: 0.0,
-        },
-    })?;
+    let mut sim = OffloadSimulator::new(SimulatorConfig::copies_only(
+        &info,
+        slots,
+        Policy::Specter,
+        55e9,
+    ))?;
     let spec = generate_with_offload(
         &model,
         &prompt,

@@ -9,9 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
 use specter::decode::{self, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::NoHook;
-use specter::offload::{
-    ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
-};
+use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
 use specter::session::{BackendKind, Session};
 
 #[derive(Parser)]
@@ -259,18 +257,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
             } else {
                 Policy::Lru
             };
-            let mut sim = OffloadSimulator::new(SimulatorConfig {
-                residency: ResidencyConfig::for_model(info, slots, policy),
-                initial: InitialResidency::FirstExperts,
-                bandwidth_bytes_per_s: args.bandwidth_gbps * 1e9,
-                latency_s: 0.0,
-                // Compute is not simulated on the CPU: the clock then measures copy time only.
-                compute: ComputeModel {
-                    draft_step_s: 0.0,
-                    target_pass_s: 0.0,
-                    target_row_s: 0.0,
-                },
-            })?;
+            // Compute is not simulated on the CPU: the clock measures copy time only.
+            let mut sim = OffloadSimulator::new(SimulatorConfig::copies_only(
+                info,
+                slots,
+                policy,
+                args.bandwidth_gbps * 1e9,
+            ))?;
             decode::generate_with_offload(&session.model, &prompt, &opts, &mut sim, &mut on_token)?
         }
     };

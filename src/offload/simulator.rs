@@ -37,6 +37,31 @@ pub struct SimulatorConfig {
     pub compute: ComputeModel,
 }
 
+impl SimulatorConfig {
+    /// Copies only: `slots` experts per layer resident from the first ones on, copies at
+    /// `bandwidth_bytes_per_s` with no latency, and no compute time, so the simulated clock
+    /// measures the time spent copying experts. What the CPU runtime reports when it has no
+    /// model of the GPU's compute time.
+    pub fn copies_only(
+        info: &ModelInfo,
+        slots: usize,
+        policy: Policy,
+        bandwidth_bytes_per_s: f64,
+    ) -> Self {
+        SimulatorConfig {
+            residency: ResidencyConfig::for_model(info, slots, policy),
+            initial: InitialResidency::FirstExperts,
+            bandwidth_bytes_per_s,
+            latency_s: 0.0,
+            compute: ComputeModel {
+                draft_step_s: 0.0,
+                target_pass_s: 0.0,
+                target_row_s: 0.0,
+            },
+        }
+    }
+}
+
 /// Figures of an offloaded run. Lookups count each (pass, MoE layer, expert) once.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct OffloadStats {
