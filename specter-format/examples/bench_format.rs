@@ -1,4 +1,5 @@
-//! Measures the bundle's costs: write throughput, open time (median of 20) for a small and a large
+//! Measures the bundle's costs: write throughput and CPU time (in all, and on the writing thread,
+//! which is what more cores cannot shorten), open time (median of 20) for a small and a large
 //! bundle, and verify throughput (median of 3).
 //!
 //! Usage: cargo run --release -p specter-format --example bench_format -- \
