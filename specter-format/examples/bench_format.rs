@@ -1,4 +1,5 @@
-//! Measures the bundle's costs: write throughput, open time (median of 20) for a small and a large
+//! Measures the bundle's costs: write throughput and CPU time (in all, and on the writing thread,
+//! which is what more cores cannot shorten), open time (median of 20) for a small and a large
 //! bundle, and verify throughput (median of 3).
 //!
 //! Usage: cargo run --release -p specter-format --example bench_format -- \
@@ -141,7 +142,17 @@ fn write_bundle(path: &Path, bytes: u64, pool: &[u8]) -> Result<(u64, Duration)>
 /// CPU time used by this process so far (all threads), from /proc/self/stat, where available: on
 /// a shared machine it shows what the work costs independently of how much CPU it was given.
 fn process_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    cpu_seconds_from("/proc/self/stat")
+}
+
+/// CPU time used so far by the calling thread alone: for the writer, the serial part that more
+/// cores cannot shorten.
+fn thread_cpu_seconds() -> Option<f64> {
+    cpu_seconds_from("/proc/thread-self/stat")
+}
+
+fn cpu_seconds_from(stat_path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(stat_path).ok()?;
     // Fields after the parenthesized command name; utime and stime are fields 14 and 15 overall.
     let rest = stat.rsplit_once(')')?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -165,12 +176,19 @@ fn main() -> Result<()> {
     ];
     for (label, target) in cases {
         let path = args.dir.join(format!("bench-{label}.specter"));
+        let cpu_before_write = process_cpu_seconds().zip(thread_cpu_seconds());
         let (len, write_time) = write_bundle(&path, target, &pool)?;
+        let write_cpu = cpu_before_write
+            .zip(process_cpu_seconds().zip(thread_cpu_seconds()))
+            .map(|((all0, own0), (all1, own1))| (all1 - all0, own1 - own0));
         println!(
-            "{label}: wrote {:.3} GiB in {:.2} s ({:.2} GB/s, including sha256 and fsync)",
+            "{label}: wrote {:.3} GiB in {:.2} s ({:.2} GB/s, including sha256 and fsync){}",
             len as f64 / gib,
             write_time.as_secs_f64(),
-            len as f64 / write_time.as_secs_f64() / 1e9
+            len as f64 / write_time.as_secs_f64() / 1e9,
+            write_cpu.map_or(String::new(), |(all, own)| format!(
+                "; CPU {all:.2} s in all, {own:.2} s on the writing thread"
+            ))
         );
         let opens: Vec<Duration> = (0..20)
             .map(|_| {

@@ -1,11 +1,19 @@
-//! Streaming bundle writer: sections are hashed as they are written and never held in memory; the
+//! Streaming bundle writer: sections are streamed to a temp file and never held in memory; the
 //! file appears under its final name only when complete (temp file, fsync, rename, fsync dir).
+//!
+//! Hashing is kept off the writing thread: inline sha256 would cap writing at one core's hashing
+//! speed. Each section, once ended, is hashed from the temp file (read back through a read-only
+//! map, normally straight from the page cache) by a job on the rayon pool, in parallel with the
+//! caller writing the next sections; [`BundleWriter::finish`] hashes in parallel whatever no idle
+//! thread has picked up yet and waits for the rest.
 
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::header::{Header, HEADER_LEN};
@@ -24,7 +32,6 @@ struct OpenSection {
     name: String,
     kind: SectionKind,
     offset: u64,
-    hasher: Sha256,
     tensors: usize,
     raw_bytes: bool,
 }
@@ -36,10 +43,98 @@ struct OpenExpert {
     tensors: usize,
 }
 
+/// Where the sha256 of one ended section stands. The job queued for it and `finish` race to claim
+/// it; whoever moves it out of `Pending` hashes it, so no section is hashed twice and `finish`
+/// never waits on a job that has not started (which could be queued behind it on its own thread).
+enum HashState {
+    Pending,
+    Running,
+    Done(Result<[u8; 32]>),
+    /// Taken by `finish`, or given up because the writer was dropped.
+    Closed,
+}
+
+/// One ended section's hash: which bytes of the temp file, and the state of their sha256.
+struct SectionHash {
+    name: String,
+    offset: u64,
+    length: u64,
+    state: Mutex<HashState>,
+    done: Condvar,
+}
+
+impl SectionHash {
+    fn lock(&self) -> MutexGuard<'_, HashState> {
+        // A panic while holding this lock leaves a state that is still meaningful; carry on.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Hashes the section if nobody has claimed it yet (what the background job does).
+    fn run_if_pending(&self, file: &File) {
+        {
+            let mut state = self.lock();
+            if !matches!(*state, HashState::Pending) {
+                return;
+            }
+            *state = HashState::Running;
+        }
+        let result = hash_file_range(file, self.offset, self.length, &self.name);
+        *self.lock() = HashState::Done(result);
+        self.done.notify_all();
+    }
+
+    /// The section's sha256: hashed here if still pending, otherwise waited for. Waiting is safe:
+    /// a `Running` hash is executing on another thread and calls nothing that could block on us.
+    fn take(&self, file: &File) -> Result<[u8; 32]> {
+        let mut state = self.lock();
+        loop {
+            match std::mem::replace(&mut *state, HashState::Closed) {
+                HashState::Pending => {
+                    drop(state);
+                    return hash_file_range(file, self.offset, self.length, &self.name);
+                }
+                HashState::Running => {
+                    *state = HashState::Running;
+                    state = self
+                        .done
+                        .wait(state)
+                        .unwrap_or_else(|poisoned| poisoned.into_inner());
+                }
+                HashState::Done(result) => return result,
+                HashState::Closed => {
+                    return Err(FormatError::WriterMisuse(format!(
+                        "the sha256 of section {:?} was already taken",
+                        self.name
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Gives up on the hash: cancels it if it has not started, waits for it if it has, so that no
+    /// job still reads the temp file once this returns.
+    fn cancel(&self) {
+        let mut state = self.lock();
+        while matches!(*state, HashState::Running) {
+            state = self
+                .done
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        *state = HashState::Closed;
+    }
+}
+
 /// Writes a bundle, one section at a time. See docs/FORMAT.md for the layout it produces.
 pub struct BundleWriter {
     /// `None` once finished (or after the file was handed to `finish`).
     out: Option<BufWriter<File>>,
+    /// A second handle on the temp file, from which ended sections are read back to be hashed.
+    reader: Arc<File>,
+    /// One per entry of `sections`, in the same order.
+    hashes: Vec<Arc<SectionHash>>,
     path: PathBuf,
     temp_path: PathBuf,
     /// Bytes written so far: the absolute offset of the next byte.
@@ -83,13 +178,27 @@ impl BundleWriter {
         temp_name.push(format!(".tmp-{}", std::process::id()));
         let temp_path = dir.join(temp_name);
         let file = OpenOptions::new()
+            .read(true)
             .write(true)
             .create(true)
             .truncate(true)
             .open(&temp_path)
             .map_err(|e| bad_path(&format!("cannot create {}: {e}", temp_path.display())))?;
+        let reader = match file.try_clone() {
+            Ok(reader) => Arc::new(reader),
+            Err(e) => {
+                drop(file);
+                let _ = std::fs::remove_file(&temp_path);
+                return Err(bad_path(&format!(
+                    "cannot reopen {}: {e}",
+                    temp_path.display()
+                )));
+            }
+        };
         let mut writer = BundleWriter {
             out: Some(BufWriter::with_capacity(WRITE_BUFFER, file)),
+            reader,
+            hashes: Vec::new(),
             path: path.to_path_buf(),
             temp_path,
             pos: 0,
@@ -103,7 +212,7 @@ impl BundleWriter {
             open_expert: None,
         };
         // The header is written last, when the manifest's place and hash are known; reserve its page.
-        writer.write_unhashed_zeros(HEADER_LEN as u64)?;
+        writer.write_zeros(HEADER_LEN as u64)?;
         Ok(writer)
     }
 
@@ -118,12 +227,11 @@ impl BundleWriter {
         if !self.section_names.insert(name.to_string()) {
             return Err(FormatError::DuplicateSection(name.to_string()));
         }
-        self.pad_unhashed_to(PAGE)?;
+        self.pad_between_sections_to(PAGE)?;
         self.open_section = Some(OpenSection {
             name: name.to_string(),
             kind,
             offset: self.pos,
-            hasher: Sha256::new(),
             tensors: 0,
             raw_bytes: false,
         });
@@ -162,9 +270,9 @@ impl BundleWriter {
         if self.tensor_names.contains(name) {
             return Err(FormatError::DuplicateTensor(name.to_string()));
         }
-        self.pad_hashed_to(TENSOR_ALIGN)?;
+        self.pad_section_to(TENSOR_ALIGN)?;
         let offset = self.pos;
-        self.write_hashed(bytes)?;
+        self.write_bytes(bytes)?;
         self.tensor_names.insert(name.to_string());
         self.tensors.push(TensorEntry {
             name: name.to_string(),
@@ -207,7 +315,7 @@ impl BundleWriter {
         if !self.expert_keys.insert((layer, expert)) {
             return Err(FormatError::DuplicateExpert { layer, expert });
         }
-        self.pad_hashed_to(PAGE)?;
+        self.pad_section_to(PAGE)?;
         self.open_expert = Some(OpenExpert {
             layer,
             expert,
@@ -262,10 +370,11 @@ impl BundleWriter {
             )));
         }
         section.raw_bytes = true;
-        self.write_hashed(bytes)
+        self.write_bytes(bytes)
     }
 
-    /// Closes the open section and records its length and sha256.
+    /// Closes the open section and records its length; its sha256 is computed in the background
+    /// (see the module documentation) and written into the manifest by `finish`.
     pub fn end_section(&mut self) -> Result<()> {
         if let Some(open) = &self.open_expert {
             return Err(FormatError::WriterMisuse(format!(
@@ -277,12 +386,31 @@ impl BundleWriter {
             .open_section
             .take()
             .ok_or_else(|| FormatError::WriterMisuse("end_section with no open section".into()))?;
+        let length = self.pos - open.offset;
+        // The hashing job reads the file, so the section's last bytes must have left the buffer.
+        let temp = &self.temp_path;
+        self.out
+            .as_mut()
+            .ok_or_else(|| FormatError::WriterMisuse("end_section after finish".into()))?
+            .flush()
+            .map_err(|e| FormatError::io(format!("writing {}", temp.display()), e))?;
+        let hash = Arc::new(SectionHash {
+            name: open.name.clone(),
+            offset: open.offset,
+            length,
+            state: Mutex::new(HashState::Pending),
+            done: Condvar::new(),
+        });
+        self.hashes.push(Arc::clone(&hash));
+        let reader = Arc::clone(&self.reader);
+        rayon::spawn(move || hash.run_if_pending(&reader));
         self.sections.push(SectionEntry {
             name: open.name,
             kind: open.kind,
             offset: open.offset,
-            length: self.pos - open.offset,
-            sha256: open.hasher.finalize().into(),
+            length,
+            // Filled in by `finish` once the hash is known.
+            sha256: [0; 32],
         });
         Ok(())
     }
@@ -302,6 +430,8 @@ impl BundleWriter {
                 open.name
             )));
         }
+        // Every section's bytes were flushed to the file when it ended.
+        self.collect_section_hashes()?;
         let manifest = Manifest {
             architecture: architecture.to_string(),
             hyperparameters_json: hyperparameters_json.to_string(),
@@ -312,10 +442,11 @@ impl BundleWriter {
         };
         let manifest_bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&manifest)
             .map_err(|e| FormatError::ManifestEncode(e.to_string()))?;
-        self.pad_unhashed_to(PAGE)?;
+        self.pad_between_sections_to(PAGE)?;
         let manifest_offset = self.pos;
-        self.write_unhashed(&manifest_bytes)?;
+        self.write_bytes(&manifest_bytes)?;
         let file_len = self.pos;
+        let temp = self.temp_path.display().to_string();
         let header = Header::new(
             file_len,
             manifest_offset,
@@ -323,7 +454,6 @@ impl BundleWriter {
             Sha256::digest(&manifest_bytes).into(),
         );
 
-        let temp = self.temp_path.display().to_string();
         let out = self
             .out
             .take()
@@ -346,7 +476,7 @@ impl BundleWriter {
         Ok(file_len)
     }
 
-    fn write_unhashed(&mut self, bytes: &[u8]) -> Result<()> {
+    fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
         let temp = &self.temp_path;
         let out = self
             .out
@@ -358,34 +488,44 @@ impl BundleWriter {
         Ok(())
     }
 
-    /// Writes bytes that belong to the open section, so they go into its checksum.
-    fn write_hashed(&mut self, bytes: &[u8]) -> Result<()> {
-        if let Some(section) = &mut self.open_section {
-            section.hasher.update(bytes);
+    /// Waits for every section's sha256 (hashing in parallel those no job has started, largest
+    /// first so that one big section does not start last) and records them in `sections`.
+    fn collect_section_hashes(&mut self) -> Result<()> {
+        let mut order: Vec<usize> = (0..self.hashes.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.hashes[i].length));
+        let reader = &*self.reader;
+        let hashes = &self.hashes;
+        let results: Vec<(usize, Result<[u8; 32]>)> = order
+            .into_par_iter()
+            .map(|i| (i, hashes[i].take(reader)))
+            .collect();
+        for (i, result) in results {
+            self.sections[i].sha256 = result?;
         }
-        self.write_unhashed(bytes)
+        self.hashes.clear();
+        Ok(())
     }
 
-    fn write_unhashed_zeros(&mut self, mut count: u64) -> Result<()> {
+    fn write_zeros(&mut self, mut count: u64) -> Result<()> {
         while count > 0 {
             let n = count.min(PAGE) as usize;
-            self.write_unhashed(&ZEROS[..n])?;
+            self.write_bytes(&ZEROS[..n])?;
             count -= n as u64;
         }
         Ok(())
     }
 
-    /// Zero padding between sections: not part of any section, so not hashed.
-    fn pad_unhashed_to(&mut self, align: u64) -> Result<()> {
+    /// Zero padding between sections: not part of any section, so in no checksum.
+    fn pad_between_sections_to(&mut self, align: u64) -> Result<()> {
         let pad = padding(self.pos, align);
-        self.write_unhashed_zeros(pad)
+        self.write_zeros(pad)
     }
 
     /// Zero padding inside the open section: counted in its length and checksum.
-    fn pad_hashed_to(&mut self, align: u64) -> Result<()> {
+    fn pad_section_to(&mut self, align: u64) -> Result<()> {
         let pad = padding(self.pos, align) as usize;
         // `align` is at most a page, so one slice of zeros covers it.
-        self.write_hashed(&ZEROS[..pad])
+        self.write_bytes(&ZEROS[..pad])
     }
 }
 
@@ -395,9 +535,50 @@ impl Drop for BundleWriter {
             return;
         }
         // An unfinished bundle is useless; leave nothing behind. Errors here have nowhere to go.
+        // Hashing jobs are stopped first so that none still reads the file being removed.
+        for hash in &self.hashes {
+            hash.cancel();
+        }
         drop(self.out.take());
         let _ = std::fs::remove_file(&self.temp_path);
     }
+}
+
+/// Bytes read per step when hashing a section back from the temp file: mapped a piece at a time
+/// so that hashing a huge section never maps more than this much of it at once.
+const HASH_CHUNK: u64 = 8 << 20;
+
+/// sha256 of `length` bytes of `file` from `offset` (a section of the temp file, named `section`
+/// in errors), read through read-only maps of at most [`HASH_CHUNK`] bytes.
+fn hash_file_range(file: &File, offset: u64, length: u64, section: &str) -> Result<[u8; 32]> {
+    let mut hasher = Sha256::new();
+    let mut done = 0u64;
+    while done < length {
+        let n = (length - done).min(HASH_CHUNK);
+        // SAFETY: the map is read-only and covers bytes of the writer's own temp file that were
+        // written and flushed before this section ended; the writer only ever appends after them
+        // (the header it rewrites at offset 0 lies outside every section), never truncates the
+        // file, and waits for every hashing job before it removes the file. Another process
+        // modifying the temp file is outside what any mapped read can guard against, as for
+        // `Bundle::open`.
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(offset + done)
+                .len(n as usize)
+                .map(file)
+        }
+        .map_err(|e| {
+            FormatError::io(
+                format!("reading section {section:?} back from the temp file to hash it"),
+                e,
+            )
+        })?;
+        #[cfg(unix)]
+        let _ = map.advise(memmap2::Advice::Sequential);
+        hasher.update(&map[..]);
+        done += n;
+    }
+    Ok(hasher.finalize().into())
 }
 
 /// Zero bytes needed to bring `pos` to a multiple of `align` (a power of two).
