@@ -55,9 +55,10 @@ enum Command {
         /// GPTQ dampening, as a fraction of the Hessian's mean diagonal.
         #[arg(long, default_value_t = 0.01)]
         damp: f64,
-        /// Experts reached by fewer calibration rows are quantized against the layer's pooled rows.
-        #[arg(long, default_value_t = pack::DEFAULT_MIN_EXPERT_ROWS)]
-        min_expert_rows: usize,
+        /// An expert matrix reached by fewer calibration rows than this many per input feature is
+        /// quantized against the layer's pooled rows instead of its own.
+        #[arg(long, default_value_t = pack::DEFAULT_MIN_ROWS_PER_FEATURE)]
+        min_rows_per_feature: usize,
     },
     /// Write a random-weight Hugging Face checkpoint with a real model's shapes, names and config,
     /// so that benchmarks need no download.
@@ -121,7 +122,7 @@ fn main() -> ExitCode {
             calib_tokens,
             calib_seed,
             damp,
-            min_expert_rows,
+            min_rows_per_feature,
         } => convert(
             hf_dir,
             output,
@@ -136,7 +137,7 @@ fn main() -> ExitCode {
                 calib_tokens,
                 calib_seed,
                 damp,
-                min_expert_rows,
+                min_rows_per_feature,
             },
         ),
         Command::Synth {

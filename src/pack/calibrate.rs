@@ -382,8 +382,8 @@ fn quantize_matrix(
     Ok((q, stat))
 }
 
-/// Quantizes one routed expert with GPTQ against its calibration rows (or the layer's pooled rows
-/// when fewer than `opts.min_expert_rows` reached it).
+/// Quantizes one routed expert with GPTQ against its calibration rows (each matrix against the
+/// layer's pooled rows when fewer than `opts.min_rows_per_feature` rows per input reached it).
 pub(crate) fn gptq_expert(
     ckpt: &Checkpoint,
     plan: &LayoutPlan,
@@ -408,36 +408,40 @@ pub(crate) fn gptq_expert(
     let up = load(&names[1])?;
     let down = load(&names[2])?;
     let reached = rows.fit_of[expert].len();
-    let starved = reached < opts.min_expert_rows;
-    // A starved expert is fitted to (and judged on) the whole layer's input distribution.
-    let (fit_x, held_x, fallback) = if starved {
-        (rows.fit.clone(), rows.held.clone(), "pooled-hessian")
+    let starved = |k: usize| reached < opts.min_rows_per_feature.saturating_mul(k);
+    let fallback = |k: usize| if starved(k) { "pooled-hessian" } else { "none" };
+    // Every expert is judged on its own held-out rows (the layer's when none reached it).
+    let held_of = &rows.held_of[expert];
+    let held_x = if held_of.is_empty() {
+        rows.held.clone()
     } else {
-        let held_of = &rows.held_of[expert];
-        let held_x = if held_of.is_empty() {
-            rows.held.clone()
-        } else {
-            gather(&rows.held, h, held_of)
-        };
-        (gather(&rows.fit, h, &rows.fit_of[expert]), held_x, "none")
+        gather(&rows.held, h, held_of)
     };
-    let (n_fit, n_held) = (fit_x.len() / h, held_x.len() / h);
+    let own_x = gather(&rows.fit, h, &rows.fit_of[expert]);
+    let own_rows = own_x.len() / h;
 
-    let own;
-    let h_gate_up = if starved {
+    // A starved matrix is fitted to the whole layer's input distribution: gate_up to every fitted
+    // row of the layer, down to this expert's activations on those rows.
+    let own_gate_up;
+    let h_gate_up = if starved(h) {
         &rows.pooled
     } else {
         let mut hs = Hessian::new(h);
-        hs.add_rows(&fit_x, n_fit);
-        own = hs;
-        &own
+        hs.add_rows(&own_x, own_rows);
+        own_gate_up = hs;
+        &own_gate_up
     };
-    let act_fit = swiglu(&fit_x, n_fit, &gate, &up, h);
-    let act_held = swiglu(&held_x, n_held, &gate, &up, h);
-    drop(fit_x);
+    let (down_x, down_rows) = if starved(i) {
+        (&rows.fit, rows.fit.len() / h)
+    } else {
+        (&own_x, own_rows)
+    };
+    let act_fit = swiglu(down_x, down_rows, &gate, &up, h);
     let mut h_down = Hessian::new(i);
-    h_down.add_rows(&act_fit, n_fit);
+    h_down.add_rows(&act_fit, down_rows);
     drop(act_fit);
+    drop(own_x);
+    let act_held = swiglu(&held_x, held_x.len() / h, &gate, &up, h);
 
     let gptq_cfg = GptqConfig {
         damp: opts.damp,
@@ -454,11 +458,18 @@ pub(crate) fn gptq_expert(
         h_gate_up,
         &held_x,
         &gptq_cfg,
-        fallback,
+        fallback(h),
     )?;
     let d_name = arch::draft_tensor_name(layer, expert, "down", "qweight");
     let (q_d, mut s_d) = quantize_matrix(
-        &d_name, &down, h, i, &h_down, &act_held, &gptq_cfg, fallback,
+        &d_name,
+        &down,
+        h,
+        i,
+        &h_down,
+        &act_held,
+        &gptq_cfg,
+        fallback(i),
     )?;
     // The stat counts the fitted rows that reached this expert, also when it fell back.
     s_gu.calib_tokens = reached as u64;
