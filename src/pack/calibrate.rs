@@ -348,17 +348,23 @@ fn swiglu(x: &[f32], rows: usize, gate: &[f32], up: &[f32], hidden: usize) -> Ve
     out
 }
 
-/// One matrix quantized with GPTQ against `h`, or with RTN when GPTQ fails; errors on `eval`.
-fn quantize_matrix(
-    tensor: &str,
-    w: &[f32],
+/// A weight in Hugging Face orientation `[n][k]` (out, in), with its draft tensor name.
+struct Weight<'a> {
+    tensor: &'a str,
+    w: &'a [f32],
     n: usize,
     k: usize,
+}
+
+/// One matrix quantized with GPTQ against `h`, or with RTN when GPTQ fails; errors on `eval`.
+fn quantize_matrix(
+    weight: Weight<'_>,
     h: &Hessian,
     eval: &[f32],
     gptq_cfg: &GptqConfig,
     fallback: &str,
 ) -> Result<(QuantMatrix, QuantStat)> {
+    let Weight { tensor, w, n, k } = weight;
     let rows = eval.len() / k;
     let rtn = quant::rtn(tensor, w, n, k)?;
     let rel_err_rtn = quant::output_rel_error(w, &rtn, eval, rows) as f32;
@@ -451,10 +457,12 @@ pub(crate) fn gptq_expert(
     gate_up_w.extend_from_slice(&up);
     let gu_name = arch::draft_tensor_name(layer, expert, "gate_up", "qweight");
     let (q_gu, mut s_gu) = quantize_matrix(
-        &gu_name,
-        &gate_up_w,
-        2 * i,
-        h,
+        Weight {
+            tensor: &gu_name,
+            w: &gate_up_w,
+            n: 2 * i,
+            k: h,
+        },
         h_gate_up,
         &held_x,
         &gptq_cfg,
@@ -462,10 +470,12 @@ pub(crate) fn gptq_expert(
     )?;
     let d_name = arch::draft_tensor_name(layer, expert, "down", "qweight");
     let (q_d, mut s_d) = quantize_matrix(
-        &d_name,
-        &down,
-        h,
-        i,
+        Weight {
+            tensor: &d_name,
+            w: &down,
+            n: h,
+            k: i,
+        },
         &h_down,
         &act_held,
         &gptq_cfg,
