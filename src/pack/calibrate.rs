@@ -514,3 +514,103 @@ pub(crate) fn check_calib_file(path: &Path) -> Result<()> {
         .map(|_| ())
         .map_err(|e| Error::io(path.display(), e))
 }
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::backend::{Backend, GatedMlp};
+
+    fn random(rng: &mut ChaCha8Rng, len: usize, scale: f32) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+    }
+
+    fn rounded(v: &[f32]) -> Vec<f16> {
+        v.iter().map(|&x| f16::from_f32(x)).collect()
+    }
+
+    #[test]
+    fn swiglu_feeds_down_as_the_backend_expert_does() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (rows, hidden, inter) = (7, 128, 64);
+        let x = random(&mut rng, rows * hidden, 1.0);
+        let gate = rounded(&random(&mut rng, inter * hidden, 0.2));
+        let up = rounded(&random(&mut rng, inter * hidden, 0.2));
+        let down = rounded(&random(&mut rng, hidden * inter, 0.2));
+        let f32s = |v: &[f16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let act = swiglu(&x, rows, &f32s(&gate), &f32s(&up), hidden);
+        let down_f32 = f32s(&down);
+        let ours: Vec<f32> = (0..rows)
+            .flat_map(|r| {
+                let a = &act[r * inter..(r + 1) * inter];
+                (0..hidden)
+                    .map(|o| {
+                        let w = &down_f32[o * inter..(o + 1) * inter];
+                        a.iter().zip(w).map(|(p, q)| p * q).sum::<f32>()
+                    })
+                    .collect::<Vec<f32>>()
+            })
+            .collect();
+
+        let be = Cpu;
+        let mut fused = gate.clone();
+        fused.extend_from_slice(&up);
+        let mlp = GatedMlp {
+            gate_up: be.weight_f16("gu", &[2 * inter, hidden], &fused).unwrap(),
+            down: be.weight_f16("d", &[hidden, inter], &down).unwrap(),
+        };
+        let xs = be.upload(rows, hidden, &x).unwrap();
+        let theirs = be.to_host(&be.gated_mlp(&xs, &mlp).unwrap()).unwrap();
+        let scale = theirs.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        for (a, b) in ours.iter().zip(&theirs) {
+            assert!((a - b).abs() <= 1e-4 * scale, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn layer_rows_split_held_out_blocks_and_routing() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let (rows, hidden, experts, top_k) = (200, 128, 4, 2);
+        let mut inputs = LayerInputs::default();
+        for position in 0..rows {
+            inputs
+                .hidden
+                .extend(random(&mut rng, hidden, 1.0).into_iter());
+            let first = rng.random_range(0..experts as u32);
+            let second = (first + rng.random_range(1..experts as u32)) % experts as u32;
+            inputs.topk.extend([first, second]);
+            inputs.held_out.push(is_held_out(position));
+        }
+        let split = LayerRows::new(0, &inputs, hidden, experts).unwrap();
+        // Positions 128..160 are the only held-out block below 200.
+        assert_eq!(split.held.len() / hidden, HOLDOUT_BLOCK);
+        assert_eq!(split.fit.len() / hidden, rows - HOLDOUT_BLOCK);
+        assert_eq!(split.pooled.rows(), (rows - HOLDOUT_BLOCK) as u64);
+        assert_eq!(
+            &split.held[..hidden],
+            &inputs.hidden[128 * hidden..129 * hidden]
+        );
+        for e in 0..experts {
+            let (mut fit, mut held) = (0, 0);
+            for r in 0..rows {
+                if inputs.topk[r * top_k..(r + 1) * top_k].contains(&(e as u32)) {
+                    *if inputs.held_out[r] {
+                        &mut held
+                    } else {
+                        &mut fit
+                    } += 1;
+                }
+            }
+            assert_eq!(split.fit_of[e].len(), fit, "expert {e}");
+            assert_eq!(split.held_of[e].len(), held, "expert {e}");
+        }
+
+        // A routed id outside the layer's experts is named.
+        inputs.topk[5] = experts as u32;
+        let err = LayerRows::new(3, &inputs, hidden, experts).err().unwrap();
+        assert!(err.to_string().contains("layer 3"), "{err}");
+    }
+}
