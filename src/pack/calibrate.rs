@@ -576,9 +576,7 @@ mod tests {
         let (rows, hidden, experts, top_k) = (200, 128, 4, 2);
         let mut inputs = LayerInputs::default();
         for position in 0..rows {
-            inputs
-                .hidden
-                .extend(random(&mut rng, hidden, 1.0).into_iter());
+            inputs.hidden.extend(random(&mut rng, hidden, 1.0));
             let first = rng.random_range(0..experts as u32);
             let second = (first + rng.random_range(1..experts as u32)) % experts as u32;
             inputs.topk.extend([first, second]);
