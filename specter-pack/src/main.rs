@@ -257,8 +257,8 @@ fn convert(
         secs,
         report.source_tensor_bytes as f64 / 1e9 / secs.max(1e-9),
     );
-    match report.mean_rel_err_gptq {
-        None => println!(
+    match opts.quant {
+        QuantMethod::Rtn => println!(
             "  {} shared tensors, {} MoE layers x {} experts; INT4 draft ({}), mean relative weight error {:.4}",
             report.shared_tensors,
             report.moe_layers,
@@ -266,7 +266,7 @@ fn convert(
             opts.quant.name(),
             report.mean_rel_err
         ),
-        Some(gptq) => {
+        QuantMethod::Gptq => {
             println!(
                 "  {} shared tensors, {} MoE layers x {} experts; INT4 draft (gptq, damp {})",
                 report.shared_tensors,
@@ -278,13 +278,17 @@ fn convert(
                 "  calibration ({:.1} s, {} tokens): {}",
                 report.calibration_secs, report.calib_tokens, report.calibration
             );
+            let gptq = match report.mean_rel_err_gptq {
+                Some(g) => format!(
+                    "{g:.4} ({:+.1}%)",
+                    (g / report.mean_rel_err.max(f64::MIN_POSITIVE) - 1.0) * 100.0
+                ),
+                None => "n/a (no matrix had enough calibration rows)".to_string(),
+            };
             println!(
-                "  held-out mean relative output error: rtn {:.4}, gptq {gptq:.4} ({:+.1}%); \
-                 {} matrices on the layer's pooled rows, {} fell back to rtn",
-                report.mean_rel_err,
-                (gptq / report.mean_rel_err.max(f64::MIN_POSITIVE) - 1.0) * 100.0,
-                report.pooled_fallbacks,
-                report.rtn_fallbacks
+                "  held-out mean relative output error: rtn {:.4}, gptq {gptq}; {} matrices on \
+                 the layer's pooled rows, {} stored as rtn (too few rows or GPTQ failed)",
+                report.mean_rel_err, report.pooled_fallbacks, report.rtn_fallbacks
             );
         }
     }
