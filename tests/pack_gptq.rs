@@ -318,3 +318,49 @@ fn too_little_calibration_is_a_clear_error() {
     let err = convert(&fixture.dir, &out, &missing, &Silent).expect_err("missing file");
     assert!(err.to_string().contains("absent.txt"), "{err}");
 }
+
+/// A text calibration file is tokenized with the checkpoint's tokenizer.
+#[test]
+fn text_calibration_is_tokenized_with_the_checkpoint_tokenizer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fixture = Fixture::load("qwen2_moe");
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let words = [
+        "the",
+        "router",
+        "expert",
+        "draft",
+        "quantized",
+        "layer",
+        "token",
+        "cache",
+    ];
+    let text: Vec<&str> = (0..600)
+        .map(|_| words[rng.random_range(0..words.len())])
+        .collect();
+    let calib = dir.path().join("calib.txt");
+    std::fs::write(&calib, text.join(" ")).expect("write calib");
+    let tokenizer =
+        tokenizers::Tokenizer::from_file(fixture.dir.join("tokenizer.json")).expect("tokenizer");
+    let expected = tokenizer
+        .encode(text.join(" "), true)
+        .expect("encode")
+        .get_ids()
+        .len()
+        .min(400);
+    assert!(expected >= 160, "{expected}");
+    let opts = ConvertOptions {
+        calib: Some(calib),
+        ..gptq_options(400)
+    };
+    let (bundle, report) = convert_to(&fixture, dir.path(), &opts);
+    let info = quant_info(&bundle);
+    assert!(
+        info.calibration
+            .starts_with(&format!("file calib.txt: {expected} tokens")),
+        "{}",
+        info.calibration
+    );
+    assert_eq!(report.calib_tokens, expected);
+    check_stats(&fixture, &info);
+}
