@@ -30,6 +30,12 @@ pub trait RouteHook {
         topk: &[u32],
     );
 
+    /// Whether [`RouteHook::on_moe_input`] wants the hidden states: copying them to the host costs
+    /// a transfer per MoE layer, so the forward pass makes it only when asked.
+    fn wants_moe_input(&self) -> bool {
+        false
+    }
+
     /// The normalized hidden states entering a MoE layer's experts, row-major `[rows, hidden]`,
     /// with the same `topk` as [`RouteHook::on_route`]. Calibration (GPTQ) collects them; nothing
     /// else needs them, so the default ignores them.

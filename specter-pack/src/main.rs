@@ -27,7 +27,7 @@ struct Cli {
 enum Command {
     /// Convert a Hugging Face checkpoint directory into one bundle.
     ///
-    /// Example: specter-pack convert ./DeepSeek-V2-Lite -o dsv2-lite.specter --quant rtn
+    /// Example: specter-pack convert ./DeepSeek-V2-Lite -o dsv2-lite.specter --quant gptq --calib wiki.txt
     Convert {
         /// Directory holding config.json, *.safetensors (and model.safetensors.index.json), tokenizer.json.
         hf_dir: PathBuf,
@@ -40,6 +40,25 @@ enum Command {
         /// Worker threads for quantization (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// GPTQ calibration data: text (tokenized with the checkpoint's tokenizer.json) or token
+        /// ids (integers separated by spaces or commas). Without it, GPTQ calibrates on text the
+        /// model samples itself (temperature 1).
+        #[arg(long)]
+        calib: Option<PathBuf>,
+        /// Most calibration tokens read or generated (a fifth of the positions is held out to
+        /// measure the error).
+        #[arg(long, default_value_t = pack::DEFAULT_CALIB_TOKENS)]
+        calib_tokens: usize,
+        /// Seed of data-free calibration sampling.
+        #[arg(long, default_value_t = 0)]
+        calib_seed: u64,
+        /// GPTQ dampening, as a fraction of the Hessian's mean diagonal.
+        #[arg(long, default_value_t = 0.01)]
+        damp: f64,
+        /// An expert matrix reached by fewer calibration rows than this many per input feature is
+        /// quantized against the layer's pooled rows instead of its own.
+        #[arg(long, default_value_t = pack::DEFAULT_MIN_ROWS_PER_FEATURE)]
+        min_rows_per_feature: usize,
     },
     /// Write a random-weight Hugging Face checkpoint with a real model's shapes, names and config,
     /// so that benchmarks need no download.
@@ -99,7 +118,28 @@ fn main() -> ExitCode {
             output,
             quant,
             threads,
-        } => convert(hf_dir, output, quant, threads),
+            calib,
+            calib_tokens,
+            calib_seed,
+            damp,
+            min_rows_per_feature,
+        } => convert(
+            hf_dir,
+            output,
+            quant,
+            ConvertOptions {
+                quant: match quant {
+                    Quant::Rtn => QuantMethod::Rtn,
+                    Quant::Gptq => QuantMethod::Gptq,
+                },
+                threads,
+                calib,
+                calib_tokens,
+                calib_seed,
+                damp,
+                min_rows_per_feature,
+            },
+        ),
         Command::Synth {
             preset,
             fixture,
@@ -188,18 +228,20 @@ fn convert(
     hf_dir: PathBuf,
     output: PathBuf,
     quant: Quant,
-    threads: Option<usize>,
+    opts: ConvertOptions,
 ) -> Result<ExitCode> {
-    if threads == Some(0) {
+    if opts.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
-    let opts = ConvertOptions {
-        quant: match quant {
-            Quant::Rtn => QuantMethod::Rtn,
-            Quant::Gptq => QuantMethod::Gptq,
-        },
-        threads,
-    };
+    if matches!(quant, Quant::Rtn) && opts.calib.is_some() {
+        anyhow::bail!("--calib applies to --quant gptq only");
+    }
+    if opts.calib_tokens == 0 {
+        anyhow::bail!("--calib-tokens must be at least 1");
+    }
+    if !(opts.damp.is_finite() && opts.damp >= 0.0) {
+        anyhow::bail!("--damp must be a finite number >= 0");
+    }
     let bar = Bar::new();
     let t0 = Instant::now();
     let report = pack::convert(&hf_dir, &output, &opts, &bar)
@@ -215,14 +257,41 @@ fn convert(
         secs,
         report.source_tensor_bytes as f64 / 1e9 / secs.max(1e-9),
     );
-    println!(
-        "  {} shared tensors, {} MoE layers x {} experts; INT4 draft ({}), mean relative weight error {:.4}",
-        report.shared_tensors,
-        report.moe_layers,
-        report.experts_per_layer,
-        opts.quant.name(),
-        report.mean_rel_err
-    );
+    match opts.quant {
+        QuantMethod::Rtn => println!(
+            "  {} shared tensors, {} MoE layers x {} experts; INT4 draft ({}), mean relative weight error {:.4}",
+            report.shared_tensors,
+            report.moe_layers,
+            report.experts_per_layer,
+            opts.quant.name(),
+            report.mean_rel_err
+        ),
+        QuantMethod::Gptq => {
+            println!(
+                "  {} shared tensors, {} MoE layers x {} experts; INT4 draft (gptq, damp {})",
+                report.shared_tensors,
+                report.moe_layers,
+                report.experts_per_layer,
+                opts.damp
+            );
+            println!(
+                "  calibration ({:.1} s, {} tokens): {}",
+                report.calibration_secs, report.calib_tokens, report.calibration
+            );
+            let gptq = match report.mean_rel_err_gptq {
+                Some(g) => format!(
+                    "{g:.4} ({:+.1}%)",
+                    (g / report.mean_rel_err.max(f64::MIN_POSITIVE) - 1.0) * 100.0
+                ),
+                None => "n/a (no matrix had enough calibration rows)".to_string(),
+            };
+            println!(
+                "  held-out mean relative output error: rtn {:.4}, gptq {gptq}; {} matrices on \
+                 the layer's pooled rows, {} stored as rtn (too few rows or GPTQ failed)",
+                report.mean_rel_err, report.pooled_fallbacks, report.rtn_fallbacks
+            );
+        }
+    }
     if !report.ignored_tensors.is_empty() {
         println!("  ignored {} source tensors the architecture does not use (listed in the manifest's notes)", report.ignored_tensors.len());
     }

@@ -332,11 +332,14 @@ fn zero_threads_are_refused() {
 }
 
 #[test]
-fn an_unimplemented_quantizer_is_refused_before_writing() {
+fn calibration_without_gptq_is_refused_before_writing() {
     let case = Case::new();
     Model::fixture("mixtral").write(&case.src, 18);
     let mark = mark_untouched(&case.out_dir);
-    case.assert_fails(&["--quant", "gptq"], &["gptq", "--quant rtn"]);
+    case.assert_fails(
+        &["--quant", "rtn", "--calib", "calib.txt"],
+        &["--calib", "--quant gptq"],
+    );
     assert_untouched(&case.out_dir, mark);
 }
 

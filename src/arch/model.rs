@@ -588,6 +588,10 @@ impl<B: Backend> MoeModel<B> {
         };
         let routing = be.route(&logits, spec)?;
         hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
+        if hook.wants_moe_input() {
+            let hidden = be.to_host(h)?;
+            hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);
+        }
         let mut out = be.moe_experts(h, &routing, experts)?;
         if let Some(shared) = &block.shared {
             let s = be.gated_mlp(h, shared)?;
