@@ -111,6 +111,12 @@ enum Quant {
 }
 
 fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`specter-pack inspect B | head`), as command-line tools do,
+    // instead of panicking in println!.
+    // SAFETY: restoring the default disposition of SIGPIPE before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Convert {
