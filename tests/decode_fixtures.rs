@@ -159,31 +159,61 @@ fn greedy_specter_is_lossless_on_every_fixture() {
 
 #[test]
 fn offload_simulation_runs_on_a_real_model() {
-    let (fixture, model) = load("deepseek_v2");
-    let prompt = &fixture.prompts()[0];
-    let info = model.info().clone();
-    let mut sim = OffloadSimulator::new(SimulatorConfig {
-        residency: ResidencyConfig::for_model(&info, 3, Policy::Specter),
-        initial: InitialResidency::FirstExperts,
-        bandwidth_bytes_per_s: 55e9,
-        latency_s: 10e-6,
-        compute: ComputeModel {
-            draft_step_s: 2e-3,
-            target_pass_s: 6e-3,
-            target_row_s: 0.1e-3,
-        },
-    })
-    .expect("simulator");
-    let opts = options(Mode::Specter, 16, 4);
-    let plain = generate(&model, prompt, &opts, &mut NoHook, &mut |_| {}).expect("plain");
-    let out = generate_with_offload(&model, prompt, &opts, &mut sim, &mut |_| {}).expect("offload");
-    assert_eq!(out.tokens, plain.tokens);
-    let s = out.stats.offload.expect("stats");
-    assert_eq!(s.hits + s.misses, s.lookups);
-    assert!(s.lookups > 0 && s.prefetched > 0);
-    assert_eq!(
-        s.bytes_moved,
-        (s.demand_loads + s.prefetched) * info.expert_bytes as u64
-    );
-    assert_eq!(s.prefetched, s.prefetched_used + s.prefetched_wasted);
+    // Every fixture, every policy, residencies from one slot to all: the expert cache decides what
+    // would be copied, never what is computed, so the tokens must equal target-only decoding's.
+    for name in FIXTURES {
+        let (fixture, model) = load(name);
+        let prompt = &fixture.prompts()[0];
+        let info = model.info().clone();
+        let target = generate(
+            &model,
+            prompt,
+            &options(Mode::Target, 16, 1),
+            &mut NoHook,
+            &mut |_| {},
+        )
+        .expect("target");
+        for slots in [1, info.num_experts / 2, info.num_experts] {
+            for (mode, policy) in [
+                (Mode::Specter, Policy::Specter),
+                (Mode::Specter, Policy::Lru),
+                (Mode::Target, Policy::Lru),
+                (Mode::Target, Policy::OnDemand),
+            ] {
+                let mut sim = OffloadSimulator::new(SimulatorConfig {
+                    residency: ResidencyConfig::for_model(&info, slots, policy),
+                    initial: InitialResidency::FirstExperts,
+                    bandwidth_bytes_per_s: 55e9,
+                    latency_s: 10e-6,
+                    compute: ComputeModel {
+                        draft_step_s: 2e-3,
+                        target_pass_s: 6e-3,
+                        target_row_s: 0.1e-3,
+                    },
+                })
+                .expect("simulator");
+                let opts = options(mode, 16, 4);
+                let out = generate_with_offload(&model, prompt, &opts, &mut sim, &mut |_| {})
+                    .expect("offload");
+                let what = format!("{name}: {mode:?} with {policy:?}, {slots} slots");
+                assert_eq!(out.tokens, target.tokens, "{what}");
+                let s = out.stats.offload.expect("stats");
+                assert_eq!(s.hits + s.misses, s.lookups, "{what}");
+                assert!(s.lookups > 0, "{what}");
+                assert_eq!(
+                    s.bytes_moved,
+                    (s.demand_loads + s.prefetched) * info.expert_bytes as u64,
+                    "{what}"
+                );
+                assert_eq!(
+                    s.prefetched,
+                    s.prefetched_used + s.prefetched_wasted,
+                    "{what}"
+                );
+                if policy == Policy::Specter && slots < info.num_experts {
+                    assert!(s.prefetched > 0, "{what}: the draft prefetched nothing");
+                }
+            }
+        }
+    }
 }
