@@ -34,6 +34,7 @@ fn options(threads: Option<usize>) -> ConvertOptions {
     ConvertOptions {
         quant: QuantMethod::Rtn,
         threads,
+        ..ConvertOptions::default()
     }
 }
 
