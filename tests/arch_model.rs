@@ -3,8 +3,7 @@
 
 mod common;
 
-use common::{Fixture, FIXTURES};
-use half::f16;
+use common::{grid_quantize, Fixture, GridStore, FIXTURES};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::arch::{
@@ -12,7 +11,7 @@ use specter::arch::{
 };
 use specter::backend::cpu::Cpu;
 use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
-use specter::weights::{Tensor, WeightStore};
+use specter::weights::WeightStore;
 use specter::{Error, Result};
 
 fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
@@ -204,51 +203,8 @@ fn invalid_requests_are_rejected() {
     }
 }
 
-/// A fixture's store whose routed experts lie exactly on an INT4 grid with power-of-two scales,
-/// plus the same experts as Marlin-packed draft tensors. Every grid value is exact in f16, so
-/// the FP16 target experts and the dequantized INT4 draft experts are the same numbers.
-struct WithDraft {
-    base: specter::checkpoint::Checkpoint,
-    experts: std::collections::HashMap<String, Vec<f16>>,
-    qweights: std::collections::HashMap<String, Vec<u32>>,
-    scales: std::collections::HashMap<String, Vec<f16>>,
-}
-
-/// Quantizes `w` (`[n][k]`) to codes with scale `2^-(5 + (col + group) % 3)`; returns the packed
-/// matrix and the grid values in `[n][k]`.
-fn grid_quantize(
-    name: &str,
-    w: &[f32],
-    n: usize,
-    k: usize,
-) -> (specter::quant::MarlinWeight, Vec<f16>) {
-    let groups = k / specter::quant::GROUP_SIZE;
-    let scale = |g: usize, col: usize| f16::from_f32((2.0f32).powi(-(5 + ((col + g) % 3) as i32)));
-    let scales: Vec<f16> = (0..groups)
-        .flat_map(|g| (0..n).map(move |c| scale(g, c)))
-        .collect();
-    let mut q = vec![0u8; k * n];
-    let mut grid = vec![f16::ZERO; n * k];
-    for col in 0..n {
-        for kk in 0..k {
-            let s = scale(kk / specter::quant::GROUP_SIZE, col).to_f32();
-            let code = ((w[col * k + kk] / s).round() + 8.0).clamp(0.0, 15.0);
-            q[kk * n + col] = code as u8;
-            let value = f16::from_f32((code - 8.0) * s);
-            assert_eq!(
-                value.to_f32(),
-                (code - 8.0) * s,
-                "grid value not exact in f16"
-            );
-            grid[col * k + kk] = value;
-        }
-    }
-    let m = specter::quant::QuantMatrix::new(name, k, n, q, scales).unwrap();
-    (specter::quant::marlin_pack(&m).unwrap(), grid)
-}
-
-impl WithDraft {
-    fn new(fx: &Fixture) -> WithDraft {
+impl GridStore {
+    fn new(fx: &Fixture) -> GridStore {
         let base = fx.checkpoint();
         let (hidden, inter) = fx.cfg.expert_dims();
         let mut experts = std::collections::HashMap::new();
@@ -282,45 +238,12 @@ impl WithDraft {
                 scales.insert(draft_tensor_name(l, e, "down", "scales"), packed.scales);
             }
         }
-        WithDraft {
+        GridStore {
             base,
             experts,
             qweights,
             scales,
         }
-    }
-}
-
-impl WeightStore for WithDraft {
-    fn contains(&self, name: &str) -> bool {
-        self.base.contains(name)
-            || self.qweights.contains_key(name)
-            || self.scales.contains_key(name)
-    }
-    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
-        if let Some(s) = self.scales.get(name) {
-            return Ok(Tensor {
-                shape: vec![s.len()],
-                data: s.as_slice().into(),
-            });
-        }
-        match self.experts.get(name) {
-            Some(w) => Ok(Tensor {
-                shape: self.base.f16(name)?.shape,
-                data: w.as_slice().into(),
-            }),
-            None => self.base.f16(name),
-        }
-    }
-    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
-        let q = self
-            .qweights
-            .get(name)
-            .ok_or_else(|| Error::Model(format!("missing {name}")))?;
-        Ok(Tensor {
-            shape: vec![q.len()],
-            data: q.as_slice().into(),
-        })
     }
 }
 
@@ -345,7 +268,7 @@ fn draft_int4_experts_equal_target_experts_on_the_int4_grid() {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0004);
     for name in FIXTURES {
         let fx = Fixture::load(name);
-        let store = WithDraft::new(&fx);
+        let store = GridStore::new(&fx);
         let model = MoeModel::load(fx.cfg.clone(), &store, Cpu).unwrap();
         assert!(model.has_draft());
         let tokens = random_tokens(&mut rng, 10, fx.cfg.vocab_size);

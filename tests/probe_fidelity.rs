@@ -6,8 +6,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{argmax, Fixture, FIXTURES};
-use half::f16;
+use common::{argmax, grid_quantize, Fixture, GridStore, FIXTURES};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
@@ -16,8 +15,8 @@ use specter::model::{LanguageModel, NoHook, RouteHook, Variant};
 use specter::pack::{convert, ConvertOptions, Silent};
 use specter::probe::{probe, render_json, render_text, ProbeOptions, ProbeReport};
 use specter::session::{BackendKind, Session};
-use specter::weights::{Tensor, WeightStore};
-use specter::{Error, Result};
+use specter::weights::WeightStore;
+use specter::Error;
 
 fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
@@ -225,43 +224,6 @@ enum DraftExperts {
     Noise(u64),
 }
 
-/// A fixture's store whose routed experts lie exactly on an INT4 grid with power-of-two scales,
-/// plus Marlin-packed draft experts: the same grid values (the INT4 draft then computes exactly
-/// what the FP16 target does), or degraded ones.
-struct GridStore {
-    base: specter::checkpoint::Checkpoint,
-    experts: HashMap<String, Vec<f16>>,
-    qweights: HashMap<String, Vec<u32>>,
-    scales: HashMap<String, Vec<f16>>,
-}
-
-/// Quantizes `w` (`[n][k]`) to codes with scale `2^-(5 + (col + group) % 3)`: every grid value
-/// is exact in f16. Returns the packed matrix and the grid values in `[n][k]`.
-fn grid_quantize(
-    name: &str,
-    w: &[f32],
-    n: usize,
-    k: usize,
-) -> (specter::quant::MarlinWeight, Vec<f16>) {
-    let group = specter::quant::GROUP_SIZE;
-    let scale = |g: usize, col: usize| f16::from_f32((2.0f32).powi(-(5 + ((col + g) % 3) as i32)));
-    let scales: Vec<f16> = (0..k / group)
-        .flat_map(|g| (0..n).map(move |c| scale(g, c)))
-        .collect();
-    let mut codes = vec![0u8; k * n];
-    let mut grid = vec![f16::ZERO; n * k];
-    for col in 0..n {
-        for kk in 0..k {
-            let s = scale(kk / group, col).to_f32();
-            let code = ((w[col * k + kk] / s).round() + 8.0).clamp(0.0, 15.0);
-            codes[kk * n + col] = code as u8;
-            grid[col * k + kk] = f16::from_f32((code - 8.0) * s);
-        }
-    }
-    let m = specter::quant::QuantMatrix::new(name, k, n, codes, scales).unwrap();
-    (specter::quant::marlin_pack(&m).unwrap(), grid)
-}
-
 impl GridStore {
     fn new(fx: &Fixture, draft: DraftExperts) -> GridStore {
         let base = fx.checkpoint();
@@ -334,39 +296,6 @@ impl GridStore {
             qweights,
             scales,
         }
-    }
-}
-
-impl WeightStore for GridStore {
-    fn contains(&self, name: &str) -> bool {
-        self.base.contains(name)
-            || self.qweights.contains_key(name)
-            || self.scales.contains_key(name)
-    }
-    fn f16(&self, name: &str) -> Result<Tensor<'_, f16>> {
-        if let Some(s) = self.scales.get(name) {
-            return Ok(Tensor {
-                shape: vec![s.len()],
-                data: s.as_slice().into(),
-            });
-        }
-        match self.experts.get(name) {
-            Some(w) => Ok(Tensor {
-                shape: self.base.f16(name)?.shape,
-                data: w.as_slice().into(),
-            }),
-            None => self.base.f16(name),
-        }
-    }
-    fn u32(&self, name: &str) -> Result<Tensor<'_, u32>> {
-        let q = self
-            .qweights
-            .get(name)
-            .ok_or_else(|| Error::Model(format!("missing {name}")))?;
-        Ok(Tensor {
-            shape: vec![q.len()],
-            data: q.as_slice().into(),
-        })
     }
 }
 

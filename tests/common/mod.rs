@@ -118,3 +118,81 @@ pub fn argmax(row: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// A fixture's store with some routed experts replaced (FP16, `experts`) and INT4 draft tensors
+/// added (`qweights`, `scales`): the tests build stores whose draft equals its target exactly (see
+/// [`grid_quantize`]) or is degraded on purpose.
+pub struct GridStore {
+    pub base: Checkpoint,
+    pub experts: std::collections::HashMap<String, Vec<half::f16>>,
+    pub qweights: std::collections::HashMap<String, Vec<u32>>,
+    pub scales: std::collections::HashMap<String, Vec<half::f16>>,
+}
+
+impl specter::weights::WeightStore for GridStore {
+    fn contains(&self, name: &str) -> bool {
+        self.base.contains(name)
+            || self.qweights.contains_key(name)
+            || self.scales.contains_key(name)
+    }
+    fn f16(&self, name: &str) -> specter::Result<specter::weights::Tensor<'_, half::f16>> {
+        if let Some(s) = self.scales.get(name) {
+            return Ok(specter::weights::Tensor {
+                shape: vec![s.len()],
+                data: s.as_slice().into(),
+            });
+        }
+        match self.experts.get(name) {
+            Some(w) => Ok(specter::weights::Tensor {
+                shape: self.base.f16(name)?.shape,
+                data: w.as_slice().into(),
+            }),
+            None => self.base.f16(name),
+        }
+    }
+    fn u32(&self, name: &str) -> specter::Result<specter::weights::Tensor<'_, u32>> {
+        let q = self
+            .qweights
+            .get(name)
+            .ok_or_else(|| specter::Error::Model(format!("missing {name}")))?;
+        Ok(specter::weights::Tensor {
+            shape: vec![q.len()],
+            data: q.as_slice().into(),
+        })
+    }
+}
+
+/// Quantizes `w` (`[n][k]`) to codes with scale `2^-(5 + (col + group) % 3)`: every grid value is
+/// exact in f16, so FP16 experts set to the grid and the dequantized INT4 draft are the same
+/// numbers. Returns the packed matrix and the grid values in `[n][k]`.
+pub fn grid_quantize(
+    name: &str,
+    w: &[f32],
+    n: usize,
+    k: usize,
+) -> (specter::quant::MarlinWeight, Vec<half::f16>) {
+    use half::f16;
+    let group = specter::quant::GROUP_SIZE;
+    let scale = |g: usize, col: usize| f16::from_f32((2.0f32).powi(-(5 + ((col + g) % 3) as i32)));
+    let scales: Vec<f16> = (0..k / group)
+        .flat_map(|g| (0..n).map(move |c| scale(g, c)))
+        .collect();
+    let mut codes = vec![0u8; k * n];
+    let mut grid = vec![f16::ZERO; n * k];
+    for col in 0..n {
+        for kk in 0..k {
+            let s = scale(kk / group, col).to_f32();
+            let code = ((w[col * k + kk] / s).round() + 8.0).clamp(0.0, 15.0);
+            codes[kk * n + col] = code as u8;
+            let value = f16::from_f32((code - 8.0) * s);
+            assert_eq!(
+                value.to_f32(),
+                (code - 8.0) * s,
+                "grid value not exact in f16"
+            );
+            grid[col * k + kk] = value;
+        }
+    }
+    let m = specter::quant::QuantMatrix::new(name, k, n, codes, scales).unwrap();
+    (specter::quant::marlin_pack(&m).unwrap(), grid)
+}
