@@ -98,25 +98,17 @@ impl RouteHook for HookOnly<'_> {
     ) {
         self.0.on_route(variant, layer, moe_layer, top_k, topk);
     }
+
+    fn wants_moe_input(&self) -> bool {
+        self.0.wants_moe_input()
+    }
+
+    fn on_moe_input(&mut self, variant: Variant, moe_layer: usize, hidden: &[f32], topk: &[u32]) {
+        self.0.on_moe_input(variant, moe_layer, hidden, topk);
+    }
 }
 
 impl DecodeObserver for HookOnly<'_> {}
-
-/// Lets an observer be handed to a model as its route hook.
-struct RoutesOf<'a>(&'a mut dyn DecodeObserver);
-
-impl RouteHook for RoutesOf<'_> {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        layer: usize,
-        moe_layer: usize,
-        top_k: usize,
-        topk: &[u32],
-    ) {
-        self.0.on_route(variant, layer, moe_layer, top_k, topk);
-    }
-}
 
 /// Validates the prompt (non-empty, ids < vocab, prompt + max_new_tokens <= max_context) and the
 /// options with [`Error::Request`] naming the problem, then decodes. `on_token` is called for
@@ -369,7 +361,8 @@ fn forward<M: LanguageModel>(
     if variant == Variant::Target {
         observer.on_target_pass(tokens.len());
     }
-    model.forward(variant, tokens, kv, &mut RoutesOf(observer))
+    // A DecodeObserver is a RouteHook: the model reports routing to it directly.
+    model.forward(variant, tokens, kv, observer)
 }
 
 /// One model variant alone: prefill, then one token per forward pass.
