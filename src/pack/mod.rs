@@ -224,40 +224,53 @@ fn convert_inner(
 
     let mut stats = Vec::new();
     for (moe_index, (&layer, experts)) in plan.experts.iter().enumerate() {
-        progress.stage(&format!("layer {layer}: FP16 experts"));
-        writer.begin_section(
-            &format!("experts.{layer}"),
-            SectionKind::Experts {
-                layer: layer as u32,
-            },
-        )?;
-        for (e, names) in experts.iter().enumerate() {
-            writer.begin_expert(layer as u32, e as u32)?;
-            for name in names {
-                let t = ckpt.f16(name)?;
-                writer.write_tensor(
-                    name,
-                    DType::F16,
-                    &dims(&t.shape),
-                    bytemuck::cast_slice(&t.data),
+        // The FP16 experts stream into the bundle on this thread while the same experts are
+        // quantized on the others: the two read the same source pages and share nothing else.
+        progress.stage(&format!("layer {layer}: FP16 experts, INT4 draft experts"));
+        let (written, drafts) = rayon::join(
+            || -> Result<()> {
+                writer.begin_section(
+                    &format!("experts.{layer}"),
+                    SectionKind::Experts {
+                        layer: layer as u32,
+                    },
                 )?;
-                progress.advance(t.data.len() as u64 * 2);
-            }
-            writer.end_expert()?;
-        }
-        writer.end_section()?;
-
-        progress.stage(&format!("layer {layer}: INT4 draft experts"));
-        let drafts: Vec<DraftExpert> = match &calibration {
-            None => experts
-                .par_iter()
-                .enumerate()
-                .map(|(e, names)| quantize_expert(&ckpt, &plan, layer, e, names))
-                .collect::<Result<_>>()?,
-            Some(calib) => {
-                calibrate::gptq_layer(&ckpt, &plan, layer, experts, &calib.layers[moe_index], opts)?
-            }
-        };
+                for (e, names) in experts.iter().enumerate() {
+                    writer.begin_expert(layer as u32, e as u32)?;
+                    for name in names {
+                        let t = ckpt.f16(name)?;
+                        writer.write_tensor(
+                            name,
+                            DType::F16,
+                            &dims(&t.shape),
+                            bytemuck::cast_slice(&t.data),
+                        )?;
+                        progress.advance(t.data.len() as u64 * 2);
+                    }
+                    writer.end_expert()?;
+                }
+                Ok(writer.end_section()?)
+            },
+            || -> Result<Vec<DraftExpert>> {
+                match &calibration {
+                    None => experts
+                        .par_iter()
+                        .enumerate()
+                        .map(|(e, names)| quantize_expert(&ckpt, &plan, layer, e, names))
+                        .collect(),
+                    Some(calib) => calibrate::gptq_layer(
+                        &ckpt,
+                        &plan,
+                        layer,
+                        experts,
+                        &calib.layers[moe_index],
+                        opts,
+                    ),
+                }
+            },
+        );
+        written?;
+        let drafts = drafts?;
         writer.begin_section(
             &format!("draft.{layer}"),
             SectionKind::Draft {
