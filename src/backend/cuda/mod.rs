@@ -9,6 +9,7 @@
 //! compiles with NVRTC for the device's architecture and caches on disk.
 
 mod device;
+pub mod experts;
 mod host;
 mod nvrtc;
 

@@ -1,0 +1,54 @@
+//! The work list of a grouped MoE launch, shared by the FP16 (target) and INT4 (draft) expert
+//! kernels.
+//!
+//! One launch runs every expert hit by a batch once over all the rows routed to it:
+//!
+//! 1. gate/up: `h[item][j] = silu(x[row]·gate[j]) * (x[row]·up[j])` for `j < inter`;
+//! 2. down: `out[item][c] = weight[item] * (h[item]·down[c])` for `c < hidden`;
+//! 3. combine: `y[r] = sum over the row's items in ascending expert id of out[item]`.
+//!
+//! Items are (row, expert) pairs, numbered so that each expert's items are consecutive
+//! (`first..first + count` of its [`ExpertGroup`]). Every item's arithmetic depends only on its
+//! own row and expert, never on how many rows the launch holds, so a batch is bit-identical to
+//! the same rows one at a time (the backend's exactness contract).
+
+/// One expert's share of a grouped launch; mirrors `struct ExpertGroup` in the kernel files.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ExpertGroup {
+    /// FP16: `[2 * inter, hidden]` row-major, gate rows then up rows. INT4: the Marlin-tiled
+    /// `qweight` of the `K = hidden, N = 2 * inter` matrix (docs/MARLIN.md).
+    pub gate_up: u64,
+    /// INT4: the gate/up group scales (Marlin-permuted f16). FP16: 0.
+    pub gate_up_scales: u64,
+    /// FP16: `[hidden, inter]` row-major. INT4: `qweight` of the `K = inter, N = hidden` matrix.
+    pub down: u64,
+    /// INT4: the down group scales. FP16: 0.
+    pub down_scales: u64,
+    /// This expert's items are `first..first + count`.
+    pub first: u32,
+    pub count: u32,
+}
+
+/// Device pointers and sizes of one grouped launch (all pointers are device addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct MoeLaunch {
+    /// `[rows, hidden]` f32 input.
+    pub x: u64,
+    pub hidden: usize,
+    pub inter: usize,
+    /// `[groups]` [`ExpertGroup`].
+    pub groups: u64,
+    pub num_groups: usize,
+    /// The largest `count` among the groups (bounds the grid).
+    pub max_count: usize,
+    /// `[items]` u32: the input row of each item.
+    pub item_row: u64,
+    /// `[items]` f32: the routing weight of each item.
+    pub item_weight: u64,
+    pub items: usize,
+    /// `[items, inter]` f32 scratch for the gate/up activations.
+    pub h: u64,
+    /// `[items, hidden]` f32: each item's weighted down output.
+    pub out: u64,
+}
