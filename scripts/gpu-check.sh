@@ -1,73 +1,117 @@
 #!/usr/bin/env bash
-# Checks the CUDA backend on a GPU machine that has no Rust toolchain.
+# The GPU checks and benchmarks, built here and run on a CUDA machine in one call.
 #
-#   scripts/gpu-check.sh build [DEST]
-#       (here) build the release specter-run binary and the CUDA test binaries and copy them, with
-#       this script, into DEST (default: .carry/gpu, a folder git ignores). DEST must lie inside
-#       the checkout that the device calls send; pass that checkout's .carry/gpu if it is not
-#       this one.
-#   bash .carry/gpu/gpu-check.sh device
-#       (on the GPU machine, from the repository root) run what `build` copied.
+#   scripts/gpu-check.sh build                 # here: release binaries and GPU test binaries into .carry/gpu
+#   bash scripts/gpu-check.sh run [WHAT...]    # there, from the repository root
 #
-# The device side is started with the `run` tool, carrying the folder:
+# WHAT (default: device ops fixtures bench):
+#   device    device opening, kernel loading, pinned and registered copies, doctor (tests/cuda_device.rs,
+#             tests/cuda_doctor.rs)
+#   ops       every CUDA op against the CPU reference on random inputs (tests/cuda_ops.rs)
+#   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
+#   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency
+#   lossless  every fixture model: speculative decoding on the GPU equals target-only
+#   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
+#             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
+#   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #
-#   run(command="bash .carry/gpu/gpu-check.sh device", carry=[".carry/gpu"], timeout_s=240)
-#
-# It prints the doctor report and the test results, and writes doctor.txt, doctor.json and
-# tests.txt under $OUT when that is set.
+# Work files go to $BENCH_DIR (default /dev/shm/specter-gpu); logs to $OUT when set.
 set -euo pipefail
-
-SCRIPT_DIR="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CARRY=.carry/gpu
 
 build() {
-    cd "$SCRIPT_DIR/.."
-    local CARRY="${1:-}"; CARRY="${CARRY:-.carry/gpu}"
-    cargo build --release -p specter-run
+    cd "$ROOT"
+    cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
-    cp scripts/gpu-check.sh "$CARRY/gpu-check.sh"
-    cp target/release/specter-run "$CARRY/specter-run"
-    # Test executables carry a hash in their names; take the paths cargo reports.
-    cargo test --release --test cuda_device --test cuda_doctor --no-run --message-format=json \
-        | python3 -c '
-import json, sys
+    cp target/release/specter-pack target/release/specter-run "$CARRY/"
+    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures)
+    [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
+    local args=()
+    for t in "${tests[@]}"; do args+=(--test "$t"); done
+    cargo test --release --no-run "${args[@]}" --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys, shutil
 for line in sys.stdin:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        continue
-    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["target"]["kind"] == ["test"]:
-        print(msg["target"]["name"], msg["executable"])
-' | while read -r name exe; do
-        cp "$exe" "$CARRY/$name"
-    done
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["target"]["name"])
+' "$CARRY"
+    if [ -f examples/bench_w4a16.rs ]; then
+        cargo build --release --example bench_w4a16
+        cp target/release/examples/bench_w4a16 "$CARRY/"
+    fi
+    strip "$CARRY"/* 2>/dev/null || true
     ls -l "$CARRY"
-    du -sh "$CARRY"
 }
 
-device() {
-    # The binaries lie beside the copy of this script that `build` made.
-    local CARRY="$SCRIPT_DIR"
-    local out="${OUT:-$(mktemp -d)}"
-    [ -x "$CARRY/specter-run" ] || { echo "missing $CARRY/specter-run: run 'scripts/gpu-check.sh build' here first and carry its folder" >&2; exit 2; }
-    echo "== nvidia-smi"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv || true
-    local status=0
-    echo "== doctor"
-    "$CARRY/specter-run" doctor 2>&1 | tee "$out/doctor.txt" || status=1
-    echo "== doctor --json (second run: kernels now come from the PTX cache)"
-    "$CARRY/specter-run" doctor --json > "$out/doctor.json" || status=1
-    echo "== tests"
-    : > "$out/tests.txt"
-    for t in cuda_device cuda_doctor; do
-        [ -x "$CARRY/$t" ] || { echo "missing $CARRY/$t" | tee -a "$out/tests.txt"; status=1; continue; }
-        # The source-file comparison needs the tree at the path it was built in; it ran there.
-        "$CARRY/$t" --test-threads=1 --skip embedded_kernels_match_their_sources 2>&1 | tee -a "$out/tests.txt" || status=1
+run_test() {
+    local name=$1 log=$2
+    shift 2
+    SPECTER_ROOT="$ROOT" "$CARRY/test-$name" --ignored --nocapture --test-threads 1 "$@" 2>&1 | tee "$log"
+}
+
+bench() {
+    local dir=$1 out=$2 layers=${LAYERS:-27}
+    local pack="$CARRY/specter-pack" run="$CARRY/specter-run"
+    if [ ! -f "$dir/dsv2.specter" ]; then
+        "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$dir/hf" > "$out/synth.txt"
+        "$pack" convert "$dir/hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
+        rm -rf "$dir/hf"
+    fi
+    local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
+    local common=(generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos --json --backend cuda --mode target)
+    : > "$out/bench.tsv"
+    for variant in "resident" "lru 16" "ondemand 16"; do
+        set -- $variant
+        local extra=()
+        [ "$1" != resident ] && extra=(--resident-experts "$2" --policy "$1")
+        for rep in 1 2 3; do
+            "$run" "${common[@]}" "${extra[@]}" > "$out/gen-$1-$rep.json"
+            python3 - "$out/gen-$1-$rep.json" "$variant" "$rep" >> "$out/bench.tsv" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1])); s = d["stats"]; g = d["gpu"]; o = g.get("offload") or {}
+print("\t".join(str(x) for x in [sys.argv[2], sys.argv[3], round(s["tpot_ms"], 3), round(s["ttft_ms"], 1),
+      round(o.get("hit_rate", 1.0), 3), round(o.get("copy_gbps", 0.0), 1), round(g["vram_peak_bytes"] / 1e9, 2),
+      ",".join(map(str, d["tokens"][:8]))]))
+EOF
+        done
     done
-    exit "$status"
+    echo "== DeepSeek-V2-Lite shape, $layers layers, target-only, 128 tokens (variant rep tpot_ms ttft_ms hit_rate copy_GB/s vram_peak_GB first_tokens)"
+    column -t "$out/bench.tsv"
+}
+
+run() {
+    cd "$ROOT"
+    local dir="${BENCH_DIR:-/dev/shm/specter-gpu}" out="${OUT:-$(mktemp -d)}"
+    mkdir -p "$dir" "$out"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    local what=("$@")
+    [ ${#what[@]} -eq 0 ] && what=(device ops fixtures bench)
+    local status=0
+    for w in "${what[@]}"; do
+        echo "== $w"
+        case "$w" in
+            device)
+                for t in cuda_device cuda_doctor; do
+                    SPECTER_ROOT="$ROOT" "$CARRY/test-$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || status=1
+                done ;;
+            ops) run_test cuda_ops "$out/ops.log" || status=1 ;;
+            int4) run_test cuda_moe_int4 "$out/int4.log" || status=1 ;;
+            fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1 ;;
+            lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;
+            errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;
+            bench) bench "$dir" "$out" || status=1 ;;
+            w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
+            *) echo "unknown check $w" >&2; status=2 ;;
+        esac
+    done
+    grep -h "rel err\|test result\|panicked" "$out"/*.log 2>/dev/null | sort | uniq -c | sort -rn | head -5 || true
+    return $status
 }
 
 case "${1:-}" in
-    build) build "${2:-}" ;;
-    device) device ;;
-    *) echo "usage: $0 build|device" >&2; exit 2 ;;
+    build) build ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 build | run [ops|int4|fixtures|lossless|errors|bench|w4a16]..." >&2; exit 2 ;;
 esac

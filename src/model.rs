@@ -30,6 +30,12 @@ pub trait RouteHook {
         topk: &[u32],
     );
 
+    /// Whether [`RouteHook::on_route`] wants the routing at all. A GPU backend then keeps the
+    /// routing on the device and skips a host round trip per MoE layer.
+    fn wants_routes(&self) -> bool {
+        true
+    }
+
     /// Whether [`RouteHook::on_moe_input`] wants the hidden states: copying them to the host costs
     /// a transfer per MoE layer, so the forward pass makes it only when asked.
     fn wants_moe_input(&self) -> bool {
@@ -54,6 +60,10 @@ pub struct NoHook;
 
 impl RouteHook for NoHook {
     fn on_route(&mut self, _: Variant, _: usize, _: usize, _: usize, _: &[u32]) {}
+
+    fn wants_routes(&self) -> bool {
+        false
+    }
 }
 
 /// Facts the decode loop and the planner need about a model.

@@ -3,12 +3,14 @@
 //! This is what the `specter-run` subcommands share, so that they stay thin.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use specter_format::Bundle;
 use tokenizers::Tokenizer;
 
 use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
+use crate::backend::cuda::{CudaBackend, CudaDevice, HostPath, OffloadConfig, SlotPolicy};
 use crate::model::LanguageModel;
 use crate::{Error, Result};
 
@@ -19,30 +21,105 @@ pub enum BackendKind {
     Cuda,
 }
 
-/// An opened bundle with its model loaded on the CPU reference backend.
+/// How to load a session.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    pub backend: BackendKind,
+    /// Load the draft's INT4 experts (needed by `--mode specter|draft`).
+    pub with_draft: bool,
+    /// CUDA only: keep this many routed experts per MoE layer in VRAM, copying the rest in from
+    /// the bundle's mapping under this policy. `None`: every expert resident.
+    pub offload: Option<(usize, SlotPolicy)>,
+    /// CUDA only: where offloaded experts are copied from.
+    pub host_path: HostPath,
+}
+
+impl SessionOptions {
+    pub fn new(backend: BackendKind) -> Self {
+        SessionOptions {
+            backend,
+            with_draft: true,
+            offload: None,
+            host_path: HostPath::Auto,
+        }
+    }
+}
+
+/// The model on the backend it was loaded on.
+pub enum SessionModel {
+    Cpu(Box<MoeModel<Cpu>>),
+    Cuda(Box<MoeModel<CudaBackend>>),
+}
+
+/// Runs `$body` with `$m` bound to the session's model, whatever its backend.
+#[macro_export]
+macro_rules! with_session_model {
+    ($session:expr, |$m:ident| $body:expr) => {
+        match &$session.model {
+            $crate::session::SessionModel::Cpu(boxed) => {
+                let $m = boxed.as_ref();
+                $body
+            }
+            $crate::session::SessionModel::Cuda(boxed) => {
+                let $m = boxed.as_ref();
+                $body
+            }
+        }
+    };
+}
+
+/// An opened bundle with its model loaded.
 pub struct Session {
     pub path: PathBuf,
-    pub bundle: Bundle,
+    pub bundle: Arc<Bundle>,
     pub config: ArchConfig,
-    pub model: MoeModel<Cpu>,
+    pub model: SessionModel,
     pub tokenizer: Option<Tokenizer>,
 }
 
 impl Session {
-    /// Opens `path` (header and manifest checked, no tensor bytes read), then loads the model.
+    /// Opens `path` (header and manifest checked, no tensor bytes read), then loads the model
+    /// with its draft.
     pub fn open(path: &Path, backend: BackendKind) -> Result<Session> {
-        if backend == BackendKind::Cuda {
-            return Err(Error::Backend(
-                "--backend cuda: model execution on the GPU is not part of this build yet; \
-                 use --backend cpu (the exact reference)"
+        Self::open_with(path, &SessionOptions::new(backend))
+    }
+
+    pub fn open_with(path: &Path, opts: &SessionOptions) -> Result<Session> {
+        if opts.offload.is_some() && opts.backend != BackendKind::Cuda {
+            return Err(Error::Request(
+                "expert offloading to VRAM needs --backend cuda (the CPU backend simulates it)"
                     .into(),
             ));
         }
-        let bundle = Bundle::open(path)?;
+        let bundle = Arc::new(Bundle::open(path)?);
         let config = ArchConfig::from_config_json(bundle.hyperparameters_json())
             .map_err(|e| Error::Model(format!("{}: hyper-parameters: {e}", path.display())))?;
-        let model = MoeModel::load(config.clone(), &bundle, Cpu)
-            .map_err(|e| Error::Model(format!("{}: {e}", path.display())))?;
+        let in_file = |e: Error| Error::Model(format!("{}: {e}", path.display()));
+        let model = match opts.backend {
+            BackendKind::Cpu => SessionModel::Cpu(Box::new(
+                MoeModel::load_with(config.clone(), bundle.as_ref(), Cpu, opts.with_draft)
+                    .map_err(in_file)?,
+            )),
+            BackendKind::Cuda => {
+                let device = Arc::new(CudaDevice::open(0)?);
+                // As many slots as experts is plain all-resident.
+                let offload = opts
+                    .offload
+                    .filter(|&(slots, _)| slots != config.moe.num_experts)
+                    .map(|(slots, policy)| OffloadConfig {
+                        bundle: bundle.clone(),
+                        config: config.clone(),
+                        slots_per_layer: slots,
+                        policy,
+                        host_path: opts.host_path,
+                    });
+                let backend = CudaBackend::with_device(device, offload)?;
+                SessionModel::Cuda(Box::new(
+                    MoeModel::load_with(config.clone(), bundle.as_ref(), backend, opts.with_draft)
+                        .map_err(in_file)?,
+                ))
+            }
+        };
         let tokenizer = match bundle.tokenizer_bytes() {
             Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
                 Error::Model(format!(
@@ -61,8 +138,26 @@ impl Session {
         })
     }
 
+    /// The model on the CPU reference backend (tools that only run there, such as `probe`).
+    pub fn cpu_model(&self) -> Result<&MoeModel<Cpu>> {
+        match &self.model {
+            SessionModel::Cpu(m) => Ok(m),
+            SessionModel::Cuda(_) => Err(Error::Request(
+                "this command runs on the CPU reference backend only".into(),
+            )),
+        }
+    }
+
+    /// The CUDA backend, when the session runs on the GPU.
+    pub fn cuda(&self) -> Option<&CudaBackend> {
+        match &self.model {
+            SessionModel::Cpu(_) => None,
+            SessionModel::Cuda(m) => Some(m.backend()),
+        }
+    }
+
     pub fn info(&self) -> &crate::model::ModelInfo {
-        self.model.info()
+        with_session_model!(self, |m| m.info())
     }
 
     fn tokenizer(&self) -> Result<&Tokenizer> {

@@ -168,7 +168,7 @@ fn every_fixture_with_an_rtn_draft() {
         let path = dir.path().join("model.specter");
         convert(&fx.dir, &path, &ConvertOptions::default(), &Silent).unwrap();
         let session = Session::open(&path, BackendKind::Cpu).unwrap();
-        let model = &session.model;
+        let model = session.cpu_model().unwrap();
         assert!(model.has_draft(), "{name}");
         let tokens = fixture_sequence(&fx);
         let report = probe(model, &tokens, &ProbeOptions::default()).unwrap();

@@ -7,10 +7,12 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
+use specter::backend::cuda::{HostPath, SlotPolicy};
 use specter::decode::{self, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::NoHook;
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
-use specter::session::{BackendKind, Session};
+use specter::session::{BackendKind, Session, SessionModel, SessionOptions};
+use specter::with_session_model;
 
 #[derive(Parser)]
 #[command(
@@ -114,10 +116,23 @@ struct GenerateArgs {
     depth: usize,
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     backend: BackendArg,
-    /// Routed experts kept resident per MoE layer; the rest are copied in when needed. The CPU
+    /// Routed experts kept resident per MoE layer; the rest are copied in when needed. On CUDA
+    /// they are real copies from the bundle's mapping into VRAM slots under --policy; the CPU
     /// backend simulates the copies at --bandwidth-gbps and reports hits, misses and bytes moved.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "vram_budget")]
     resident_experts: Option<usize>,
+    /// CUDA: derive --resident-experts from a VRAM budget in GB (weights, draft, expert slots,
+    /// and 1 GiB for activations and the KV cache).
+    #[arg(long)]
+    vram_budget: Option<f64>,
+    /// CUDA: how expert slots are reused: lru keeps experts and evicts the least recently used,
+    /// ondemand copies every expert a pass needs for that pass.
+    #[arg(long, value_enum, default_value_t = PolicyArg::Lru)]
+    policy: PolicyArg,
+    /// CUDA: copy offloaded experts through pinned staging buffers even where the bundle's
+    /// mapping can be registered for direct DMA.
+    #[arg(long)]
+    pinned_staging: bool,
     /// Host-to-device bandwidth the CPU simulation of expert copies assumes (GB/s).
     #[arg(long, default_value_t = 55.0)]
     bandwidth_gbps: f64,
@@ -141,6 +156,12 @@ enum ModeArg {
     Specter,
     Target,
     Draft,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PolicyArg {
+    Lru,
+    Ondemand,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -198,18 +219,41 @@ fn generate(args: GenerateArgs) -> Result<()> {
         BackendArg::Cpu => BackendKind::Cpu,
         BackendArg::Cuda => BackendKind::Cuda,
     };
-    let session = Session::open(&args.bundle, backend)?;
+    let mode = match args.mode {
+        ModeArg::Specter => Mode::Specter,
+        ModeArg::Target => Mode::Target,
+        ModeArg::Draft => Mode::Draft,
+    };
+    let mut session_opts = SessionOptions::new(backend);
+    session_opts.with_draft = mode != Mode::Target;
+    if backend == BackendKind::Cuda {
+        let slots = match (args.resident_experts, args.vram_budget) {
+            (Some(n), _) => Some(n),
+            (None, Some(gb)) => Some(slots_for_budget(&args.bundle, gb, session_opts.with_draft)?),
+            (None, None) => None,
+        };
+        let policy = match args.policy {
+            PolicyArg::Lru => SlotPolicy::Lru,
+            PolicyArg::Ondemand => SlotPolicy::OnDemand,
+        };
+        session_opts.offload = slots.map(|n| (n, policy));
+        if args.pinned_staging {
+            session_opts.host_path = HostPath::PinnedStaging;
+        }
+    } else if args.vram_budget.is_some() || args.pinned_staging {
+        bail!("--vram-budget and --pinned-staging need --backend cuda");
+    }
+    let session = Session::open_with(&args.bundle, &session_opts)?;
+    if let Some(gpu) = session.cuda() {
+        eprintln!("cuda: {}", gpu.residency_description()?);
+    }
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => session.encode(text)?,
         (None, Some(ids)) => ids.clone(),
         (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-ids 1,2,3"),
     };
     let opts = GenerateOptions {
-        mode: match args.mode {
-            ModeArg::Specter => Mode::Specter,
-            ModeArg::Target => Mode::Target,
-            ModeArg::Draft => Mode::Draft,
-        },
+        mode,
         max_new_tokens: args.max_new_tokens,
         depth: args.depth,
         sampling: Sampling {
@@ -245,8 +289,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
 
-    let output: GenerateOutput = match args.resident_experts {
-        None => decode::generate(&session.model, &prompt, &opts, &mut NoHook, &mut on_token)?,
+    let simulate = match (&session.model, args.resident_experts) {
+        (SessionModel::Cpu(_), Some(slots)) => Some(slots),
+        _ => None,
+    };
+    let output: GenerateOutput = match simulate {
+        None => with_session_model!(session, |m| decode::generate(
+            m,
+            &prompt,
+            &opts,
+            &mut NoHook,
+            &mut on_token
+        ))?,
         Some(slots) => {
             let info = session.info();
             if slots == 0 || slots > info.num_experts {
@@ -270,7 +324,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 policy,
                 args.bandwidth_gbps * 1e9,
             ))?;
-            decode::generate_with_offload(&session.model, &prompt, &opts, &mut sim, &mut on_token)?
+            decode::generate_with_offload(
+                session.cpu_model()?,
+                &prompt,
+                &opts,
+                &mut sim,
+                &mut on_token,
+            )?
         }
     };
 
@@ -299,10 +359,25 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 "per_layer_hits": o.per_layer_hits, "per_layer_misses": o.per_layer_misses,
             })
         });
+        let gpu = match session.cuda() {
+            None => serde_json::Value::Null,
+            Some(g) => json!({
+                "device": g.device().name(),
+                "residency": g.residency_description()?,
+                "vram_peak_bytes": g.vram_peak_bytes()?,
+                "offload": g.offload_stats()?.map(|o| json!({
+                    "policy": o.policy, "path": o.path, "slots_per_layer": o.slots_per_layer,
+                    "slot_vram_bytes": o.slot_vram_bytes, "hits": o.hits, "misses": o.misses,
+                    "hit_rate": o.hit_rate(), "bytes_copied": o.bytes_copied,
+                    "copy_seconds": o.copy_seconds, "copy_gbps": o.copy_bandwidth() / 1e9,
+                })),
+            }),
+        };
         let record = json!({
             "bundle": args.bundle.display().to_string(),
             "architecture": session.config.model_type.as_str(),
-            "backend": "cpu",
+            "backend": if session.cuda().is_some() { "cuda" } else { "cpu" },
+            "gpu": gpu,
             "mode": format!("{:?}", opts.mode).to_lowercase(),
             "depth": opts.depth,
             "prompt_tokens": prompt,
@@ -425,7 +500,7 @@ fn probe(
         }
     };
     let report = specter::probe::probe(
-        &session.model,
+        session.cpu_model()?,
         &tokens,
         &specter::probe::ProbeOptions { window: depth },
     )?;
@@ -435,4 +510,37 @@ fn probe(
         print!("{}", specter::probe::render_text(&report));
     }
     Ok(())
+}
+
+/// Expert slots per MoE layer that fit `gb` of VRAM beside the non-expert weights (and the draft
+/// when loaded), keeping 1 GiB for activations and the KV cache.
+fn slots_for_budget(path: &std::path::Path, gb: f64, with_draft: bool) -> Result<usize> {
+    use specter_format::SectionKind;
+    if !(gb.is_finite() && gb > 0.0) {
+        bail!("--vram-budget must be a positive number of GB");
+    }
+    let bundle = specter_format::Bundle::open(path)?;
+    let cfg = specter::arch::ArchConfig::from_config_json(bundle.hyperparameters_json())?;
+    let mut fixed: u64 = 1 << 30;
+    for i in 0..bundle.section_count() {
+        match bundle.section_kind(i) {
+            SectionKind::Shared => fixed += bundle.section_bytes(i).len() as u64,
+            SectionKind::Draft { .. } if with_draft => {
+                fixed += bundle.section_bytes(i).len() as u64
+            }
+            _ => {}
+        }
+    }
+    let info = cfg.model_info();
+    let per_slot = (info.moe_layers.len() * info.expert_bytes) as u64;
+    let budget = (gb * 1e9) as u64;
+    if budget < fixed + per_slot {
+        bail!(
+            "--vram-budget {gb} GB is too small: the non-expert weights{} and working memory need {:.2} GB, plus {:.2} GB per resident expert per layer",
+            if with_draft { ", the INT4 draft" } else { "" },
+            fixed as f64 / 1e9,
+            per_slot as f64 / 1e9
+        );
+    }
+    Ok((((budget - fixed) / per_slot) as usize).min(info.num_experts))
 }

@@ -218,6 +218,17 @@ impl<B: Backend> MoeModel<B> {
     /// draft's INT4 experts are loaded when the store holds them; otherwise a Draft forward fails
     /// naming the first missing one.
     pub fn load(cfg: ArchConfig, store: &dyn WeightStore, backend: B) -> Result<Self> {
+        Self::load_with(cfg, store, backend, true)
+    }
+
+    /// As [`Self::load`]; with `with_draft` false the draft's INT4 experts are not loaded even when
+    /// the store has them (target-only runs then keep that memory for FP16 experts).
+    pub fn load_with(
+        cfg: ArchConfig,
+        store: &dyn WeightStore,
+        backend: B,
+        with_draft: bool,
+    ) -> Result<Self> {
         let specs: Vec<TensorSpec> = expected_tensors(&cfg);
         let loader = Loader::<B> {
             store,
@@ -227,7 +238,13 @@ impl<B: Backend> MoeModel<B> {
         let (hidden, inter) = cfg.expert_dims();
 
         let mut draft_missing = None;
+        if !with_draft {
+            draft_missing = Some("(the draft was not loaded: target-only session)".to_string());
+        }
         'find: for l in cfg.moe_layers() {
+            if !with_draft {
+                break;
+            }
             for e in 0..cfg.moe.num_experts {
                 for part in ["gate_up", "down"] {
                     for kind in ["qweight", "scales"] {
@@ -282,11 +299,13 @@ impl<B: Backend> MoeModel<B> {
                 let mut target = Vec::with_capacity(cfg.moe.num_experts);
                 let mut draft = Vec::new();
                 for e in 0..cfg.moe.num_experts {
-                    target.push(loader.gated(
-                        &expert_tensor_name(&cfg, l, e, Proj::Gate),
-                        &expert_tensor_name(&cfg, l, e, Proj::Up),
-                        &expert_tensor_name(&cfg, l, e, Proj::Down),
-                    )?);
+                    target.push(backend.routed_expert(l, e, &mut || {
+                        loader.gated(
+                            &expert_tensor_name(&cfg, l, e, Proj::Gate),
+                            &expert_tensor_name(&cfg, l, e, Proj::Up),
+                            &expert_tensor_name(&cfg, l, e, Proj::Down),
+                        )
+                    })?);
                     if draft_missing.is_none() {
                         draft.push(GatedMlp {
                             gate_up: loader.int4(l, e, "gate_up", hidden, 2 * inter)?,
@@ -586,13 +605,17 @@ impl<B: Backend> MoeModel<B> {
             },
             RouterKind::SparseMixer { jitter_eps } => RouteSpec::SparseMixer { jitter_eps },
         };
-        let routing = be.route(&logits, spec)?;
-        hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
-        if hook.wants_moe_input() {
-            let hidden = be.to_host(h)?;
-            hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);
-        }
-        let mut out = be.moe_experts(h, &routing, experts)?;
+        let mut out = if hook.wants_routes() || hook.wants_moe_input() {
+            let routing = be.route(&logits, spec)?;
+            hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
+            if hook.wants_moe_input() {
+                let hidden = be.to_host(h)?;
+                hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);
+            }
+            be.moe_experts(h, &routing, experts)?
+        } else {
+            be.routed_moe(h, &logits, spec, experts, false)?.0
+        };
         if let Some(shared) = &block.shared {
             let s = be.gated_mlp(h, shared)?;
             match &block.shared_gate {

@@ -171,8 +171,44 @@ pub trait Backend: Send + Sync {
         spec: AttentionSpec,
     ) -> Result<Self::Act>;
 
+    /// Routed expert `expert` of model layer `layer`. `load` reads and uploads it like any other
+    /// weights (the default); a backend that offloads experts returns a handle instead and
+    /// copies the expert in when a pass needs it.
+    fn routed_expert(
+        &self,
+        layer: usize,
+        expert: usize,
+        load: &mut dyn FnMut() -> Result<GatedMlp<Self>>,
+    ) -> Result<GatedMlp<Self>>
+    where
+        Self: Sized,
+    {
+        let _ = (layer, expert);
+        load()
+    }
+
     /// Router top-k over `logits` (`[rows, num_experts]`).
     fn route(&self, logits: &Self::Act, spec: RouteSpec) -> Result<Routing>;
+    /// Routes `logits` and runs the routed experts over `x` in one step: [`Self::route`] then
+    /// [`Self::moe_experts`], returning the routing too. With `host_routing` false the caller
+    /// does not need the routing, and a backend may keep it on the device (returning `None`).
+    fn routed_moe(
+        &self,
+        x: &Self::Act,
+        logits: &Self::Act,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        host_routing: bool,
+    ) -> Result<(Self::Act, Option<Routing>)>
+    where
+        Self: Sized,
+    {
+        let _ = host_routing;
+        let routing = self.route(logits, spec)?;
+        let out = self.moe_experts(x, &routing, experts)?;
+        Ok((out, Some(routing)))
+    }
+
     /// A dense gated MLP over every row.
     fn gated_mlp(&self, x: &Self::Act, mlp: &GatedMlp<Self>) -> Result<Self::Act>;
     /// Routed experts: each expert hit by `routing` runs once over the rows routed to it; a row's

@@ -99,6 +99,10 @@ impl RouteHook for HookOnly<'_> {
         self.0.on_route(variant, layer, moe_layer, top_k, topk);
     }
 
+    fn wants_routes(&self) -> bool {
+        self.0.wants_routes()
+    }
+
     fn wants_moe_input(&self) -> bool {
         self.0.wants_moe_input()
     }

@@ -8,6 +8,15 @@ use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cpu::Cpu;
 use specter::checkpoint::Checkpoint;
 
+/// The repository root: where the tests were built, or `$SPECTER_ROOT` when the test binaries
+/// were carried to another machine (the GPU checks run that way).
+pub fn repo_root() -> PathBuf {
+    match std::env::var_os("SPECTER_ROOT") {
+        Some(root) if !root.is_empty() => PathBuf::from(root),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf(),
+    }
+}
+
 pub struct Fixture {
     pub name: String,
     pub dir: PathBuf,
@@ -17,9 +26,7 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn load(name: &str) -> Fixture {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures")
-            .join(name);
+        let dir = repo_root().join("tests/fixtures").join(name);
         let cfg_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
         let cfg = ArchConfig::from_config_json(&cfg_text).unwrap();
         let golden: Value =

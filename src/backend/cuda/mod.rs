@@ -8,17 +8,21 @@
 //! `nvcc` was available at build time, and always as source, which [`CudaDevice::module`]
 //! compiles with NVRTC for the device's architecture and caches on disk.
 
+mod backend;
 mod device;
 pub mod experts;
 mod host;
 mod nvrtc;
+mod offload;
 
+pub use backend::{CudaBackend, GpuAct, GpuWeight};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
 pub use host::{PinnedBuffer, RegisteredHost};
 pub use nvrtc::{
     cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,
     PtxCache,
 };
+pub use offload::{HostPath, OffloadConfig, OffloadStats, SlotPolicy};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

@@ -1,0 +1,338 @@
+// Row-wise and element-wise ops of the forward pass, over f32 activations and f16 weights.
+//
+// Exactness contract (as the CPU reference): every output element depends only on its own row's
+// inputs, through code that does not change with the number of rows, so a batch of rows gives
+// bit-identical results to the same rows launched one at a time. Reductions inside a row use a
+// fixed tree over a fixed number of threads.
+
+#include <cuda_fp16.h>
+
+#define ROW_THREADS 256
+
+// Sum of `v` over the block's ROW_THREADS threads in a fixed order; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    if (warp == 0) {
+        total = lane < (ROW_THREADS / 32) ? shared[lane] : 0.0f;
+        for (int offset = 4; offset > 0; offset >>= 1) {
+            total += __shfl_xor_sync(0xffffffffu, total, offset);
+        }
+        if (lane == 0) shared[ROW_THREADS / 32] = total;
+    }
+    __syncthreads();
+    return shared[ROW_THREADS / 32];
+}
+
+// y[r] = table[ids[r]] (f16 -> f32). Grid: rows; block: any.
+extern "C" __global__ void embedding(const __half* __restrict__ table, const unsigned* __restrict__ ids,
+                                     int hidden, float* __restrict__ y) {
+    const size_t r = blockIdx.x;
+    const __half* src = table + (size_t)ids[r] * hidden;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        y[r * hidden + c] = __half2float(src[c]);
+    }
+}
+
+// RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
+                                    int group, float* __restrict__ y) {
+    __shared__ float shared[ROW_THREADS / 32 + 1];
+    const size_t base = (size_t)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < group; c += ROW_THREADS) {
+        const float v = x[base + c];
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, shared);
+    const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int c = threadIdx.x; c < group; c += ROW_THREADS) {
+        y[base + c] = __half2float(w[c]) * (x[base + c] * inv);
+    }
+}
+
+// LayerNorm of each row (width `cols`) with weight and bias. One block per row.
+extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half* __restrict__ w,
+                                      const __half* __restrict__ b, float eps, int cols,
+                                      float* __restrict__ y) {
+    __shared__ float shared[ROW_THREADS / 32 + 1];
+    const size_t base = (size_t)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += ROW_THREADS) s += x[base + c];
+    const float mean = block_sum(s, shared) / (float)cols;
+    float var = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        const float d = x[base + c] - mean;
+        var = fmaf(d, d, var);
+    }
+    var = block_sum(var, shared);
+    const float inv = 1.0f / sqrtf(var / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        y[base + c] = (x[base + c] - mean) * inv * __half2float(w[c]) + __half2float(b[c]);
+    }
+}
+
+// Copies columns [col0, col0 + width) of x ([rows, x_cols]) into y ([rows, width]).
+extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, int col0, int width,
+                                     unsigned long long total, float* __restrict__ y) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long r = i / width, c = i % width;
+        y[i] = x[r * x_cols + col0 + c];
+    }
+}
+
+extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        x[i] = fminf(fmaxf(x[i], -limit), limit);
+    }
+}
+
+// x += y.
+extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        x[i] += y[i];
+    }
+}
+
+// x[r] += sigmoid(gate[r]) * y[r].
+extern "C" __global__ void add_sigmoid_gated(float* __restrict__ x, const float* __restrict__ y,
+                                             const float* __restrict__ gate, int cols,
+                                             unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float g = 1.0f / (1.0f + expf(-gate[i / cols]));
+        x[i] += g * y[i];
+    }
+}
+
+// Rotates each head's channels [offset, offset + rot_dim) of row r by the host-computed
+// cos/sin (`[rows, rot_dim / 2]`, already scaled). interleaved: pairs (2i, 2i+1); else (i, i+half).
+// Grid: rows; block: any.
+extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t,
+                                const float* __restrict__ sin_t, int cols, int heads, int head_stride,
+                                int offset, int rot_dim, int interleaved) {
+    const int half = rot_dim / 2;
+    const size_t r = blockIdx.x;
+    float* row = x + r * cols;
+    const float* cs = cos_t + r * half;
+    const float* sn = sin_t + r * half;
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        const int h = t / half, i = t % half;
+        float* seg = row + h * head_stride + offset;
+        const float c = cs[i], s = sn[i];
+        if (interleaved) {
+            const float a = seg[2 * i], b = seg[2 * i + 1];
+            seg[2 * i] = a * c - b * s;
+            seg[2 * i + 1] = a * s + b * c;
+        } else {
+            const float a = seg[i], b = seg[i + half];
+            seg[i] = a * c - b * s;
+            seg[i + half] = b * c + a * s;
+        }
+    }
+}
+
+// MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and
+// values [len, heads * v_dim] from kv [len, heads * (nope + v_dim)] and k_pe [len, rope].
+extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const float* __restrict__ k_pe,
+                                         int heads, int nope, int rope, int v_dim,
+                                         float* __restrict__ keys, float* __restrict__ values) {
+    const size_t r = blockIdx.x;
+    const int kw = nope + rope, in_w = nope + v_dim;
+    for (int t = threadIdx.x; t < heads * kw; t += blockDim.x) {
+        const int h = t / kw, c = t % kw;
+        keys[r * heads * kw + t] = c < nope ? kv[r * heads * in_w + h * in_w + c] : k_pe[r * rope + (c - nope)];
+    }
+    for (int t = threadIdx.x; t < heads * v_dim; t += blockDim.x) {
+        const int h = t / v_dim, c = t % v_dim;
+        values[r * heads * v_dim + t] = kv[r * heads * in_w + h * in_w + nope + c];
+    }
+}
+
+// h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, int inter, unsigned long long n,
+                                    float* __restrict__ h) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long r = i / inter, c = i % inter;
+        const float g = gu[r * 2 * inter + c];
+        h[i] = g / (1.0f + expf(-g)) * gu[r * 2 * inter + inter + c];
+    }
+}
+
+// Index of each row's maximum, the first on ties (NaN never wins). One block per row.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned* __restrict__ out) {
+    __shared__ float best_v[ROW_THREADS];
+    __shared__ int best_i[ROW_THREADS];
+    const float* row = x + (size_t)blockIdx.x * cols;
+    float bv = row[0];
+    int bi = 0;
+    for (int c = threadIdx.x; c < cols; c += ROW_THREADS) {
+        const float v = row[c];
+        if (v > bv || (v == bv && c < bi)) {
+            bv = v;
+            bi = c;
+        }
+    }
+    best_v[threadIdx.x] = bv;
+    best_i[threadIdx.x] = bi;
+    __syncthreads();
+    for (int stride = ROW_THREADS / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            const float v = best_v[threadIdx.x + stride];
+            const int i = best_i[threadIdx.x + stride];
+            if (v > best_v[threadIdx.x] || (v == best_v[threadIdx.x] && i < best_i[threadIdx.x])) {
+                best_v[threadIdx.x] = v;
+                best_i[threadIdx.x] = i;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)best_i[0];
+}
+
+// The routed-expert combine: y[r] = sum over j < top_k of out[row_items[r * top_k + j]], items
+// listed in ascending expert id, added in that order (as the CPU reference adds them).
+extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsigned* __restrict__ row_items,
+                                       int top_k, int hidden, float* __restrict__ y) {
+    const size_t r = blockIdx.x;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+            acc += out[(size_t)row_items[r * top_k + j] * hidden + c];
+        }
+        y[r * hidden + c] = acc;
+    }
+}
+
+struct ExpertGroup {
+    unsigned long long gate_up;
+    unsigned long long gate_up_scales;
+    unsigned long long down;
+    unsigned long long down_scales;
+    unsigned first;
+    unsigned count;
+};
+
+#define MAX_TOP_K 16
+
+// Router softmax and top-k on the device (largest probability first, ties to the lower id), then
+// optional renormalisation over the chosen k and scaling; as the CPU reference's SoftmaxTopK.
+// One warp per row. ids/weights: [rows, top_k].
+extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int experts, int top_k,
+                                              int renormalize, float scale, unsigned* __restrict__ ids,
+                                              float* __restrict__ weights) {
+    __shared__ int chosen[MAX_TOP_K];
+    __shared__ float chosen_p[MAX_TOP_K];
+    const int lane = threadIdx.x;
+    const float* row = logits + (size_t)blockIdx.x * experts;
+    float m = -__int_as_float(0x7f800000);
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float total = 0.0f;
+    for (int e = lane; e < experts; e += 32) total += expf(row[e] - m);
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    for (int j = 0; j < top_k; ++j) {
+        float best = -1.0f;
+        int best_e = experts;
+        for (int e = lane; e < experts; e += 32) {
+            bool taken = false;
+            for (int t = 0; t < j; ++t) taken |= chosen[t] == e;
+            if (taken) continue;
+            const float p = expf(row[e] - m) / total;
+            if (p > best || (p == best && e < best_e)) {
+                best = p;
+                best_e = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) {
+                best = ob;
+                best_e = oe;
+            }
+        }
+        if (lane == 0) {
+            chosen[j] = best_e;
+            chosen_p[j] = best;
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        float s = 0.0f;
+        for (int j = 0; j < top_k; ++j) s += chosen_p[j];
+        for (int j = 0; j < top_k; ++j) {
+            float w = chosen_p[j];
+            if (renormalize) w /= s;
+            if (scale != 1.0f) w *= scale;
+            ids[(size_t)blockIdx.x * top_k + j] = (unsigned)chosen[j];
+            weights[(size_t)blockIdx.x * top_k + j] = w;
+        }
+    }
+}
+
+#define PLAN_MAX_EXPERTS 1024
+
+// The grouped-MoE work list from device routing (src/backend/cuda/experts.rs): items grouped by
+// ascending expert id, each expert's in ascending (row, slot) order, exactly as the host builds it.
+// `table[e]` holds expert e's weight pointers. Groups past the number of experts hit get count 0,
+// so kernels launched over `max_groups` groups do nothing there. One thread: the lists are short.
+extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const float* __restrict__ weights,
+                                    int rows, int top_k, int experts, const ExpertGroup* __restrict__ table,
+                                    int max_groups, ExpertGroup* __restrict__ groups,
+                                    unsigned* __restrict__ item_row, float* __restrict__ item_weight,
+                                    unsigned* __restrict__ row_items) {
+    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const int n = rows * top_k;
+    for (int e = 0; e < experts; ++e) cursor[e] = 0;
+    for (int i = 0; i < n; ++i) cursor[ids[i]] += 1;
+    unsigned start = 0;
+    int g = 0;
+    for (int e = 0; e < experts; ++e) {
+        const unsigned c = cursor[e];
+        cursor[e] = start;
+        if (c > 0) {
+            ExpertGroup grp = table[e];
+            grp.first = start;
+            grp.count = c;
+            groups[g++] = grp;
+        }
+        start += c;
+    }
+    for (; g < max_groups; ++g) {
+        ExpertGroup grp = table[0];
+        grp.first = 0;
+        grp.count = 0;
+        groups[g] = grp;
+    }
+    for (int i = 0; i < n; ++i) {
+        const unsigned pos = cursor[ids[i]]++;
+        item_row[pos] = (unsigned)(i / top_k);
+        item_weight[pos] = weights[i];
+        row_items[i] = pos;
+    }
+    // Each row's items in ascending expert id, which is ascending item position.
+    for (int r = 0; r < rows; ++r) {
+        unsigned* list = row_items + (size_t)r * top_k;
+        for (int a = 1; a < top_k; ++a) {
+            const unsigned v = list[a];
+            int b = a - 1;
+            while (b >= 0 && list[b] > v) {
+                list[b + 1] = list[b];
+                --b;
+            }
+            list[b + 1] = v;
+        }
+    }
+}

@@ -1,0 +1,1556 @@
+//! [`CudaBackend`]: the forward pass's ops on an NVIDIA GPU.
+//!
+//! Activations are f32 and weights FP16 (INT4 for the draft's experts), as on the CPU reference,
+//! so the two agree to rounding. Every kernel computes a row's outputs with code that does not
+//! depend on how many rows the launch holds, which keeps the exactness contract of
+//! [`Backend`]: a verification window gives the same bits as decoding its rows one by one, and
+//! speculative decoding on the GPU is lossless.
+//!
+//! Routed experts are either uploaded with the other weights (all resident) or kept in the
+//! bundle's mapping and copied on demand into per-layer slots (see [`super::offload`]).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use half::f16;
+
+use super::device::guarded;
+use super::experts::{ExpertGroup, MoeLaunch};
+use super::offload::{ExpertOffload, OffloadConfig, OffloadStats};
+use super::CudaDevice;
+use crate::arch::RopeStyle;
+use crate::backend::cpu::{Cpu, Mat};
+use crate::backend::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
+use crate::{Error, Result};
+
+/// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
+const ROW_THREADS: u32 = 256;
+/// Output features per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
+const GEMV_WARPS: usize = 8;
+/// Threads per block of kernels/attention.cu.
+const ATT_THREADS: u32 = 128;
+
+/// A row-major `[rows, cols]` f32 activation in device memory.
+///
+/// The buffer is shared: [`Backend::head_rows`] hands out a view of the first rows without a copy
+/// (the MLA path reads the whole latent cache every step). Writes go through device pointers on
+/// the one compute stream, which orders them after every earlier read.
+pub struct GpuAct {
+    buf: Arc<CudaSlice<f32>>,
+    rows: usize,
+    cols: usize,
+}
+
+/// A weight in device memory, or a routed expert that lives in host memory until a pass needs it.
+pub enum GpuWeight {
+    F16 {
+        name: String,
+        shape: Vec<usize>,
+        buf: CudaSlice<f16>,
+    },
+    /// Marlin-tiled INT4 `[k inputs, n outputs]` with its group scales (docs/MARLIN.md).
+    Int4 {
+        name: String,
+        k: usize,
+        n: usize,
+        qweight: CudaSlice<u32>,
+        scales: CudaSlice<f16>,
+    },
+    /// Part of routed expert `expert` of model layer `layer`, copied in by the expert cache.
+    Offloaded { layer: usize, expert: usize },
+}
+
+impl GpuWeight {
+    fn describe(&self) -> String {
+        match self {
+            GpuWeight::F16 { name, shape, .. } => format!("{name} {shape:?}"),
+            GpuWeight::Int4 { name, k, n, .. } => format!("{name} (INT4, k {k}, n {n})"),
+            GpuWeight::Offloaded { layer, expert } => {
+                format!("offloaded expert {expert} of layer {layer}")
+            }
+        }
+    }
+}
+
+struct Kernels {
+    embedding: CudaFunction,
+    rms_norm: CudaFunction,
+    layer_norm: CudaFunction,
+    copy_cols: CudaFunction,
+    clamp: CudaFunction,
+    add: CudaFunction,
+    add_sigmoid_gated: CudaFunction,
+    rope: CudaFunction,
+    mla_expand_kv: CudaFunction,
+    silu_mul: CudaFunction,
+    argmax: CudaFunction,
+    moe_combine: CudaFunction,
+    route_topk: CudaFunction,
+    moe_plan: CudaFunction,
+    linear: CudaFunction,
+    moe_gate_up: CudaFunction,
+    moe_down: CudaFunction,
+    attention: CudaFunction,
+}
+
+impl Kernels {
+    fn load(dev: &CudaDevice) -> Result<Self> {
+        let ops = |f: &str| dev.function("ops", f);
+        let gemv = |f: &str| dev.function("gemv_f16", f);
+        Ok(Kernels {
+            embedding: ops("embedding")?,
+            rms_norm: ops("rms_norm")?,
+            layer_norm: ops("layer_norm")?,
+            copy_cols: ops("copy_cols")?,
+            clamp: ops("clamp_f32")?,
+            add: ops("add_f32")?,
+            add_sigmoid_gated: ops("add_sigmoid_gated")?,
+            rope: ops("rope")?,
+            mla_expand_kv: ops("mla_expand_kv")?,
+            silu_mul: ops("silu_mul")?,
+            argmax: ops("argmax_rows")?,
+            moe_combine: ops("moe_combine")?,
+            route_topk: ops("route_softmax_topk")?,
+            moe_plan: ops("moe_plan")?,
+            linear: gemv("linear_f16")?,
+            moe_gate_up: gemv("moe_f16_gate_up")?,
+            moe_down: gemv("moe_f16_down")?,
+            attention: dev.function("attention", "attention")?,
+        })
+    }
+}
+
+/// cos/sin of the last rope call's rows, kept on the device: every layer of one forward rotates
+/// the same positions, so the table is uploaded once per forward.
+struct RopeTableGpu {
+    inv_freq: Vec<f32>,
+    positions: Vec<usize>,
+    scales: Vec<f32>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+/// The host copy of an expert pointer table and its device upload.
+type ExpertTable = (Vec<ExpertGroup>, CudaSlice<u32>);
+
+/// The CUDA backend: one device, one compute stream, and optionally the expert cache.
+pub struct CudaBackend {
+    dev: Arc<CudaDevice>,
+    stream: Arc<CudaStream>,
+    /// The device's default memory pool, which every allocation here comes from.
+    pool: MemPool,
+    k: Kernels,
+    rope_table: Mutex<Option<RopeTableGpu>>,
+    /// Per expert list (keyed by its address), the device table of its experts' weight pointers
+    /// and the host copy it was built from (compared on every use, so a stale entry is rebuilt).
+    expert_tables: Mutex<std::collections::HashMap<usize, ExpertTable>>,
+    offload: Option<Mutex<ExpertOffload>>,
+}
+
+/// A kernel argument: every argument travels as one 8-byte slot (the driver reads as many bytes as
+/// the parameter has, and the target is little-endian).
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// A device's default memory pool handle.
+#[derive(Clone, Copy)]
+struct MemPool(sys::CUmemoryPool);
+
+// SAFETY: a pool handle is a driver object usable from any thread of the process; the default
+// pool lives as long as the device.
+unsafe impl Send for MemPool {}
+// SAFETY: as above; the attribute calls made through it are thread-safe in the driver.
+unsafe impl Sync for MemPool {}
+
+fn default_mem_pool(dev: &CudaDevice) -> Result<MemPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    guarded("cuDeviceGetDefaultMemPool", || {
+        dev.context().bind_to_thread()?;
+        // SAFETY: `pool` is a valid out-pointer; the device handle comes from the live context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev.context().cu_device()) }.result()
+    })?;
+    Ok(MemPool(pool))
+}
+
+/// Sets (`Some`) or reads (`None`) a 64-bit attribute of a memory pool.
+fn pool_attribute(pool: MemPool, attr: sys::CUmemPool_attribute, set: Option<u64>) -> Result<u64> {
+    let mut value: u64 = set.unwrap_or(0);
+    guarded("cuMemPool attribute", || {
+        let p = &mut value as *mut u64 as *mut std::ffi::c_void;
+        // SAFETY: the pool is the device's default pool (never destroyed); both attributes used
+        // here are 64-bit values, and `p` points at a live u64.
+        unsafe {
+            if set.is_some() {
+                sys::cuMemPoolSetAttribute(pool.0, attr, p)
+            } else {
+                sys::cuMemPoolGetAttribute(pool.0, attr, p)
+            }
+        }
+        .result()
+    })?;
+    Ok(value)
+}
+
+fn int(v: usize, what: &str) -> Result<u64> {
+    i32::try_from(v).map(|v| v as u32 as u64).map_err(|_| {
+        Error::Backend(format!(
+            "cuda: {what} = {v} exceeds the kernels' 32-bit index"
+        ))
+    })
+}
+
+fn float(v: f32) -> u64 {
+    v.to_bits() as u64
+}
+
+fn shape_err(op: &str, detail: String) -> Error {
+    Error::Backend(format!("cuda {op}: {detail}"))
+}
+
+fn grid_for(n: usize, block: u32) -> u32 {
+    n.div_ceil(block as usize).clamp(1, 65_535 * 16) as u32
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` with every routed expert resident once loaded.
+    pub fn open(ordinal: usize) -> Result<Self> {
+        Self::with_device(Arc::new(CudaDevice::open(ordinal)?), None)
+    }
+
+    /// A backend on an opened device; with `offload`, routed experts stay in host memory and are
+    /// copied into per-layer slots when a pass needs them.
+    pub fn with_device(dev: Arc<CudaDevice>, offload: Option<OffloadConfig>) -> Result<Self> {
+        // One compute stream plus the expert cache's copy stream, fenced by our own events:
+        // cudarc's per-buffer event tracking would only add a record per launch.
+        // SAFETY: no buffer of this context exists yet that relies on tracking; every later
+        // cross-stream use is ordered by explicit events (src/backend/cuda/offload.rs).
+        unsafe { dev.context().disable_event_tracking() };
+        let stream = dev.stream().clone();
+        let pool = default_mem_pool(&dev)?;
+        // Keep freed blocks in the pool instead of returning them at every synchronisation:
+        // activations are allocated per op, and the pool's high-water mark is then the peak VRAM.
+        pool_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            Some(u64::MAX),
+        )?;
+        let k = Kernels::load(&dev)?;
+        let offload = offload
+            .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
+            .transpose()?;
+        Ok(CudaBackend {
+            dev,
+            stream,
+            pool,
+            k,
+            rope_table: Mutex::new(None),
+            expert_tables: Mutex::new(std::collections::HashMap::new()),
+            offload,
+        })
+    }
+
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.dev
+    }
+
+    /// The expert cache's counters, when routed experts are offloaded.
+    pub fn offload_stats(&self) -> Result<Option<OffloadStats>> {
+        match &self.offload {
+            None => Ok(None),
+            Some(o) => Ok(Some(self.lock(o)?.stats()?)),
+        }
+    }
+
+    /// Restores the expert cache's initial residency and clears its counters.
+    pub fn reset_offload(&self) -> Result<()> {
+        if let Some(o) = &self.offload {
+            self.synchronize()?;
+            self.lock(o)?.reset();
+        }
+        Ok(())
+    }
+
+    /// A short description of how routed experts are held ("all resident", or the cache).
+    pub fn residency_description(&self) -> Result<String> {
+        Ok(match &self.offload {
+            None => "all routed experts resident in VRAM".to_string(),
+            Some(o) => self.lock(o)?.describe(),
+        })
+    }
+
+    /// The most device memory the allocation pool has held in use since the last
+    /// [`Self::reset_vram_peak`] (weights, expert slots, activations, KV caches).
+    pub fn vram_peak_bytes(&self) -> Result<u64> {
+        self.synchronize()?;
+        pool_attribute(
+            self.pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            None,
+        )
+    }
+
+    /// Restarts the peak at the memory in use now.
+    pub fn reset_vram_peak(&self) -> Result<()> {
+        self.synchronize()?;
+        pool_attribute(
+            self.pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            Some(0),
+        )
+        .map(|_| ())
+    }
+
+    /// Waits for all work issued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        guarded("cuStreamSynchronize", || self.stream.synchronize())
+    }
+
+    fn lock<'a, T>(&self, m: &'a Mutex<T>) -> Result<std::sync::MutexGuard<'a, T>> {
+        m.lock()
+            .map_err(|_| Error::Backend("cuda: a lock was poisoned by an earlier panic".into()))
+    }
+
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        what: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[u64],
+    ) -> Result<()> {
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            b.arg(a);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
+        // slots in the order its signature declares (checked by the callers below); pointers
+        // address live device buffers of the sizes the kernel reads and writes.
+        guarded(&format!("cuda {what}: kernel launch failed"), || unsafe {
+            b.launch(cfg).map(|_| ())
+        })
+    }
+
+    fn alloc(&self, rows: usize, cols: usize) -> Result<GpuAct> {
+        let n = (rows * cols).max(1);
+        let buf = guarded(
+            &format!("cuda: cannot allocate a [{rows}, {cols}] f32 activation (out of VRAM?)"),
+            // SAFETY: every caller writes all `rows * cols` elements before they are read.
+            || unsafe { self.stream.alloc::<f32>(n) },
+        )?;
+        Ok(GpuAct {
+            buf: Arc::new(buf),
+            rows,
+            cols,
+        })
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> Result<CudaSlice<u32>> {
+        let data = if data.is_empty() { &[0u32][..] } else { data };
+        guarded("cuda: host-to-device copy failed", || {
+            self.stream.clone_htod(data)
+        })
+    }
+
+    fn f16_matrix<'w>(
+        &self,
+        w: &'w GpuWeight,
+        op: &str,
+    ) -> Result<(&'w CudaSlice<f16>, usize, usize)> {
+        match w {
+            GpuWeight::F16 { shape, buf, .. } if shape.len() == 2 => Ok((buf, shape[0], shape[1])),
+            other => Err(shape_err(
+                op,
+                format!("{} is not an FP16 matrix", other.describe()),
+            )),
+        }
+    }
+
+    fn f16_vector<'w>(&self, w: &'w GpuWeight, len: usize, op: &str) -> Result<&'w CudaSlice<f16>> {
+        match w {
+            GpuWeight::F16 { shape, buf, .. } if shape.iter().product::<usize>() == len => Ok(buf),
+            other => Err(shape_err(
+                op,
+                format!("{} is not an FP16 vector of {len}", other.describe()),
+            )),
+        }
+    }
+
+    fn elementwise_grid(n: usize) -> (u32, u32, u32) {
+        (grid_for(n, 256).min(65_535), 1, 1)
+    }
+
+    /// Launches the grouped FP16 expert kernels (gate/up then down) for one work list.
+    fn launch_moe_f16(&self, l: &MoeLaunch) -> Result<()> {
+        let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
+        let gy = u32::try_from(l.num_groups).unwrap_or(u32::MAX);
+        self.launch(
+            &self.k.moe_gate_up,
+            "moe gate/up",
+            (grid_for(l.inter, GEMV_WARPS as u32), gy, 1),
+            32 * GEMV_WARPS as u32,
+            &[l.x, h, i, l.groups, l.item_row, l.h],
+        )?;
+        self.launch(
+            &self.k.moe_down,
+            "moe down",
+            (grid_for(l.hidden, GEMV_WARPS as u32), gy, 1),
+            32 * GEMV_WARPS as u32,
+            &[l.h, h, i, l.groups, l.item_weight, l.out],
+        )
+    }
+
+    fn rope_table(
+        &self,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<std::sync::MutexGuard<'_, Option<RopeTableGpu>>> {
+        let mut table = self.lock(&self.rope_table)?;
+        let fresh = table.as_ref().is_some_and(|t| {
+            t.inv_freq == inv_freq && t.positions == positions && t.scales == scales
+        });
+        if !fresh {
+            let half = inv_freq.len();
+            let mut cos = vec![0.0f32; positions.len() * half];
+            let mut sin = vec![0.0f32; positions.len() * half];
+            for (r, (&p, &s)) in positions.iter().zip(scales).enumerate() {
+                for i in 0..half {
+                    // As the CPU reference: the angle rounded to f32, then cos/sin in f64.
+                    let a = (inv_freq[i] * p as f32) as f64;
+                    cos[r * half + i] = (a.cos() as f32) * s;
+                    sin[r * half + i] = (a.sin() as f32) * s;
+                }
+            }
+            let up = |v: &[f32]| {
+                let v = if v.is_empty() { &[0.0f32][..] } else { v };
+                guarded("cuda rope: host-to-device copy failed", || {
+                    self.stream.clone_htod(v)
+                })
+            };
+            *table = Some(RopeTableGpu {
+                inv_freq: inv_freq.to_vec(),
+                positions: positions.to_vec(),
+                scales: scales.to_vec(),
+                cos: up(&cos)?,
+                sin: up(&sin)?,
+            });
+        }
+        Ok(table)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = GpuAct;
+    type Weight = GpuWeight;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn weight_f16(&self, name: &str, shape: &[usize], data: &[f16]) -> Result<GpuWeight> {
+        let n: usize = shape.iter().product();
+        if n != data.len() || shape.is_empty() || shape.len() > 2 || n == 0 {
+            return Err(shape_err(
+                "weight",
+                format!(
+                    "{name}: shape {shape:?} does not hold {} values",
+                    data.len()
+                ),
+            ));
+        }
+        let buf = guarded(
+            &format!("cuda: cannot upload {name} ({} bytes; out of VRAM?)", 2 * n),
+            || self.stream.clone_htod(data),
+        )?;
+        Ok(GpuWeight::F16 {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            buf,
+        })
+    }
+
+    fn weight_int4(
+        &self,
+        name: &str,
+        k: usize,
+        n: usize,
+        qweight: &[u32],
+        scales: &[f16],
+    ) -> Result<GpuWeight> {
+        crate::quant::check_marlin_shape(name, k, n)
+            .map_err(|e| Error::Model(format!("{name}: {e}")))?;
+        if qweight.len() != k * n / 8 || scales.len() != (k / 128) * n {
+            return Err(shape_err(
+                "weight_int4",
+                format!(
+                    "{name}: {} words and {} scales do not fit k {k}, n {n}",
+                    qweight.len(),
+                    scales.len()
+                ),
+            ));
+        }
+        let up = guarded(
+            &format!("cuda: cannot upload {name} (out of VRAM?)"),
+            || {
+                Ok((
+                    self.stream.clone_htod(qweight)?,
+                    self.stream.clone_htod(scales)?,
+                ))
+            },
+        )?;
+        Ok(GpuWeight::Int4 {
+            name: name.to_string(),
+            k,
+            n,
+            qweight: up.0,
+            scales: up.1,
+        })
+    }
+
+    fn routed_expert(
+        &self,
+        layer: usize,
+        expert: usize,
+        load: &mut dyn FnMut() -> Result<GatedMlp<Self>>,
+    ) -> Result<GatedMlp<Self>> {
+        match &self.offload {
+            Some(o) => {
+                self.lock(o)?.check_expert(layer, expert)?;
+                Ok(GatedMlp {
+                    gate_up: GpuWeight::Offloaded { layer, expert },
+                    down: GpuWeight::Offloaded { layer, expert },
+                })
+            }
+            None => load(),
+        }
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Result<GpuAct> {
+        let buf = guarded(
+            &format!("cuda: cannot allocate a [{rows}, {cols}] f32 buffer (out of VRAM?)"),
+            || self.stream.alloc_zeros::<f32>((rows * cols).max(1)),
+        )?;
+        Ok(GpuAct {
+            buf: Arc::new(buf),
+            rows,
+            cols,
+        })
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<GpuAct> {
+        if data.len() != rows * cols {
+            return Err(shape_err(
+                "upload",
+                format!("{} values for [{rows}, {cols}]", data.len()),
+            ));
+        }
+        if data.is_empty() {
+            return self.alloc(rows, cols);
+        }
+        let buf = guarded("cuda: host-to-device copy failed", || {
+            self.stream.clone_htod(data)
+        })?;
+        Ok(GpuAct {
+            buf: Arc::new(buf),
+            rows,
+            cols,
+        })
+    }
+
+    fn to_host(&self, x: &GpuAct) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; x.rows * x.cols];
+        if !out.is_empty() {
+            let view = x.buf.slice(..out.len());
+            guarded("cuda: device-to-host copy failed", || {
+                self.stream.memcpy_dtoh(&view, &mut out)
+            })?;
+        }
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    fn shape(&self, x: &GpuAct) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn embedding(&self, table: &GpuWeight, ids: &[u32]) -> Result<GpuAct> {
+        let (buf, vocab, hidden) = self.f16_matrix(table, "embedding")?;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(shape_err(
+                "embedding",
+                format!("token id {bad} >= {vocab} rows of {}", table.describe()),
+            ));
+        }
+        let y = self.alloc(ids.len(), hidden)?;
+        if ids.is_empty() {
+            return Ok(y);
+        }
+        let d_ids = self.upload_u32(ids)?;
+        let s = &self.stream;
+        self.launch(
+            &self.k.embedding,
+            "embedding",
+            (ids.len() as u32, 1, 1),
+            ROW_THREADS,
+            &[
+                ptr(buf, s),
+                ptr(&d_ids, s),
+                int(hidden, "hidden")?,
+                ptr(&y.buf, s),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    fn rms_norm(&self, x: &GpuAct, weight: &GpuWeight, eps: f32, group: usize) -> Result<GpuAct> {
+        if group == 0 || !x.cols.is_multiple_of(group) {
+            return Err(shape_err(
+                "rms_norm",
+                format!("group {group} does not divide width {}", x.cols),
+            ));
+        }
+        let w = self.f16_vector(weight, group, "rms_norm")?;
+        let y = self.alloc(x.rows, x.cols)?;
+        let blocks = x.rows * (x.cols / group);
+        if blocks > 0 {
+            let s = &self.stream;
+            self.launch(
+                &self.k.rms_norm,
+                "rms_norm",
+                (
+                    u32::try_from(blocks)
+                        .map_err(|_| shape_err("rms_norm", "too many rows".into()))?,
+                    1,
+                    1,
+                ),
+                ROW_THREADS,
+                &[
+                    ptr(&x.buf, s),
+                    ptr(w, s),
+                    float(eps),
+                    int(group, "group")?,
+                    ptr(&y.buf, s),
+                ],
+            )?;
+        }
+        Ok(y)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &GpuAct,
+        weight: &GpuWeight,
+        bias: &GpuWeight,
+        eps: f32,
+    ) -> Result<GpuAct> {
+        let w = self.f16_vector(weight, x.cols, "layer_norm")?;
+        let b = self.f16_vector(bias, x.cols, "layer_norm")?;
+        let y = self.alloc(x.rows, x.cols)?;
+        if x.rows > 0 {
+            let s = &self.stream;
+            self.launch(
+                &self.k.layer_norm,
+                "layer_norm",
+                (x.rows as u32, 1, 1),
+                ROW_THREADS,
+                &[
+                    ptr(&x.buf, s),
+                    ptr(w, s),
+                    ptr(b, s),
+                    float(eps),
+                    int(x.cols, "cols")?,
+                    ptr(&y.buf, s),
+                ],
+            )?;
+        }
+        Ok(y)
+    }
+
+    fn linear(&self, x: &GpuAct, w: &GpuWeight, bias: Option<&GpuWeight>) -> Result<GpuAct> {
+        let (wb, out, inp) = self.f16_matrix(w, "linear")?;
+        if inp != x.cols {
+            return Err(shape_err(
+                "linear",
+                format!(
+                    "{} does not take an input of {} columns",
+                    w.describe(),
+                    x.cols
+                ),
+            ));
+        }
+        let bias_ptr = match bias {
+            Some(b) => ptr(self.f16_vector(b, out, "linear bias")?, &self.stream),
+            None => 0,
+        };
+        let y = self.alloc(x.rows, out)?;
+        if x.rows > 0 {
+            let s = &self.stream;
+            self.launch(
+                &self.k.linear,
+                "linear",
+                (grid_for(out, GEMV_WARPS as u32), 1, 1),
+                32 * GEMV_WARPS as u32,
+                &[
+                    ptr(&x.buf, s),
+                    int(x.rows, "rows")?,
+                    int(inp, "in")?,
+                    ptr(wb, s),
+                    int(out, "out")?,
+                    bias_ptr,
+                    ptr(&y.buf, s),
+                ],
+            )?;
+        }
+        Ok(y)
+    }
+
+    fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(shape_err(
+                "split_cols",
+                format!("widths {widths:?} do not add up to {}", x.cols),
+            ));
+        }
+        let mut col0 = 0;
+        let mut outs = Vec::with_capacity(widths.len());
+        for &w in widths {
+            let y = self.alloc(x.rows, w)?;
+            let total = x.rows * w;
+            if total > 0 {
+                let s = &self.stream;
+                self.launch(
+                    &self.k.copy_cols,
+                    "split_cols",
+                    Self::elementwise_grid(total),
+                    256,
+                    &[
+                        ptr(&x.buf, s),
+                        int(x.cols, "cols")?,
+                        int(col0, "col")?,
+                        int(w, "width")?,
+                        total as u64,
+                        ptr(&y.buf, s),
+                    ],
+                )?;
+            }
+            col0 += w;
+            outs.push(y);
+        }
+        Ok(outs)
+    }
+
+    fn clamp(&self, x: &mut GpuAct, limit: f32) -> Result<()> {
+        let n = x.rows * x.cols;
+        if n > 0 {
+            let p = ptr(&x.buf, &self.stream);
+            self.launch(
+                &self.k.clamp,
+                "clamp",
+                Self::elementwise_grid(n),
+                256,
+                &[p, float(limit), n as u64],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn add_assign(&self, x: &mut GpuAct, y: &GpuAct) -> Result<()> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(shape_err(
+                "add",
+                format!("[{}, {}] += [{}, {}]", x.rows, x.cols, y.rows, y.cols),
+            ));
+        }
+        let n = x.rows * x.cols;
+        if n > 0 {
+            let s = &self.stream;
+            let (px, py) = (ptr(&x.buf, s), ptr(&y.buf, s));
+            self.launch(
+                &self.k.add,
+                "add",
+                Self::elementwise_grid(n),
+                256,
+                &[px, py, n as u64],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn add_sigmoid_gated(&self, x: &mut GpuAct, y: &GpuAct, gate: &GpuAct) -> Result<()> {
+        if (x.rows, x.cols) != (y.rows, y.cols) || gate.rows != x.rows || gate.cols != 1 {
+            return Err(shape_err(
+                "add_sigmoid_gated",
+                format!(
+                    "x [{}, {}], gate [{}, {}]",
+                    x.rows, x.cols, gate.rows, gate.cols
+                ),
+            ));
+        }
+        let n = x.rows * x.cols;
+        if n > 0 {
+            let s = &self.stream;
+            let args = [
+                ptr(&x.buf, s),
+                ptr(&y.buf, s),
+                ptr(&gate.buf, s),
+                int(x.cols, "cols")?,
+                n as u64,
+            ];
+            self.launch(
+                &self.k.add_sigmoid_gated,
+                "add_sigmoid_gated",
+                Self::elementwise_grid(n),
+                256,
+                &args,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut GpuAct,
+        spec: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        let half = spec.rot_dim / 2;
+        if !spec.rot_dim.is_multiple_of(2)
+            || inv_freq.len() != half
+            || positions.len() != x.rows
+            || scales.len() != x.rows
+            || spec.heads * spec.head_stride != x.cols
+            || spec.offset + spec.rot_dim > spec.head_stride
+        {
+            return Err(shape_err(
+                "rope",
+                format!("{spec:?} does not fit [{}, {}]", x.rows, x.cols),
+            ));
+        }
+        if x.rows == 0 || half == 0 {
+            return Ok(());
+        }
+        let table = self.rope_table(inv_freq, positions, scales)?;
+        let t = table
+            .as_ref()
+            .ok_or_else(|| shape_err("rope", "no table".into()))?;
+        let s = &self.stream;
+        let args = [
+            ptr(&x.buf, s),
+            ptr(&t.cos, s),
+            ptr(&t.sin, s),
+            int(x.cols, "cols")?,
+            int(spec.heads, "heads")?,
+            int(spec.head_stride, "head_stride")?,
+            int(spec.offset, "offset")?,
+            int(spec.rot_dim, "rot_dim")?,
+            u64::from(spec.style == RopeStyle::Interleaved),
+        ];
+        self.launch(
+            &self.k.rope,
+            "rope",
+            (x.rows as u32, 1, 1),
+            ROW_THREADS,
+            &args,
+        )
+    }
+
+    fn write_rows(&self, dst: &mut GpuAct, row: usize, src: &GpuAct) -> Result<()> {
+        if src.cols != dst.cols || row + src.rows > dst.rows {
+            return Err(shape_err(
+                "write_rows",
+                format!(
+                    "[{}, {}] at row {row} into [{}, {}]",
+                    src.rows, src.cols, dst.rows, dst.cols
+                ),
+            ));
+        }
+        let n = src.rows * src.cols;
+        if n > 0 {
+            let from = ptr(&src.buf, &self.stream);
+            let to = ptr(&dst.buf, &self.stream) + (4 * row * dst.cols) as u64;
+            guarded("cuda write_rows: device copy failed", || {
+                // SAFETY: both ranges lie inside their buffers (checked above: `row + src.rows`
+                // rows fit in `dst`), and distinct activations never share a buffer except
+                // through `head_rows` views, which only read.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        to,
+                        from,
+                        4 * n,
+                        self.stream.cu_stream(),
+                    )
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    fn head_rows(&self, x: &GpuAct, rows: usize) -> Result<GpuAct> {
+        if rows > x.rows {
+            return Err(shape_err("head_rows", format!("{rows} of {} rows", x.rows)));
+        }
+        // A view: same buffer, fewer rows.
+        Ok(GpuAct {
+            buf: x.buf.clone(),
+            rows,
+            cols: x.cols,
+        })
+    }
+
+    fn mla_expand_kv(
+        &self,
+        kv: &GpuAct,
+        k_pe: &GpuAct,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+    ) -> Result<(GpuAct, GpuAct)> {
+        let rope = k_pe.cols;
+        if kv.cols != heads * (nope + v_dim) || kv.rows != k_pe.rows {
+            return Err(shape_err(
+                "mla_expand_kv",
+                format!(
+                    "kv [{}, {}], k_pe [{}, {rope}]",
+                    kv.rows, kv.cols, k_pe.rows
+                ),
+            ));
+        }
+        let keys = self.alloc(kv.rows, heads * (nope + rope))?;
+        let values = self.alloc(kv.rows, heads * v_dim)?;
+        if kv.rows > 0 {
+            let s = &self.stream;
+            let args = [
+                ptr(&kv.buf, s),
+                ptr(&k_pe.buf, s),
+                int(heads, "heads")?,
+                int(nope, "nope")?,
+                int(rope, "rope")?,
+                int(v_dim, "v_dim")?,
+                ptr(&keys.buf, s),
+                ptr(&values.buf, s),
+            ];
+            self.launch(
+                &self.k.mla_expand_kv,
+                "mla_expand_kv",
+                (kv.rows as u32, 1, 1),
+                ROW_THREADS,
+                &args,
+            )?;
+        }
+        Ok((keys, values))
+    }
+
+    fn attention(
+        &self,
+        q: &GpuAct,
+        k: &GpuAct,
+        v: &GpuAct,
+        kv_len: usize,
+        spec: AttentionSpec,
+    ) -> Result<GpuAct> {
+        let AttentionSpec {
+            heads,
+            kv_heads,
+            qk_dim,
+            v_dim,
+            scale,
+            start,
+            window,
+        } = spec;
+        if kv_heads == 0
+            || heads == 0
+            || !heads.is_multiple_of(kv_heads)
+            || q.cols != heads * qk_dim
+            || k.cols != kv_heads * qk_dim
+            || v.cols != kv_heads * v_dim
+            || kv_len > k.rows
+            || kv_len > v.rows
+            || start + q.rows > kv_len
+        {
+            return Err(shape_err(
+                "attention",
+                format!(
+                    "{spec:?}: q [{}, {}], k [{}, {}], v [{}, {}], kv_len {kv_len}",
+                    q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
+                ),
+            ));
+        }
+        let out = self.alloc(q.rows, heads * v_dim)?;
+        if q.rows == 0 {
+            return Ok(out);
+        }
+        let blocks = q.rows * heads;
+        let scratch = self.alloc(blocks, kv_len.max(1))?;
+        let s = &self.stream;
+        let args = [
+            ptr(&q.buf, s),
+            ptr(&k.buf, s),
+            ptr(&v.buf, s),
+            ptr(&out.buf, s),
+            ptr(&scratch.buf, s),
+            int(heads, "heads")?,
+            int(kv_heads, "kv_heads")?,
+            int(qk_dim, "qk_dim")?,
+            int(v_dim, "v_dim")?,
+            float(scale),
+            int(start, "start")?,
+            int(window.unwrap_or(0), "window")?,
+            int(kv_len.max(1), "kv_len")?,
+        ];
+        let grid =
+            u32::try_from(blocks).map_err(|_| shape_err("attention", "too many rows".into()))?;
+        self.launch(
+            &self.k.attention,
+            "attention",
+            (grid, 1, 1),
+            ATT_THREADS,
+            &args,
+        )?;
+        Ok(out)
+    }
+
+    fn route(&self, logits: &GpuAct, spec: RouteSpec) -> Result<Routing> {
+        // The routing decides which experts are copied, so the host needs it anyway; computing
+        // it with the CPU reference's code keeps top-k ties and SparseMixer identical.
+        let data = self.to_host(logits)?;
+        Cpu.route(
+            &Mat {
+                rows: logits.rows,
+                cols: logits.cols,
+                data,
+            },
+            spec,
+        )
+    }
+
+    fn routed_moe(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        host_routing: bool,
+    ) -> Result<(GpuAct, Option<Routing>)> {
+        let resident = experts
+            .iter()
+            .all(|m| !matches!(m.gate_up, GpuWeight::Offloaded { .. }));
+        if let RouteSpec::SoftmaxTopK {
+            top_k,
+            renormalize,
+            scale,
+        } = spec
+        {
+            let fits = (1..=16).contains(&top_k) && top_k <= experts.len() && experts.len() <= 1024;
+            if !host_routing
+                && resident
+                && fits
+                && logits.cols == experts.len()
+                && x.rows == logits.rows
+                && x.rows > 0
+            {
+                return Ok((
+                    self.routed_moe_on_device(x, logits, top_k, renormalize, scale, experts)?,
+                    None,
+                ));
+            }
+        }
+        let routing = self.route(logits, spec)?;
+        let out = self.moe_experts(x, &routing, experts)?;
+        Ok((out, Some(routing)))
+    }
+
+    fn gated_mlp(&self, x: &GpuAct, mlp: &GatedMlp<Self>) -> Result<GpuAct> {
+        let (_, two_inter, _) = self.f16_matrix(&mlp.gate_up, "gated_mlp")?;
+        let gu = self.linear(x, &mlp.gate_up, None)?;
+        let inter = two_inter / 2;
+        let h = self.alloc(x.rows, inter)?;
+        let n = x.rows * inter;
+        if n > 0 {
+            let s = &self.stream;
+            let args = [
+                ptr(&gu.buf, s),
+                int(inter, "inter")?,
+                n as u64,
+                ptr(&h.buf, s),
+            ];
+            self.launch(
+                &self.k.silu_mul,
+                "silu_mul",
+                Self::elementwise_grid(n),
+                256,
+                &args,
+            )?;
+        }
+        self.linear(&h, &mlp.down, None)
+    }
+
+    fn moe_experts(
+        &self,
+        x: &GpuAct,
+        routing: &Routing,
+        experts: &[GatedMlp<Self>],
+    ) -> Result<GpuAct> {
+        let k = routing.top_k;
+        if k == 0 || routing.ids.len() != x.rows * k || routing.weights.len() != x.rows * k {
+            return Err(shape_err(
+                "moe_experts",
+                format!(
+                    "routing of {} ids (top {k}) for {} rows",
+                    routing.ids.len(),
+                    x.rows
+                ),
+            ));
+        }
+        if let Some(&bad) = routing.ids.iter().find(|&&e| e as usize >= experts.len()) {
+            return Err(shape_err(
+                "moe_experts",
+                format!("expert id {bad} >= {}", experts.len()),
+            ));
+        }
+        let hidden = x.cols;
+        let y = self.alloc(x.rows, hidden)?;
+        if x.rows == 0 {
+            return Ok(y);
+        }
+        let plan = MoePlan::new(routing, experts.len());
+        let first = &experts[plan.hit[0] as usize];
+        let inter = match (&first.gate_up, &first.down) {
+            (GpuWeight::F16 { shape, .. }, _) if shape.len() == 2 => shape[0] / 2,
+            (GpuWeight::Int4 { n, .. }, _) => n / 2,
+            (GpuWeight::Offloaded { layer, .. }, _) => match &self.offload {
+                Some(o) => self.lock(o)?.inter(*layer)?,
+                None => {
+                    return Err(shape_err(
+                        "moe_experts",
+                        "offloaded expert without a cache".into(),
+                    ))
+                }
+            },
+            (other, _) => {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("{} is not an expert", other.describe()),
+                ))
+            }
+        };
+        let h = self.alloc(plan.items(), inter)?;
+        let out = self.alloc(plan.items(), hidden)?;
+        let d_items = self.upload_u32(&plan.item_words())?;
+        let s = &self.stream;
+        let items_base = ptr(&d_items, s);
+        let mut launch = MoeLaunch {
+            x: ptr(&x.buf, s),
+            hidden,
+            inter,
+            groups: 0,
+            num_groups: 0,
+            max_count: 0,
+            item_row: items_base,
+            item_weight: items_base + 4 * plan.items() as u64,
+            items: plan.items(),
+            h: ptr(&h.buf, s),
+            out: ptr(&out.buf, s),
+        };
+        match &first.gate_up {
+            GpuWeight::Offloaded { layer, .. } => {
+                let o = self.offload.as_ref().ok_or_else(|| {
+                    shape_err("moe_experts", "offloaded expert without a cache".into())
+                })?;
+                let mut cache = self.lock(o)?;
+                cache.run_layer(self, *layer, &plan, &mut launch)?;
+            }
+            _ => {
+                let mut groups = Vec::with_capacity(plan.hit.len());
+                for (g, &e) in plan.hit.iter().enumerate() {
+                    let mlp = &experts[e as usize];
+                    let (first, count) = plan.range(g);
+                    groups.push(match (&mlp.gate_up, &mlp.down) {
+                        (GpuWeight::F16 { buf: gu, .. }, GpuWeight::F16 { buf: dn, .. }) => {
+                            ExpertGroup {
+                                gate_up: ptr(gu, s),
+                                gate_up_scales: 0,
+                                down: ptr(dn, s),
+                                down_scales: 0,
+                                first,
+                                count,
+                            }
+                        }
+                        (
+                            GpuWeight::Int4 {
+                                qweight: gq,
+                                scales: gs,
+                                ..
+                            },
+                            GpuWeight::Int4 {
+                                qweight: dq,
+                                scales: ds,
+                                ..
+                            },
+                        ) => ExpertGroup {
+                            gate_up: ptr(gq, s),
+                            gate_up_scales: ptr(gs, s),
+                            down: ptr(dq, s),
+                            down_scales: ptr(ds, s),
+                            first,
+                            count,
+                        },
+                        (a, b) => {
+                            return Err(shape_err(
+                                "moe_experts",
+                                format!(
+                                    "expert {e}: {} / {} mix kinds",
+                                    a.describe(),
+                                    b.describe()
+                                ),
+                            ))
+                        }
+                    });
+                }
+                let d_groups = self.upload_groups(&groups)?;
+                launch.groups = ptr(&d_groups, s);
+                launch.num_groups = groups.len();
+                launch.max_count = plan.max_count();
+                match &first.gate_up {
+                    GpuWeight::Int4 { .. } => self.launch_moe_int4(&launch)?,
+                    _ => self.launch_moe_f16(&launch)?,
+                }
+                // The uploaded group table must outlive the kernels that read it.
+                self.defer_free(d_groups);
+            }
+        }
+        let d_row_items = self.upload_u32(&plan.row_items)?;
+        let args = [
+            launch.out,
+            ptr(&d_row_items, s),
+            int(k, "top_k")?,
+            int(hidden, "hidden")?,
+            ptr(&y.buf, s),
+        ];
+        self.launch(
+            &self.k.moe_combine,
+            "moe combine",
+            (x.rows as u32, 1, 1),
+            ROW_THREADS,
+            &args,
+        )?;
+        drop(d_items);
+        drop(h);
+        drop(out);
+        Ok(y)
+    }
+
+    fn argmax(&self, x: &GpuAct) -> Result<Vec<u32>> {
+        if x.cols == 0 {
+            return Err(shape_err("argmax", "rows have no columns".into()));
+        }
+        if x.rows == 0 {
+            return Ok(Vec::new());
+        }
+        let out = guarded("cuda argmax: allocation failed", || {
+            self.stream.alloc_zeros::<u32>(x.rows)
+        })?;
+        let s = &self.stream;
+        let args = [ptr(&x.buf, s), int(x.cols, "cols")?, ptr(&out, s)];
+        self.launch(
+            &self.k.argmax,
+            "argmax",
+            (x.rows as u32, 1, 1),
+            ROW_THREADS,
+            &args,
+        )?;
+        let mut host = vec![0u32; x.rows];
+        guarded("cuda argmax: device-to-host copy failed", || {
+            self.stream.memcpy_dtoh(&out, &mut host)
+        })?;
+        self.synchronize()?;
+        Ok(host)
+    }
+}
+
+/// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
+/// ascending expert id.
+pub(crate) struct MoePlan {
+    /// Experts hit, ascending.
+    pub hit: Vec<u32>,
+    /// `hit[g]`'s items are `starts[g]..starts[g + 1]`.
+    pub starts: Vec<u32>,
+    pub item_row: Vec<u32>,
+    pub item_weight: Vec<f32>,
+    /// `[rows, top_k]`: each row's items in ascending expert id.
+    pub row_items: Vec<u32>,
+}
+
+impl MoePlan {
+    pub(crate) fn new(routing: &Routing, num_experts: usize) -> Self {
+        let k = routing.top_k;
+        let rows = routing.ids.len() / k;
+        let mut per_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); num_experts];
+        for (i, (&e, &w)) in routing.ids.iter().zip(&routing.weights).enumerate() {
+            per_expert[e as usize].push(((i / k) as u32, w));
+        }
+        let mut plan = MoePlan {
+            hit: Vec::new(),
+            starts: vec![0],
+            item_row: Vec::with_capacity(rows * k),
+            item_weight: Vec::with_capacity(rows * k),
+            row_items: Vec::with_capacity(rows * k),
+        };
+        let mut row_lists: Vec<Vec<u32>> = vec![Vec::with_capacity(k); rows];
+        for (e, list) in per_expert.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            plan.hit.push(e as u32);
+            for &(r, w) in list {
+                row_lists[r as usize].push(plan.item_row.len() as u32);
+                plan.item_row.push(r);
+                plan.item_weight.push(w);
+            }
+            plan.starts.push(plan.item_row.len() as u32);
+        }
+        for list in row_lists {
+            plan.row_items.extend(list);
+        }
+        plan
+    }
+
+    pub(crate) fn items(&self) -> usize {
+        self.item_row.len()
+    }
+
+    /// `(first, count)` of group `g`.
+    pub(crate) fn range(&self, g: usize) -> (u32, u32) {
+        (self.starts[g], self.starts[g + 1] - self.starts[g])
+    }
+
+    pub(crate) fn max_count(&self) -> usize {
+        (0..self.hit.len())
+            .map(|g| self.range(g).1 as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `item_row` then the bits of `item_weight`, one upload.
+    fn item_words(&self) -> Vec<u32> {
+        let mut words = self.item_row.clone();
+        words.extend(self.item_weight.iter().map(|w| w.to_bits()));
+        words
+    }
+}
+
+/// The weight pointers of a resident expert (first/count left 0), and whether it is INT4.
+fn expert_pointers(
+    mlp: &GatedMlp<CudaBackend>,
+    e: usize,
+    stream: &CudaStream,
+) -> Result<(ExpertGroup, bool)> {
+    match (&mlp.gate_up, &mlp.down) {
+        (GpuWeight::F16 { buf: gu, .. }, GpuWeight::F16 { buf: dn, .. }) => Ok((
+            ExpertGroup {
+                gate_up: ptr(gu, stream),
+                down: ptr(dn, stream),
+                ..Default::default()
+            },
+            false,
+        )),
+        (
+            GpuWeight::Int4 {
+                qweight: gq,
+                scales: gs,
+                ..
+            },
+            GpuWeight::Int4 {
+                qweight: dq,
+                scales: ds,
+                ..
+            },
+        ) => Ok((
+            ExpertGroup {
+                gate_up: ptr(gq, stream),
+                gate_up_scales: ptr(gs, stream),
+                down: ptr(dq, stream),
+                down_scales: ptr(ds, stream),
+                ..Default::default()
+            },
+            true,
+        )),
+        (a, b) => Err(shape_err(
+            "moe_experts",
+            format!(
+                "expert {e}: {} / {} is not a resident expert",
+                a.describe(),
+                b.describe()
+            ),
+        )),
+    }
+}
+
+impl CudaBackend {
+    /// Routing, work list and expert kernels all on the device: no host round trip.
+    fn routed_moe_on_device(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        top_k: usize,
+        renormalize: bool,
+        scale: f32,
+        experts: &[GatedMlp<Self>],
+    ) -> Result<GpuAct> {
+        let s = &self.stream;
+        let rows = x.rows;
+        let hidden = x.cols;
+        let n_experts = experts.len();
+        let mut templates = Vec::with_capacity(n_experts);
+        let mut int4 = false;
+        for (e, mlp) in experts.iter().enumerate() {
+            let (t, q) = expert_pointers(mlp, e, s)?;
+            int4 |= q;
+            templates.push(t);
+        }
+        let inter = match &experts[0].gate_up {
+            GpuWeight::F16 { shape, .. } => shape[0] / 2,
+            GpuWeight::Int4 { n, .. } => n / 2,
+            other => {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("{} is not an expert", other.describe()),
+                ))
+            }
+        };
+        let mut tables = self.lock(&self.expert_tables)?;
+        let key = experts.as_ptr() as usize;
+        let fresh = tables.get(&key).is_some_and(|(host, _)| *host == templates);
+        if !fresh {
+            let dev = self.upload_groups(&templates)?;
+            tables.insert(key, (templates, dev));
+        }
+        let table = ptr(
+            &tables
+                .get(&key)
+                .ok_or_else(|| shape_err("moe_experts", "no table".into()))?
+                .1,
+            s,
+        );
+        drop(tables);
+
+        let n_items = rows * top_k;
+        let max_groups = n_items.min(n_experts);
+        let alloc_u32 = |n: usize| {
+            guarded("cuda moe: allocation failed", || {
+                // SAFETY: the plan kernel writes every element before any kernel reads it.
+                unsafe { self.stream.alloc::<u32>(n.max(1)) }
+            })
+        };
+        let ids = alloc_u32(n_items)?;
+        let weights = alloc_u32(n_items)?;
+        let item_row = alloc_u32(n_items)?;
+        let item_weight = alloc_u32(n_items)?;
+        let row_items = alloc_u32(n_items)?;
+        let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
+        self.launch(
+            &self.k.route_topk,
+            "route top-k",
+            (rows as u32, 1, 1),
+            32,
+            &[
+                ptr(&logits.buf, s),
+                int(n_experts, "experts")?,
+                int(top_k, "top_k")?,
+                u64::from(renormalize),
+                float(scale),
+                ptr(&ids, s),
+                ptr(&weights, s),
+            ],
+        )?;
+        self.launch(
+            &self.k.moe_plan,
+            "moe plan",
+            (1, 1, 1),
+            32,
+            &[
+                ptr(&ids, s),
+                ptr(&weights, s),
+                int(rows, "rows")?,
+                int(top_k, "top_k")?,
+                int(n_experts, "experts")?,
+                table,
+                int(max_groups, "groups")?,
+                ptr(&groups, s),
+                ptr(&item_row, s),
+                ptr(&item_weight, s),
+                ptr(&row_items, s),
+            ],
+        )?;
+        let h = self.alloc(n_items, inter)?;
+        let out = self.alloc(n_items, hidden)?;
+        let launch = MoeLaunch {
+            x: ptr(&x.buf, s),
+            hidden,
+            inter,
+            groups: ptr(&groups, s),
+            num_groups: max_groups,
+            max_count: rows,
+            item_row: ptr(&item_row, s),
+            item_weight: ptr(&item_weight, s),
+            items: n_items,
+            h: ptr(&h.buf, s),
+            out: ptr(&out.buf, s),
+        };
+        self.launch_moe(&launch, int4)?;
+        let y = self.alloc(rows, hidden)?;
+        self.launch(
+            &self.k.moe_combine,
+            "moe combine",
+            (rows as u32, 1, 1),
+            ROW_THREADS,
+            &[
+                launch.out,
+                ptr(&row_items, s),
+                int(top_k, "top_k")?,
+                int(hidden, "hidden")?,
+                ptr(&y.buf, s),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    pub(crate) fn upload_groups(&self, groups: &[ExpertGroup]) -> Result<CudaSlice<u32>> {
+        let words: &[u32] = bytemuck::cast_slice(groups);
+        self.upload_u32(words)
+    }
+
+    /// Buffers freed while kernels may still read them: with stream-ordered allocation
+    /// (cuMemFreeAsync on this stream) the free itself is ordered after those kernels.
+    pub(crate) fn defer_free<T>(&self, buf: CudaSlice<T>) {
+        drop(buf);
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub(crate) fn launch_moe(&self, l: &MoeLaunch, int4: bool) -> Result<()> {
+        if int4 {
+            self.launch_moe_int4(l)
+        } else {
+            self.launch_moe_f16(l)
+        }
+    }
+
+    fn launch_moe_int4(&self, _l: &MoeLaunch) -> Result<()> {
+        Err(Error::Backend(
+            "cuda: the INT4 draft experts need kernels/moe_int4.cu, which this build lacks".into(),
+        ))
+    }
+}

@@ -1,0 +1,142 @@
+//! End to end on the GPU: every fixture model, converted into a bundle by the real pipeline, gives
+//! the CPU reference's greedy tokens on the CUDA backend (all experts resident, and offloaded
+//! under every slot policy and host path), and speculative decoding on the GPU gives exactly the
+//! GPU's target-only tokens.
+//!
+//! These need a CUDA GPU, so they are ignored here; `scripts/gpu-check.sh` runs them on the
+//! GPU machine with `--ignored`.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Fixture, FIXTURES};
+use specter::arch::MoeModel;
+use specter::backend::cpu::Cpu;
+use specter::backend::cuda::{CudaBackend, CudaDevice, HostPath, OffloadConfig, SlotPolicy};
+use specter::decode::{generate, GenerateOptions, Mode, Sampling};
+use specter::model::{LanguageModel, NoHook};
+use specter::pack::{convert, ConvertOptions, Silent};
+use specter_format::Bundle;
+
+fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
+    GenerateOptions {
+        mode,
+        max_new_tokens,
+        depth,
+        sampling: Sampling::greedy(),
+        stop_at_eos: false,
+    }
+}
+
+fn greedy<M: LanguageModel>(model: &M, prompt: &[u32], mode: Mode, depth: usize) -> Vec<u32> {
+    generate(
+        model,
+        prompt,
+        &options(mode, 16, depth),
+        &mut NoHook,
+        &mut |_| {},
+    )
+    .expect("generate")
+    .tokens
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+fn gpu_target_tokens_equal_the_cpu_on_every_fixture() {
+    every_fixture_every_residency(false);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+fn gpu_speculative_decoding_is_lossless_on_every_fixture() {
+    every_fixture_every_residency(true);
+}
+
+/// Target-only greedy tokens on the GPU equal the CPU's; with `speculative`, Specter mode on the
+/// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens.
+fn every_fixture_every_residency(speculative: bool) {
+    let device = Arc::new(CudaDevice::open(0).expect("a CUDA GPU"));
+    for name in FIXTURES {
+        let fixture = Fixture::load(name);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.specter");
+        convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+        let bundle = Arc::new(Bundle::open(&path).expect("open"));
+        let cpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), Cpu).unwrap();
+        let experts = fixture.cfg.moe.num_experts;
+        let mut variants: Vec<(String, Option<OffloadConfig>)> = vec![("resident".into(), None)];
+        for (policy, slots, host_path) in [
+            (SlotPolicy::Lru, 2, HostPath::Auto),
+            (SlotPolicy::OnDemand, experts / 2, HostPath::Auto),
+            (SlotPolicy::Lru, 3, HostPath::PinnedStaging),
+        ] {
+            variants.push((
+                format!("{} {slots} slots {host_path:?}", policy.name()),
+                Some(OffloadConfig {
+                    bundle: bundle.clone(),
+                    config: fixture.cfg.clone(),
+                    slots_per_layer: slots,
+                    policy,
+                    host_path,
+                }),
+            ));
+        }
+        for (label, offload) in variants {
+            let backend = CudaBackend::with_device(device.clone(), offload).expect("backend");
+            let gpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), backend).unwrap();
+            for prompt in fixture.prompts().iter().take(2) {
+                let want = greedy(&cpu, prompt, Mode::Target, 1);
+                let got = greedy(&gpu, prompt, Mode::Target, 1);
+                assert_eq!(
+                    got, want,
+                    "{name} ({label}): GPU target tokens differ from the CPU"
+                );
+                if speculative {
+                    for depth in [1, 4, 16] {
+                        let spec = greedy(&gpu, prompt, Mode::Specter, depth);
+                        assert_eq!(
+                            spec, got,
+                            "{name} ({label}): GPU specter depth {depth} is not lossless"
+                        );
+                    }
+                }
+            }
+            if let Some(stats) = gpu.backend().offload_stats().unwrap() {
+                eprintln!(
+                    "{name} {label}: hits {} misses {} copied {} B via {}",
+                    stats.hits, stats.misses, stats.bytes_copied, stats.path
+                );
+                assert!(
+                    stats.misses > 0,
+                    "{name} ({label}): nothing was ever copied"
+                );
+            }
+        }
+        eprintln!("{name}: GPU tokens equal the CPU's in every residency");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+fn impossible_residency_is_a_clear_error() {
+    let device = Arc::new(CudaDevice::open(0).expect("a CUDA GPU"));
+    let fixture = Fixture::load("mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.specter");
+    convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+    let bundle = Arc::new(Bundle::open(&path).unwrap());
+    for slots in [0, fixture.cfg.moe.num_experts + 1] {
+        let cfg = OffloadConfig {
+            bundle: bundle.clone(),
+            config: fixture.cfg.clone(),
+            slots_per_layer: slots,
+            policy: SlotPolicy::Lru,
+            host_path: HostPath::Auto,
+        };
+        match CudaBackend::with_device(device.clone(), Some(cfg)) {
+            Err(e) => assert!(e.to_string().contains("--resident-experts"), "{e}"),
+            Ok(_) => panic!("{slots} slots per layer must be refused"),
+        }
+    }
+}
