@@ -5,7 +5,7 @@
 //! file entry comes in variants that hold 1, 2, 4 or 8 items in registers at a time; the launch
 //! picks the smallest that covers the largest group, and all variants compute the same bits.
 
-use super::experts::MoeLaunch;
+use super::experts::{ExpertGroup, MoeLaunch};
 use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use crate::{Error, Result};
 
@@ -26,6 +26,9 @@ const GROUP: usize = 128;
 
 /// The largest grid y extent the driver accepts.
 const MAX_GRID_Y: usize = 65_535;
+
+// kernels/moe_int4.cu reads the groups as a 40-byte struct (it asserts the same size).
+const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
 
 /// The gate/up and down kernels of every variant, loaded from one device.
 pub struct MoeInt4Kernels {
