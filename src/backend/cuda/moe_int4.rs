@@ -1,0 +1,282 @@
+//! Launching the grouped W4A16 expert kernels of `kernels/moe_int4.cu` (the INT4 draft experts).
+//!
+//! [`MoeInt4Kernels::launch`] runs the gate/up and down stages of a [`MoeLaunch`] whose expert
+//! weights are Marlin-tiled INT4 (docs/MARLIN.md); the combine stage is separate. Each kernel
+//! file entry comes in variants that hold 1, 2, 4 or 8 items in registers at a time; the launch
+//! picks the smallest that covers the largest group, and all variants compute the same bits.
+
+use super::experts::{ExpertGroup, MoeLaunch};
+use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use crate::{Error, Result};
+
+/// The kernel file (`kernels/moe_int4.cu`).
+const MODULE: &str = "moe_int4";
+
+/// Items one block holds in registers at a time, per variant.
+const VARIANTS: [usize; 4] = [1, 2, 4, 8];
+
+/// Threads per block (eight warps splitting K).
+const THREADS: u32 = 256;
+
+/// Output columns per block (one Marlin 16x64 block column).
+const COLS_PER_BLOCK: usize = 64;
+
+/// Input features per quantization group; each of the eight warps takes `K / 128` tile rows.
+const GROUP: usize = 128;
+
+/// The largest grid y extent the driver accepts.
+const MAX_GRID_Y: usize = 65_535;
+
+// kernels/moe_int4.cu reads the groups as a 40-byte struct (it asserts the same size).
+const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
+
+/// The gate/up and down kernels of every variant, loaded from one device.
+pub struct MoeInt4Kernels {
+    gate_up: [CudaFunction; 4],
+    down: [CudaFunction; 4],
+}
+
+impl std::fmt::Debug for MoeInt4Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoeInt4Kernels")
+            .field("variants", &VARIANTS)
+            .finish()
+    }
+}
+
+/// Checks the shapes and sizes of a launch against what the INT4 kernels need.
+pub fn check_int4_launch(l: &MoeLaunch) -> Result<()> {
+    let bad = |what: String| Err(Error::Backend(format!("INT4 MoE launch: {what}")));
+    if l.hidden == 0 || l.inter == 0 {
+        return bad(format!(
+            "hidden={} inter={} must both be positive",
+            l.hidden, l.inter
+        ));
+    }
+    if !l.hidden.is_multiple_of(GROUP) {
+        return bad(format!(
+            "hidden={} must be a multiple of {GROUP} (K of gate/up: quantization group, eight warps of tile rows)",
+            l.hidden
+        ));
+    }
+    if !l.hidden.is_multiple_of(COLS_PER_BLOCK) {
+        return bad(format!(
+            "hidden={} must be a multiple of {COLS_PER_BLOCK} (N of down: Marlin block columns)",
+            l.hidden
+        ));
+    }
+    if !l.inter.is_multiple_of(GROUP) {
+        return bad(format!(
+            "inter={} must be a multiple of {GROUP} (K of down: quantization group, eight warps of tile rows)",
+            l.inter
+        ));
+    }
+    if !(2 * l.inter).is_multiple_of(COLS_PER_BLOCK) {
+        return bad(format!(
+            "2*inter={} must be a multiple of {COLS_PER_BLOCK} (N of gate/up: Marlin block columns)",
+            2 * l.inter
+        ));
+    }
+    if u32::try_from(2 * l.inter).is_err() || u32::try_from(l.hidden).is_err() {
+        return bad(format!(
+            "hidden={} inter={} exceed the kernels' 32-bit sizes",
+            l.hidden, l.inter
+        ));
+    }
+    if l.num_groups > MAX_GRID_Y {
+        return bad(format!(
+            "{} groups exceed the grid limit of {MAX_GRID_Y}",
+            l.num_groups
+        ));
+    }
+    if u32::try_from(l.items).is_err() {
+        return bad(format!(
+            "{} items exceed the kernels' 32-bit item index",
+            l.items
+        ));
+    }
+    if l.items > 0 && l.max_count == 0 {
+        return bad(format!("{} items but max_count is 0", l.items));
+    }
+    if l.max_count > l.items {
+        return bad(format!(
+            "max_count={} exceeds the {} items of the launch",
+            l.max_count, l.items
+        ));
+    }
+    if l.num_groups > 0 && l.items > 0 {
+        let pointers = [
+            ("x", l.x),
+            ("groups", l.groups),
+            ("item_row", l.item_row),
+            ("item_weight", l.item_weight),
+            ("h", l.h),
+            ("out", l.out),
+        ];
+        if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
+            return bad(format!("device pointer {name} is null"));
+        }
+    }
+    Ok(())
+}
+
+/// The variant (index into [`VARIANTS`]) for a launch whose largest group has `max_count` items.
+fn variant_for(max_count: usize) -> usize {
+    VARIANTS
+        .iter()
+        .position(|&v| v >= max_count)
+        .unwrap_or(VARIANTS.len() - 1)
+}
+
+impl MoeInt4Kernels {
+    /// Loads (compiling on first use) the kernels from `device`.
+    pub fn new(device: &CudaDevice) -> Result<Self> {
+        let load = |stage: &str| -> Result<[CudaFunction; 4]> {
+            let f = |m: usize| device.function(MODULE, &format!("moe_int4_{stage}_{m}"));
+            Ok([
+                f(VARIANTS[0])?,
+                f(VARIANTS[1])?,
+                f(VARIANTS[2])?,
+                f(VARIANTS[3])?,
+            ])
+        };
+        Ok(MoeInt4Kernels {
+            gate_up: load("gate_up")?,
+            down: load("down")?,
+        })
+    }
+
+    /// Issues gate/up then down for every group of `l` on `stream` (asynchronously).
+    ///
+    /// `l.max_count` only selects the register variant: a group larger than it is still computed
+    /// in full, in more chunks. Expert `qweight` and scale pointers must be 16-byte aligned.
+    pub fn launch(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
+        self.launch_gate_up(stream, l)?;
+        self.launch_down(stream, l)
+    }
+
+    /// Issues only the gate/up stage: `h` of every item.
+    pub fn launch_gate_up(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
+        check_int4_launch(l)?;
+        if l.num_groups == 0 || l.items == 0 {
+            return Ok(());
+        }
+        let (hidden, inter) = (l.hidden as u32, l.inter as u32);
+        let func = &self.gate_up[variant_for(l.max_count)];
+        let cfg = LaunchConfig {
+            grid_dim: ((l.inter / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(func);
+        b.arg(&l.groups)
+            .arg(&l.x)
+            .arg(&l.item_row)
+            .arg(&l.h)
+            .arg(&hidden)
+            .arg(&inter);
+        // SAFETY: the arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x,
+        // const u32* item_row, float* h, u32 hidden, u32 inter); the shapes were checked above, and
+        // the caller's MoeLaunch promises device buffers of the sizes it documents, groups whose
+        // items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter matrix.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))?;
+        Ok(())
+    }
+
+    /// Issues only the down stage: `out` of every item, from `h`.
+    pub fn launch_down(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
+        check_int4_launch(l)?;
+        if l.num_groups == 0 || l.items == 0 {
+            return Ok(());
+        }
+        let (hidden, inter) = (l.hidden as u32, l.inter as u32);
+        let func = &self.down[variant_for(l.max_count)];
+        let cfg = LaunchConfig {
+            grid_dim: ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(func);
+        b.arg(&l.groups)
+            .arg(&l.h)
+            .arg(&l.item_weight)
+            .arg(&l.out)
+            .arg(&hidden)
+            .arg(&inter);
+        // SAFETY: the arguments match moe_int4_down_<M>(const ExpertGroup*, const float* h,
+        // const float* item_weight, float* out, u32 hidden, u32 inter); shapes checked above and
+        // buffers as MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix).
+        unsafe { b.launch(cfg) }
+            .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(hidden: usize, inter: usize) -> MoeLaunch {
+        MoeLaunch {
+            x: 0x1000,
+            hidden,
+            inter,
+            groups: 0x2000,
+            num_groups: 3,
+            max_count: 5,
+            item_row: 0x3000,
+            item_weight: 0x4000,
+            items: 9,
+            h: 0x5000,
+            out: 0x6000,
+        }
+    }
+
+    fn message(l: &MoeLaunch) -> String {
+        match check_int4_launch(l) {
+            Err(Error::Backend(msg)) => msg,
+            other => panic!("expected a backend error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn accepts_real_shapes() {
+        check_int4_launch(&launch(2048, 1408)).unwrap();
+        check_int4_launch(&launch(256, 128)).unwrap();
+        // An empty launch needs no pointers.
+        let mut l = launch(256, 128);
+        (l.items, l.max_count, l.x) = (0, 0, 0);
+        check_int4_launch(&l).unwrap();
+    }
+
+    #[test]
+    fn names_each_problem() {
+        assert!(message(&launch(0, 128)).contains("hidden=0"));
+        assert!(message(&launch(2000, 1408)).contains("hidden=2000"));
+        assert!(message(&launch(2048, 1400)).contains("inter=1400"));
+        assert!(message(&launch(2048, 64)).contains("inter=64"));
+        let mut l = launch(256, 128);
+        l.num_groups = 70_000;
+        assert!(message(&l).contains("70000 groups"));
+        let mut l = launch(256, 128);
+        l.max_count = 0;
+        assert!(message(&l).contains("max_count is 0"));
+        let mut l = launch(256, 128);
+        l.max_count = 10;
+        assert!(message(&l).contains("max_count=10"));
+        let mut l = launch(256, 128);
+        l.h = 0;
+        assert!(message(&l).contains("pointer h"));
+    }
+
+    #[test]
+    fn variant_covers_the_largest_group() {
+        assert_eq!(VARIANTS[variant_for(1)], 1);
+        assert_eq!(VARIANTS[variant_for(2)], 2);
+        assert_eq!(VARIANTS[variant_for(3)], 4);
+        assert_eq!(VARIANTS[variant_for(8)], 8);
+        // Larger groups run in chunks of eight.
+        assert_eq!(VARIANTS[variant_for(17)], 8);
+    }
+}
