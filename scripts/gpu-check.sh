@@ -15,6 +15,7 @@
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #
+# bench: $ONLY (a regular expression) picks variants by name, $REPEATS sets the repeats (3).
 # Work files go to $BENCH_DIR (default /dev/shm/specter-gpu); logs to $OUT when set.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -60,25 +61,33 @@ bench() {
         rm -rf "$dir/hf"
     fi
     local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
-    local common=(generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos --json --backend cuda --mode target)
+    local common=(generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos --json --backend cuda)
     : > "$out/bench.tsv"
-    for variant in "resident" "lru 16" "ondemand 16"; do
-        set -- $variant
-        local extra=()
-        [ "$1" != resident ] && extra=(--resident-experts "$2" --policy "$1")
-        for rep in 1 2 3; do
-            "$run" "${common[@]}" "${extra[@]}" > "$out/gen-$1-$rep.json"
-            python3 - "$out/gen-$1-$rep.json" "$variant" "$rep" >> "$out/bench.tsv" <<'EOF'
+    local variants=(
+        "resident|--mode target"
+        "lru16|--mode target --resident-experts 16 --policy lru"
+        "ondemand16|--mode target --resident-experts 16 --policy ondemand"
+        "specter-resident-k4|--mode specter --depth 4"
+        ${BENCH_VARIANTS:-}
+    )
+    for v in "${variants[@]}"; do
+        local name=${v%%|*} args=${v#*|}
+        [[ "$name" =~ ${ONLY:-.} ]] || continue
+        for rep in $(seq "${REPEATS:-3}"); do
+            # shellcheck disable=SC2086
+            "$run" "${common[@]}" $args > "$out/gen-$name-$rep.json"
+            python3 - "$out/gen-$name-$rep.json" "$name" "$rep" >> "$out/bench.tsv" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1])); s = d["stats"]; g = d["gpu"]; o = g.get("offload") or {}
 print("\t".join(str(x) for x in [sys.argv[2], sys.argv[3], round(s["tpot_ms"], 3), round(s["ttft_ms"], 1),
       round(o.get("hit_rate", 1.0), 3), round(o.get("copy_gbps", 0.0), 1), round(g["vram_peak_bytes"] / 1e9, 2),
-      ",".join(map(str, d["tokens"][:8]))]))
+      round(s["acceptance_rate"], 3), ",".join(map(str, d["tokens"][:6])), ",".join(map(str, d["tokens"][-3:]))]))
 EOF
         done
     done
-    echo "== DeepSeek-V2-Lite shape, $layers layers, target-only, 128 tokens (variant rep tpot_ms ttft_ms hit_rate copy_GB/s vram_peak_GB first_tokens)"
-    column -t "$out/bench.tsv"
+    echo "== DeepSeek-V2-Lite shape, $layers layers, 128 tokens"
+    echo "variant rep tpot_ms ttft_ms hit_rate copy_GB/s vram_peak_GB acceptance first_tokens last_tokens"
+    cat "$out/bench.tsv"
 }
 
 run() {
@@ -97,7 +106,7 @@ run() {
                     SPECTER_ROOT="$ROOT" "$CARRY/test-$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || status=1
                 done ;;
             ops) run_test cuda_ops "$out/ops.log" || status=1 ;;
-            int4) run_test cuda_moe_int4 "$out/int4.log" || status=1 ;;
+            int4) SPECTER_ROOT="$ROOT" "$CARRY/test-cuda_moe_int4" --nocapture --test-threads 1 2>&1 | tee "$out/int4.log" || status=1 ;;
             fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1 ;;
             lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;

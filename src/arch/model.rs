@@ -103,10 +103,13 @@ pub struct MoeModel<B: Backend> {
 enum LayerKv<B: Backend> {
     /// Rotated keys `[capacity, kv_heads * head_dim]` and values.
     Standard { k: B::Act, v: B::Act },
-    /// MLA: the normalized latent `c_kv` `[capacity, kv_lora_rank]` and the rotated shared key
-    /// `k_pe` `[capacity, rope_dim]`; keys and values are expanded from them at every step, as
-    /// transformers does, so caching the latent loses nothing.
-    Mla { c_kv: B::Act, k_pe: B::Act },
+    /// MLA: the expanded keys `[capacity, heads * (nope + rope)]` and values
+    /// `[capacity, heads * v_dim]`. transformers caches the latent and expands the whole cache at
+    /// every step; each row's expansion depends only on that row (batch invariance), so expanding
+    /// new rows once and caching the result gives the same bits without re-reading the cache
+    /// through `kv_b_proj` every step, at `heads * (nope + rope + v) / (rank + rope)` times the
+    /// memory.
+    Mla { keys: B::Act, values: B::Act },
 }
 
 /// The KV cache of a [`MoeModel`]: positions `0..len` are filled, room for `capacity`.
@@ -505,7 +508,7 @@ impl<B: Backend> MoeModel<B> {
                     v_head_dim,
                     ..
                 },
-                LayerKv::Mla { c_kv, k_pe },
+                LayerKv::Mla { keys, values },
             ) => {
                 let (nope, rope, vd) = (*qk_nope_head_dim, *qk_rope_head_dim, *v_head_dim);
                 let mut qs = match q {
@@ -541,20 +544,15 @@ impl<B: Backend> MoeModel<B> {
                     style: cfg.rope.style,
                 };
                 be.rope(&mut pe, k_spec, &self.rope.inv_freq, positions, scales)?;
-                be.write_rows(c_kv, start, &latent)?;
-                be.write_rows(k_pe, start, &pe)?;
-                let expanded = be.linear(&be.head_rows(c_kv, end)?, kv_b, None)?;
-                let (keys, values) = be.mla_expand_kv(
-                    &expanded,
-                    &be.head_rows(k_pe, end)?,
-                    cfg.num_heads,
-                    nope,
-                    vd,
-                )?;
+                let expanded = be.linear(&latent, kv_b, None)?;
+                let (new_keys, new_values) =
+                    be.mla_expand_kv(&expanded, &pe, cfg.num_heads, nope, vd)?;
+                be.write_rows(keys, start, &new_keys)?;
+                be.write_rows(values, start, &new_values)?;
                 let out = be.attention(
                     &qs,
-                    &keys,
-                    &values,
+                    keys,
+                    values,
                     end,
                     AttentionSpec {
                         heads: cfg.num_heads,
@@ -654,12 +652,16 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
                         v: be.zeros(capacity, cfg.num_kv_heads * head_dim)?,
                     },
                     AttentionKind::Mla {
-                        kv_lora_rank,
+                        qk_nope_head_dim,
                         qk_rope_head_dim,
+                        v_head_dim,
                         ..
                     } => LayerKv::Mla {
-                        c_kv: be.zeros(capacity, *kv_lora_rank)?,
-                        k_pe: be.zeros(capacity, *qk_rope_head_dim)?,
+                        keys: be.zeros(
+                            capacity,
+                            cfg.num_heads * (qk_nope_head_dim + qk_rope_head_dim),
+                        )?,
+                        values: be.zeros(capacity, cfg.num_heads * v_head_dim)?,
                     },
                 })
             })

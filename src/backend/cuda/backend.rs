@@ -18,6 +18,7 @@ use half::f16;
 
 use super::device::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
+use super::moe_int4::MoeInt4Kernels;
 use super::offload::{ExpertOffload, OffloadConfig, OffloadStats};
 use super::CudaDevice;
 use crate::arch::RopeStyle;
@@ -32,13 +33,96 @@ const GEMV_WARPS: usize = 8;
 /// Threads per block of kernels/attention.cu.
 const ATT_THREADS: u32 = 128;
 
+/// Bytes of freed activation buffers kept for reuse at most.
+const POOL_LIMIT_BYTES: usize = 2 << 30;
+
+/// Freed activation buffers by element count, reused by later allocations. Every use is on the
+/// one compute stream, so a buffer handed out again is only written after the kernels that read
+/// it before (the same guarantee `cuMemFreeAsync` gives); reuse avoids an allocate/free pair of
+/// driver calls per op, dozens per layer.
+#[derive(Default)]
+struct BufferPool {
+    free: Mutex<std::collections::HashMap<usize, Vec<CudaSlice<f32>>>>,
+    cached_bytes: std::sync::atomic::AtomicUsize,
+}
+
+/// Element count handed out for a request of `n`: rounded up to one of eight steps per power of
+/// two (at most 12.5% waste), so buffers of nearby sizes (attention scores grow by one key per
+/// step) are shared.
+fn bucket(n: usize) -> usize {
+    if n <= 256 {
+        return 256;
+    }
+    let step = 1usize << (usize::BITS - 1 - n.leading_zeros()).saturating_sub(3);
+    n.div_ceil(step) * step
+}
+
+impl BufferPool {
+    fn take(&self, n: usize) -> Option<CudaSlice<f32>> {
+        let mut free = self.free.lock().ok()?;
+        let s = free.get_mut(&n)?.pop()?;
+        self.cached_bytes
+            .fetch_sub(4 * n, std::sync::atomic::Ordering::Relaxed);
+        Some(s)
+    }
+
+    fn give(&self, s: CudaSlice<f32>) {
+        let n = s.len();
+        if bucket(n) != n
+            || self.cached_bytes.load(std::sync::atomic::Ordering::Relaxed) + 4 * n
+                > POOL_LIMIT_BYTES
+        {
+            return;
+        }
+        if let Ok(mut free) = self.free.lock() {
+            free.entry(n).or_default().push(s);
+            self.cached_bytes
+                .fetch_add(4 * n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// A device buffer that returns to its pool when the last activation using it is dropped.
+pub struct PooledBuf {
+    slice: Option<CudaSlice<f32>>,
+    pool: Arc<BufferPool>,
+}
+
+impl std::ops::Deref for PooledBuf {
+    type Target = CudaSlice<f32>;
+    fn deref(&self) -> &CudaSlice<f32> {
+        // Only `Drop` takes the slice out.
+        self.slice
+            .as_ref()
+            .expect("pooled buffer used after release")
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Some(s) = self.slice.take() {
+            self.pool.give(s);
+        }
+    }
+}
+
+/// Host time spent issuing work versus waiting for the device, split at every synchronisation.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct HostTiming {
+    /// Seconds between synchronisations spent issuing work (the host's share of a step).
+    pub issue_seconds: f64,
+    /// Seconds spent waiting in synchronisations (the device's share beyond the host's).
+    pub wait_seconds: f64,
+    pub synchronisations: u64,
+}
+
 /// A row-major `[rows, cols]` f32 activation in device memory.
 ///
 /// The buffer is shared: [`Backend::head_rows`] hands out a view of the first rows without a copy
 /// (the MLA path reads the whole latent cache every step). Writes go through device pointers on
 /// the one compute stream, which orders them after every earlier read.
 pub struct GpuAct {
-    buf: Arc<CudaSlice<f32>>,
+    buf: Arc<PooledBuf>,
     rows: usize,
     cols: usize,
 }
@@ -142,11 +226,14 @@ pub struct CudaBackend {
     /// The device's default memory pool, which every allocation here comes from.
     pool: MemPool,
     k: Kernels,
+    int4: MoeInt4Kernels,
     rope_table: Mutex<Option<RopeTableGpu>>,
     /// Per expert list (keyed by its address), the device table of its experts' weight pointers
     /// and the host copy it was built from (compared on every use, so a stale entry is rebuilt).
     expert_tables: Mutex<std::collections::HashMap<usize, ExpertTable>>,
     offload: Option<Mutex<ExpertOffload>>,
+    buffers: Arc<BufferPool>,
+    timing: Mutex<(HostTiming, Option<std::time::Instant>)>,
 }
 
 /// A kernel argument: every argument travels as one 8-byte slot (the driver reads as many bytes as
@@ -239,6 +326,7 @@ impl CudaBackend {
             Some(u64::MAX),
         )?;
         let k = Kernels::load(&dev)?;
+        let int4 = MoeInt4Kernels::new(&dev)?;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;
@@ -247,9 +335,12 @@ impl CudaBackend {
             stream,
             pool,
             k,
+            int4,
             rope_table: Mutex::new(None),
             expert_tables: Mutex::new(std::collections::HashMap::new()),
             offload,
+            buffers: Arc::new(BufferPool::default()),
+            timing: Mutex::new((HostTiming::default(), None)),
         })
     }
 
@@ -306,7 +397,17 @@ impl CudaBackend {
 
     /// Waits for all work issued so far.
     pub fn synchronize(&self) -> Result<()> {
-        guarded("cuStreamSynchronize", || self.stream.synchronize())
+        let issued = std::time::Instant::now();
+        guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        let done = std::time::Instant::now();
+        let mut t = self.lock(&self.timing)?;
+        if let Some(last) = t.1 {
+            t.0.issue_seconds += issued.duration_since(last).as_secs_f64();
+        }
+        t.0.wait_seconds += done.duration_since(issued).as_secs_f64();
+        t.0.synchronisations += 1;
+        t.1 = Some(done);
+        Ok(())
     }
 
     fn lock<'a, T>(&self, m: &'a Mutex<T>) -> Result<std::sync::MutexGuard<'a, T>> {
@@ -334,23 +435,44 @@ impl CudaBackend {
         // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
         // slots in the order its signature declares (checked by the callers below); pointers
         // address live device buffers of the sizes the kernel reads and writes.
-        guarded(&format!("cuda {what}: kernel launch failed"), || unsafe {
-            b.launch(cfg).map(|_| ())
-        })
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| Error::Backend(format!("cuda {what}: kernel launch failed: {e}")))
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<GpuAct> {
-        let n = (rows * cols).max(1);
-        let buf = guarded(
-            &format!("cuda: cannot allocate a [{rows}, {cols}] f32 activation (out of VRAM?)"),
-            // SAFETY: every caller writes all `rows * cols` elements before they are read.
-            || unsafe { self.stream.alloc::<f32>(n) },
-        )?;
-        Ok(GpuAct {
-            buf: Arc::new(buf),
+        let n = bucket((rows * cols).max(1));
+        let slice = match self.buffers.take(n) {
+            Some(s) => s,
+            None => guarded(
+                &format!("cuda: cannot allocate a [{rows}, {cols}] f32 activation (out of VRAM?)"),
+                // SAFETY: every caller writes all `rows * cols` elements before they are read.
+                || unsafe { self.stream.alloc::<f32>(n) },
+            )?,
+        };
+        Ok(self.wrap(slice, rows, cols))
+    }
+
+    fn wrap(&self, slice: CudaSlice<f32>, rows: usize, cols: usize) -> GpuAct {
+        GpuAct {
+            buf: Arc::new(PooledBuf {
+                slice: Some(slice),
+                pool: self.buffers.clone(),
+            }),
             rows,
             cols,
-        })
+        }
+    }
+
+    /// Host issue and wait times since the backend was made (or [`Self::reset_host_timing`]).
+    pub fn host_timing(&self) -> Result<HostTiming> {
+        Ok(self.lock(&self.timing)?.0)
+    }
+
+    pub fn reset_host_timing(&self) -> Result<()> {
+        *self.lock(&self.timing)? = (HostTiming::default(), None);
+        Ok(())
     }
 
     fn upload_u32(&self, data: &[u32]) -> Result<CudaSlice<u32>> {
@@ -539,11 +661,7 @@ impl Backend for CudaBackend {
             &format!("cuda: cannot allocate a [{rows}, {cols}] f32 buffer (out of VRAM?)"),
             || self.stream.alloc_zeros::<f32>((rows * cols).max(1)),
         )?;
-        Ok(GpuAct {
-            buf: Arc::new(buf),
-            rows,
-            cols,
-        })
+        Ok(self.wrap(buf, rows, cols))
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<GpuAct> {
@@ -556,14 +674,15 @@ impl Backend for CudaBackend {
         if data.is_empty() {
             return self.alloc(rows, cols);
         }
-        let buf = guarded("cuda: host-to-device copy failed", || {
-            self.stream.clone_htod(data)
+        let mut a = self.alloc(rows, cols)?;
+        let dst = ptr(&a.buf, &self.stream);
+        guarded("cuda: host-to-device copy failed", || {
+            // SAFETY: `dst` addresses at least `data.len()` f32 (the bucket is never smaller);
+            // pageable source memory is staged by the driver before this call returns.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
         })?;
-        Ok(GpuAct {
-            buf: Arc::new(buf),
-            rows,
-            cols,
-        })
+        a.rows = rows;
+        Ok(a)
     }
 
     fn to_host(&self, x: &GpuAct) -> Result<Vec<f32>> {
@@ -1446,12 +1565,9 @@ impl CudaBackend {
 
         let n_items = rows * top_k;
         let max_groups = n_items.min(n_experts);
-        let alloc_u32 = |n: usize| {
-            guarded("cuda moe: allocation failed", || {
-                // SAFETY: the plan kernel writes every element before any kernel reads it.
-                unsafe { self.stream.alloc::<u32>(n.max(1)) }
-            })
-        };
+        // 32-bit scratch from the activation pool (kernels see raw pointers); the routing and
+        // plan kernels write every element before anything reads it.
+        let alloc_u32 = |n: usize| self.alloc(n.max(1), 1).map(|a| a.buf);
         let ids = alloc_u32(n_items)?;
         let weights = alloc_u32(n_items)?;
         let item_row = alloc_u32(n_items)?;
@@ -1548,9 +1664,7 @@ impl CudaBackend {
         }
     }
 
-    fn launch_moe_int4(&self, _l: &MoeLaunch) -> Result<()> {
-        Err(Error::Backend(
-            "cuda: the INT4 draft experts need kernels/moe_int4.cu, which this build lacks".into(),
-        ))
+    fn launch_moe_int4(&self, l: &MoeLaunch) -> Result<()> {
+        self.int4.launch(&self.stream, l)
     }
 }
