@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use specter_format::Bundle;
 use tokenizers::Tokenizer;
 
+use crate::verify_mode::{self, VerifyMode};
+
 use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
 use crate::model::LanguageModel;
@@ -31,6 +33,11 @@ pub struct Session {
 impl Session {
     /// Opens `path` (header and manifest checked, no tensor bytes read), then loads the model.
     pub fn open(path: &Path, backend: BackendKind) -> Result<Session> {
+        Session::open_with(path, backend, VerifyMode::Manifest)
+    }
+
+    /// As [`Session::open`], checking as much of the bundle as `verify` says.
+    pub fn open_with(path: &Path, backend: BackendKind, verify: VerifyMode) -> Result<Session> {
         if backend == BackendKind::Cuda {
             return Err(Error::Backend(
                 "--backend cuda: model execution on the GPU is not part of this build yet; \
@@ -38,20 +45,26 @@ impl Session {
                     .into(),
             ));
         }
-        let bundle = Bundle::open(path)?;
-        let config = ArchConfig::from_config_json(bundle.hyperparameters_json())
-            .map_err(|e| Error::Model(format!("{}: hyper-parameters: {e}", path.display())))?;
-        let model = MoeModel::load(config.clone(), &bundle, Cpu)
-            .map_err(|e| Error::Model(format!("{}: {e}", path.display())))?;
-        let tokenizer = match bundle.tokenizer_bytes() {
-            Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
-                Error::Model(format!(
-                    "{}: the bundle's tokenizer.json does not load: {e}",
-                    path.display()
-                ))
-            })?),
-            None => None,
-        };
+        let bundle = verify_mode::open_bundle(path, verify)?;
+        let (config, model, tokenizer) =
+            verify_mode::while_verifying(&bundle, path, verify, || {
+                let config =
+                    ArchConfig::from_config_json(bundle.hyperparameters_json()).map_err(|e| {
+                        Error::Model(format!("{}: hyper-parameters: {e}", path.display()))
+                    })?;
+                let model = MoeModel::load(config.clone(), &bundle, Cpu)
+                    .map_err(|e| Error::Model(format!("{}: {e}", path.display())))?;
+                let tokenizer = match bundle.tokenizer_bytes() {
+                    Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
+                        Error::Model(format!(
+                            "{}: the bundle's tokenizer.json does not load: {e}",
+                            path.display()
+                        ))
+                    })?),
+                    None => None,
+                };
+                Ok((config, model, tokenizer))
+            })?;
         Ok(Session {
             path: path.to_path_buf(),
             bundle,

@@ -289,7 +289,8 @@ impl FormatError {
         }
     }
 
-    pub(crate) fn in_file(self, path: &std::path::Path) -> FormatError {
+    /// This error, said to concern the bundle file at `path` (I/O errors name their path already).
+    pub fn in_file(self, path: &std::path::Path) -> FormatError {
         match self {
             // I/O messages already name their path.
             FormatError::Io(_) | FormatError::InFile { .. } => self,
