@@ -698,14 +698,13 @@ pub fn ship(
     out.write(&header.encode())?;
     progress.stage("compressing chunks", bundle.file_len());
     let mut headers_digest = Sha256::new();
-    let mut index = 0u64;
-    for batch in chunks.chunks(batch_len(opts.chunk_size)) {
-        let compressed: Vec<Result<(ChunkHeader, Vec<u8>)>> = batch
+    let compress_batch = |first: u64, batch: &[ChunkPlan]| -> Vec<Result<(ChunkHeader, Vec<u8>)>> {
+        batch
             .par_iter()
             .enumerate()
             .map(|(i, c)| {
                 let data = &bytes[c.start as usize..c.end as usize];
-                let chunk_index = index + i as u64;
+                let chunk_index = first + i as u64;
                 let payload = if c.shuffle {
                     zstd::bulk::compress(&shuffle_bytes(data), opts.level)
                 } else {
@@ -729,20 +728,42 @@ pub fn ship(
                 progress.advance(c.end - c.start);
                 Ok((chunk, payload))
             })
-            .collect();
-        for (plan, result) in batch.iter().zip(compressed) {
-            let (chunk, payload) = result?;
-            let encoded = chunk.encode();
-            headers_digest.update(encoded);
-            out.write(&encoded)?;
-            out.write(&payload)?;
-            let stats = &mut kinds[plan.kind];
-            stats.bytes += chunk.len;
-            stats.compressed += chunk.compressed_len;
-            stats.chunks += 1;
-            stats.shuffled += u64::from(plan.shuffle);
-        }
+            .collect()
+    };
+    let mut write_batch =
+        |batch: &[ChunkPlan], compressed: Vec<Result<(ChunkHeader, Vec<u8>)>>| -> Result<()> {
+            for (plan, result) in batch.iter().zip(compressed) {
+                let (chunk, payload) = result?;
+                let encoded = chunk.encode();
+                headers_digest.update(encoded);
+                out.write(&encoded)?;
+                out.write(&payload)?;
+                let stats = &mut kinds[plan.kind];
+                stats.bytes += chunk.len;
+                stats.compressed += chunk.compressed_len;
+                stats.chunks += 1;
+                stats.shuffled += u64::from(plan.shuffle);
+            }
+            Ok(())
+        };
+    // Each batch is written while the next one is compressed, so that disk writes overlap the
+    // compression instead of leaving the cores idle.
+    let mut pending: Option<(&[ChunkPlan], Vec<_>)> = None;
+    let mut index = 0u64;
+    for batch in chunks.chunks(batch_len(opts.chunk_size)) {
+        let (written, compressed) = rayon::join(
+            || match pending.take() {
+                Some((done, results)) => write_batch(done, results),
+                None => Ok(()),
+            },
+            || compress_batch(index, batch),
+        );
+        written?;
+        pending = Some((batch, compressed));
         index += batch.len() as u64;
+    }
+    if let Some((done, results)) = pending.take() {
+        write_batch(done, results)?;
     }
     let trailer = Trailer {
         chunk_count: header.chunk_count,
@@ -896,6 +917,9 @@ pub fn unship(
     })
 }
 
+/// A batch of chunks read: the chunks, the error that stopped reading if any, whether chunks remain.
+type ReadBatch = (Vec<ReadChunk>, Option<FormatError>, bool);
+
 /// Reads, checks and writes every chunk, then checks the trailer and that nothing follows it.
 fn unpack_chunks(
     input: &mut Input,
@@ -910,40 +934,69 @@ fn unpack_chunks(
     let mut headers_digest = Sha256::new();
     let mut next_offset = 0u64;
     let mut index = 0u64;
-    let batch = batch_len(header.chunk_size) as u64;
-    while index < count {
+    let per_batch = batch_len(header.chunk_size) as u64;
+    // Reads the next batch of chunks: the chunks read, the error that stopped reading if any (kept
+    // until the chunks before it are checked: a wrong length in one chunk shifts everything after
+    // it, so the damaged chunk is the one to name), and whether chunks remain.
+    let mut read_batch = |input: &mut Input| -> ReadBatch {
         let mut read = Vec::new();
-        // An error while reading a chunk's header may stem from damage to an earlier chunk of the
-        // batch (a wrong length shifts everything after it): those are checked first, below.
-        let mut read_error = None;
-        for index in index..count.min(index + batch) {
+        let end = count.min(index + per_batch);
+        while index < end {
             match read_chunk(input, header, index, next_offset, most_compressed) {
                 Ok((raw, chunk)) => {
                     headers_digest.update(raw);
                     next_offset += chunk.header.len;
+                    index += 1;
                     read.push(chunk);
                 }
-                Err(e) => {
-                    read_error = Some(e);
-                    break;
-                }
+                Err(e) => return (read, Some(e), true),
             }
         }
-        let checked: Vec<Result<Vec<u8>>> = read
-            .par_iter()
+        (read, None, index < count)
+    };
+    let check = |read: &[ReadChunk]| -> Vec<Result<Vec<u8>>> {
+        read.par_iter()
             .map(|c| {
                 let data = check_chunk(c, count);
                 progress.advance(c.header.len);
                 data
             })
-            .collect();
+            .collect()
+    };
+    let write = |out: &mut TempOutput, checked: Vec<Result<Vec<u8>>>| -> Result<()> {
         for data in checked {
             out.write(&data?)?;
         }
-        if let Some(e) = read_error {
+        Ok(())
+    };
+    // Each batch is checked while the one before it is written and the one after it read, so that
+    // disk reads and writes overlap the decompression. Errors still surface in file order.
+    let (mut read, mut read_error, mut more) = read_batch(input);
+    let mut checked_before: Option<Vec<Result<Vec<u8>>>> = None;
+    loop {
+        let fetch = read_error.is_none() && more;
+        let (io, checked) = rayon::join(
+            || -> Result<Option<ReadBatch>> {
+                if let Some(before) = checked_before.take() {
+                    write(out, before)?;
+                }
+                Ok(fetch.then(|| read_batch(input)))
+            },
+            || check(&read),
+        );
+        let next = io?;
+        if let Some(e) = read_error.take() {
+            write(out, checked)?;
             return Err(e);
         }
-        index += read.len() as u64;
+        checked_before = Some(checked);
+        match next {
+            Some((r, e, m)) => (read, read_error, more) = (r, e, m),
+            None => break,
+        }
+    }
+    if let Some(before) = checked_before {
+        write(out, before)?;
     }
     if next_offset != header.original_len {
         return Err(FormatError::ShippedTrailer {
