@@ -21,6 +21,7 @@ pub mod probe;
 pub mod quant;
 pub mod session;
 pub mod synth;
+pub mod verify_mode;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -12,6 +12,7 @@ use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
 use crate::backend::cuda::{CudaBackend, CudaDevice, HostPath, OffloadConfig, SlotPolicy};
 use crate::model::LanguageModel;
+use crate::verify_mode::{self, VerifyMode};
 use crate::{Error, Result};
 
 /// Where the model runs.
@@ -32,6 +33,8 @@ pub struct SessionOptions {
     pub offload: Option<(usize, SlotPolicy)>,
     /// CUDA only: where offloaded experts are copied from.
     pub host_path: HostPath,
+    /// How much of the bundle is checked before the model runs.
+    pub verify: VerifyMode,
 }
 
 impl SessionOptions {
@@ -41,6 +44,7 @@ impl SessionOptions {
             with_draft: true,
             offload: None,
             host_path: HostPath::Auto,
+            verify: VerifyMode::Manifest,
         }
     }
 }
@@ -91,35 +95,43 @@ impl Session {
                     .into(),
             ));
         }
-        let bundle = Arc::new(Bundle::open(path)?);
+        let bundle = Arc::new(verify_mode::open_bundle(path, opts.verify)?);
         let config = ArchConfig::from_config_json(bundle.hyperparameters_json())
             .map_err(|e| Error::Model(format!("{}: hyper-parameters: {e}", path.display())))?;
         let in_file = |e: Error| Error::Model(format!("{}: {e}", path.display()));
-        let model = match opts.backend {
-            BackendKind::Cpu => SessionModel::Cpu(Box::new(
-                MoeModel::load_with(config.clone(), bundle.as_ref(), Cpu, opts.with_draft)
-                    .map_err(in_file)?,
-            )),
-            BackendKind::Cuda => {
-                let device = Arc::new(CudaDevice::open(0)?);
-                // As many slots as experts is plain all-resident.
-                let offload = opts
-                    .offload
-                    .filter(|&(slots, _)| slots != config.moe.num_experts)
-                    .map(|(slots, policy)| OffloadConfig {
-                        bundle: bundle.clone(),
-                        config: config.clone(),
-                        slots_per_layer: slots,
-                        policy,
-                        host_path: opts.host_path,
-                    });
-                let backend = CudaBackend::with_device(device, offload)?;
-                SessionModel::Cuda(Box::new(
-                    MoeModel::load_with(config.clone(), bundle.as_ref(), backend, opts.with_draft)
+        // With --verify full, every section is hashed on another thread while the model loads.
+        let model = verify_mode::while_verifying(&bundle, path, opts.verify, || {
+            Ok(match opts.backend {
+                BackendKind::Cpu => SessionModel::Cpu(Box::new(
+                    MoeModel::load_with(config.clone(), bundle.as_ref(), Cpu, opts.with_draft)
                         .map_err(in_file)?,
-                ))
-            }
-        };
+                )),
+                BackendKind::Cuda => {
+                    let device = Arc::new(CudaDevice::open(0)?);
+                    // As many slots as experts is plain all-resident.
+                    let offload = opts
+                        .offload
+                        .filter(|&(slots, _)| slots != config.moe.num_experts)
+                        .map(|(slots, policy)| OffloadConfig {
+                            bundle: bundle.clone(),
+                            config: config.clone(),
+                            slots_per_layer: slots,
+                            policy,
+                            host_path: opts.host_path,
+                        });
+                    let backend = CudaBackend::with_device(device, offload)?;
+                    SessionModel::Cuda(Box::new(
+                        MoeModel::load_with(
+                            config.clone(),
+                            bundle.as_ref(),
+                            backend,
+                            opts.with_draft,
+                        )
+                        .map_err(in_file)?,
+                    ))
+                }
+            })
+        })?;
         let tokenizer = match bundle.tokenizer_bytes() {
             Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
                 Error::Model(format!(

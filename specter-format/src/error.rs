@@ -197,6 +197,74 @@ pub enum FormatError {
          writable directory", path.display()
     )]
     BadOutputPath { path: PathBuf, reason: String },
+
+    /// An option outside what the operation accepts (a chunk size or compression level, say).
+    #[error("{0}")]
+    InvalidOption(String),
+
+    #[error(
+        "not a shipped Specter bundle: the file starts with {found:02x?}, expected the magic \
+         \"SPECSHP\\0\"; pass a .specter.zst file written by `specter-pack ship`"
+    )]
+    NotShipped { found: Vec<u8> },
+
+    #[error(
+        "shipped-bundle format version {found}.x is newer than this build supports ({supported}.x); \
+         upgrade Specter"
+    )]
+    ShippedNewerMajor { found: u16, supported: u16 },
+
+    #[error("the shipped file's header is corrupt: {0}; copy the file again from its source")]
+    ShippedHeaderCorrupt(String),
+
+    #[error(
+        "the shipped file is truncated: it ends at byte {at}, {what}; the copy or download did not \
+         finish: copy the file again"
+    )]
+    ShippedTruncated { at: u64, what: String },
+
+    #[error(
+        "chunk {index} of {count} (starting at byte {offset} of the shipped file) is corrupt: \
+         {reason}; copy the file again from its source"
+    )]
+    ChunkCorrupt {
+        index: u64,
+        count: u64,
+        offset: u64,
+        reason: String,
+    },
+
+    #[error(
+        "the shipped file's trailer (at byte {offset}) is invalid: {reason}; the file is corrupt \
+         or was cut and re-joined: copy it again from its source"
+    )]
+    ShippedTrailer { offset: u64, reason: String },
+
+    #[error(
+        "the bundle rebuilt from the shipped chunks does not verify ({0}); every chunk matched its \
+         checksums, so the bundle was already corrupt when it was shipped: ship it again from a \
+         good copy"
+    )]
+    UnshippedInvalid(Box<FormatError>),
+
+    #[error("compressing chunk {index} (bundle bytes {start}..{end}): {reason}")]
+    Compress {
+        index: u64,
+        start: u64,
+        end: u64,
+        reason: String,
+    },
+
+    #[error(
+        "{} already exists; pass --force to replace it, or choose another output path",
+        path.display()
+    )]
+    OutputExists { path: PathBuf },
+
+    #[error(
+        "the output {} is the input file itself; choose another output path", path.display()
+    )]
+    OutputIsInput { path: PathBuf },
 }
 
 impl FormatError {
@@ -213,7 +281,16 @@ impl FormatError {
         FormatError::Io(format!("{action}: {err}"))
     }
 
-    pub(crate) fn in_file(self, path: &std::path::Path) -> FormatError {
+    /// The specific error, owned, without any [`FormatError::InFile`] wrapping.
+    pub fn into_root(self) -> FormatError {
+        match self {
+            FormatError::InFile { error, .. } => error.into_root(),
+            other => other,
+        }
+    }
+
+    /// This error, said to concern the bundle file at `path` (I/O errors name their path already).
+    pub fn in_file(self, path: &std::path::Path) -> FormatError {
         match self {
             // I/O messages already name their path.
             FormatError::Io(_) | FormatError::InFile { .. } => self,

@@ -85,6 +85,12 @@ impl Header {
     /// may have moved everything else, so it is checked before the checksum), then the checksum.
     /// Does not compare `file_len` with the file; the reader does that.
     pub fn decode(bytes: &[u8]) -> Result<Header> {
+        Header::decode_with(bytes, true)
+    }
+
+    /// As [`Header::decode`], checking the header checksum only if `checksum`: the fields are
+    /// still validated, and the reader checks every range against the file either way.
+    pub(crate) fn decode_with(bytes: &[u8], checksum: bool) -> Result<Header> {
         let magic = bytes.get(..8);
         if magic != Some(&MAGIC[..]) {
             return Err(FormatError::BadMagic {
@@ -114,7 +120,7 @@ impl Header {
                 actual: bytes.len() as u64,
             });
         };
-        if header_checksum(page) != page[HEADER_CHECKSUM_OFFSET..] {
+        if checksum && header_checksum(page) != page[HEADER_CHECKSUM_OFFSET..] {
             return Err(FormatError::HeaderChecksum);
         }
         let header_len = read_u32(page, OFF_HEADER_LEN);

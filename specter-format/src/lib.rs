@@ -3,11 +3,14 @@
 //! manifest. This crate knows bytes, not models. docs/FORMAT.md is the specification.
 //!
 //! Write with [`BundleWriter`], read with [`Bundle`]; [`Bundle::verify`] checks every byte.
+//! [`ship::ship`] and [`ship::unship`] pack a bundle into compressed, checksummed chunks for
+//! copying, and back.
 
 mod error;
 mod header;
 pub mod manifest;
 mod reader;
+pub mod ship;
 mod verify;
 mod writer;
 

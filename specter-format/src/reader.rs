@@ -103,6 +103,18 @@ impl Bundle {
     /// The file must not be modified while it is open (bundles are replaced by rename, which
     /// leaves open mappings intact).
     pub fn open(path: &Path) -> Result<Bundle> {
+        Bundle::open_with(path, true)
+    }
+
+    /// As [`Bundle::open`] but without the two checksums that guard only integrity: the header's
+    /// and the manifest's sha256. Everything reading through the manifest relies on is still
+    /// checked (header fields, bytecheck validation of the manifest, every range), so a damaged
+    /// file still cannot make the reader touch memory outside the mapping.
+    pub fn open_skipping_checksums(path: &Path) -> Result<Bundle> {
+        Bundle::open_with(path, false)
+    }
+
+    fn open_with(path: &Path, checksums: bool) -> Result<Bundle> {
         let file = File::open(path)
             .map_err(|e| FormatError::io(format!("opening bundle {}", path.display()), e))?;
         let metadata = file
@@ -119,7 +131,7 @@ impl Bundle {
             // Too short to map usefully; read what is there so the error says why.
             let bytes = std::fs::read(path)
                 .map_err(|e| FormatError::io(format!("reading {}", path.display()), e))?;
-            return Err(Header::decode(&bytes)
+            return Err(Header::decode_with(&bytes, checksums)
                 .err()
                 .unwrap_or(FormatError::Truncated {
                     expected: HEADER_LEN as u64,
@@ -132,7 +144,7 @@ impl Bundle {
         // place (writers create a new file and rename it), and this is documented above.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| FormatError::io(format!("mapping {}", path.display()), e))?;
-        Bundle::check(Storage::Mapped(map)).map_err(|e| e.in_file(path))
+        Bundle::check(Storage::Mapped(map), checksums).map_err(|e| e.in_file(path))
     }
 
     /// The same checks as [`Bundle::open`] over bytes already in memory.
@@ -144,12 +156,12 @@ impl Bundle {
     pub fn from_slice(bytes: &[u8]) -> Result<Bundle> {
         let mut aligned = AlignedVec::<MEMORY_ALIGN>::with_capacity(bytes.len());
         aligned.extend_from_slice(bytes);
-        Bundle::check(Storage::Memory(aligned))
+        Bundle::check(Storage::Memory(aligned), true)
     }
 
-    fn check(storage: Storage) -> Result<Bundle> {
+    fn check(storage: Storage, checksums: bool) -> Result<Bundle> {
         let bytes = storage.bytes();
-        let header = Header::decode(bytes)?;
+        let header = Header::decode_with(bytes, checksums)?;
         let actual = bytes.len() as u64;
         if actual < header.file_len {
             return Err(FormatError::Truncated {
@@ -183,7 +195,11 @@ impl Bundle {
             });
         }
         let manifest_bytes = &bytes[manifest_range];
-        let actual_sha: [u8; 32] = Sha256::digest(manifest_bytes).into();
+        let actual_sha: [u8; 32] = if checksums {
+            Sha256::digest(manifest_bytes).into()
+        } else {
+            header.manifest_sha256
+        };
         if actual_sha != header.manifest_sha256 {
             return Err(FormatError::ManifestChecksum {
                 expected: sha256_hex(&header.manifest_sha256),

@@ -598,7 +598,7 @@ pub(crate) fn tensor_byte_len(name: &str, dtype: DType, shape: &[u64]) -> Result
 }
 
 /// Makes the rename durable: without syncing the directory a crash can lose the new entry.
-fn sync_parent_dir(path: &Path) -> Result<()> {
+pub(crate) fn sync_parent_dir(path: &Path) -> Result<()> {
     #[cfg(unix)]
     {
         let dir = match path.parent() {

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use specter::pack::{self, ConvertOptions, QuantMethod};
+use specter_format::ship::{self, ShipOptions, ShipProgress, UnshipOptions};
 use specter_format::{sha256_hex, Bundle};
 
 #[derive(Parser)]
@@ -90,6 +91,48 @@ enum Command {
     ///
     /// Example: specter-pack verify dsv2-lite.specter
     Verify { bundle: PathBuf },
+    /// Pack a bundle for copying: independently zstd-compressed, checksummed chunks (FP16
+    /// sections byte-shuffled), ending with a trailer so that a cut-short copy is detected.
+    ///
+    /// Example: specter-pack ship dsv2-lite.specter -o dsv2-lite.specter.zst
+    Ship {
+        bundle: PathBuf,
+        /// Output file; written atomically.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Uncompressed MiB per chunk, at most.
+        #[arg(long, default_value_t = ship::DEFAULT_CHUNK_SIZE >> 20)]
+        chunk_mib: u64,
+        /// zstd compression level.
+        #[arg(long, default_value_t = ship::DEFAULT_LEVEL)]
+        level: i32,
+        /// Do not byte-shuffle FP16 sections (to measure what shuffling gains).
+        #[arg(long)]
+        no_shuffle: bool,
+        /// Skip checking every section's sha256 before shipping (a corrupt bundle is then caught
+        /// only by `unship`, which verifies what it rebuilds).
+        #[arg(long)]
+        no_verify: bool,
+        /// Replace the output if it exists.
+        #[arg(long)]
+        force: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Rebuild a bundle from a shipped file: every chunk's checksums and then every section's
+    /// sha256 are checked before the bundle appears under its name.
+    ///
+    /// Example: specter-pack unship dsv2-lite.specter.zst -o dsv2-lite.specter
+    Unship {
+        shipped: PathBuf,
+        /// Output bundle; written atomically.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Replace the output if it exists.
+        #[arg(long)]
+        force: bool,
+    },
     /// Print a bundle's architecture, sections and tensors.
     ///
     /// Example: specter-pack inspect dsv2-lite.specter --json
@@ -161,6 +204,32 @@ fn main() -> ExitCode {
             json,
             tensors,
         } => inspect(bundle, json, tensors),
+        Command::Ship {
+            bundle,
+            output,
+            chunk_mib,
+            level,
+            no_shuffle,
+            no_verify,
+            force,
+            json,
+        } => ship_bundle(
+            bundle,
+            output,
+            ShipOptions {
+                chunk_size: chunk_mib.saturating_mul(1 << 20),
+                level,
+                shuffle: !no_shuffle,
+                verify: !no_verify,
+                force,
+            },
+            json,
+        ),
+        Command::Unship {
+            shipped,
+            output,
+            force,
+        } => unship_bundle(shipped, output, force),
     };
     match result {
         Ok(code) => code,
@@ -228,6 +297,116 @@ impl pack::Progress for Bar {
             }
         }
     }
+}
+
+impl ShipProgress for Bar {
+    fn stage(&self, message: &str, total: u64) {
+        if let Some(bar) = &self.bar {
+            bar.set_length(total);
+            bar.set_position(0);
+        }
+        pack::Progress::stage(self, message);
+    }
+    fn advance(&self, bytes: u64) {
+        pack::Progress::advance(self, bytes);
+    }
+}
+
+fn ship_bundle(
+    bundle: PathBuf,
+    output: PathBuf,
+    opts: ShipOptions,
+    json: bool,
+) -> Result<ExitCode> {
+    let bar = Bar::new();
+    let report = ship::ship(&bundle, &output, &opts, &bar)
+        .with_context(|| format!("shipping {} to {}", bundle.display(), output.display()))?;
+    bar.finish();
+    let gbps = |bytes: u64, secs: f64| bytes as f64 / 1e9 / secs.max(1e-9);
+    if json {
+        let kinds: Vec<serde_json::Value> = report
+            .kinds
+            .iter()
+            .map(|k| {
+                serde_json::json!({
+                    "kind": k.kind, "bytes": k.bytes, "compressed": k.compressed,
+                    "ratio": k.ratio(), "chunks": k.chunks, "shuffled_chunks": k.shuffled,
+                })
+            })
+            .collect();
+        let record = serde_json::json!({
+            "output": report.output.display().to_string(),
+            "bundle_bytes": report.original_len,
+            "shipped_bytes": report.shipped_len,
+            "ratio": report.ratio(),
+            "chunks": report.chunks,
+            "chunk_size": opts.chunk_size,
+            "level": opts.level,
+            "shuffle": opts.shuffle,
+            "verified": report.verified,
+            "verify_s": report.verify_secs,
+            "compress_s": report.compress_secs,
+            "kinds": kinds,
+        });
+        println!("{}", serde_json::to_string_pretty(&record)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "wrote {} ({:.3} GB from {:.3} GB, ratio {:.3}, {} chunks) in {:.1} s ({:.2} GB/s of bundle)",
+        report.output.display(),
+        report.shipped_len as f64 / 1e9,
+        report.original_len as f64 / 1e9,
+        report.ratio(),
+        report.chunks,
+        report.compress_secs,
+        gbps(report.original_len, report.compress_secs),
+    );
+    if report.verified {
+        println!(
+            "  every section's sha256 checked first in {:.1} s ({:.2} GB/s)",
+            report.verify_secs,
+            gbps(report.original_len, report.verify_secs)
+        );
+    } else {
+        println!("  sections not verified before shipping (--no-verify); unship verifies them");
+    }
+    println!(
+        "  {:<10} {:>14} {:>14} {:>7} {:>7} {:>9}",
+        "kind", "bytes", "compressed", "ratio", "chunks", "shuffled"
+    );
+    for k in &report.kinds {
+        println!(
+            "  {:<10} {:>14} {:>14} {:>7.3} {:>7} {:>9}",
+            k.kind,
+            k.bytes,
+            k.compressed,
+            k.ratio(),
+            k.chunks,
+            k.shuffled
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn unship_bundle(shipped: PathBuf, output: PathBuf, force: bool) -> Result<ExitCode> {
+    let bar = Bar::new();
+    let report = ship::unship(&shipped, &output, &UnshipOptions { force }, &bar)
+        .with_context(|| format!("unshipping {} to {}", shipped.display(), output.display()))?;
+    bar.finish();
+    let secs = report.decompress_secs.max(1e-9);
+    println!(
+        "wrote {} ({:.3} GB from {:.3} GB, {} chunks checked) in {:.1} s ({:.2} GB/s of bundle); \
+         {} sections verified in {:.1} s",
+        report.output.display(),
+        report.original_len as f64 / 1e9,
+        report.shipped_len as f64 / 1e9,
+        report.chunks,
+        report.decompress_secs,
+        report.original_len as f64 / 1e9 / secs,
+        report.sections_verified,
+        report.verify_secs,
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn convert(

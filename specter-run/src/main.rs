@@ -12,6 +12,7 @@ use specter::decode::{self, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::NoHook;
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
 use specter::session::{BackendKind, Session, SessionModel, SessionOptions};
+use specter::verify_mode::VerifyMode;
 use specter::with_session_model;
 
 #[derive(Parser)]
@@ -149,6 +150,31 @@ struct GenerateArgs {
     /// Print one JSON object (tokens, text, stats) instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// How much of the bundle to check first. manifest: the header and manifest checksums and
+    /// every range the manifest names, no tensor bytes read. full: also every section's sha256,
+    /// hashed while the model loads; a mismatch names the section and nothing is generated.
+    /// none: no checksum at all (skips only the header and manifest sha256, which guard
+    /// integrity; the manifest's structure and ranges are always checked, since reading tensors
+    /// through an unchecked manifest could read outside the file).
+    #[arg(long, value_enum, default_value_t = VerifyArg::Manifest)]
+    verify: VerifyArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum VerifyArg {
+    Full,
+    Manifest,
+    None,
+}
+
+impl From<VerifyArg> for VerifyMode {
+    fn from(arg: VerifyArg) -> VerifyMode {
+        match arg {
+            VerifyArg::Full => VerifyMode::Full,
+            VerifyArg::Manifest => VerifyMode::Manifest,
+            VerifyArg::None => VerifyMode::None,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -226,6 +252,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     let mut session_opts = SessionOptions::new(backend);
     session_opts.with_draft = mode != Mode::Target;
+    session_opts.verify = args.verify.into();
     if backend == BackendKind::Cuda {
         let slots = match (args.resident_experts, args.vram_budget) {
             (Some(n), _) => Some(n),
