@@ -143,6 +143,12 @@ impl MoeInt4Kernels {
         })
     }
 
+    /// Items per block chunk of the kernel variant a launch with largest group `max_count` runs
+    /// (8 or 16); every variant uses the tensor-core path and gives an item the same bits.
+    pub fn chunk_items(max_count: usize) -> usize {
+        VARIANTS[variant_for(max_count)]
+    }
+
     /// Issues gate/up then down for every group of `l` on `stream` (asynchronously).
     ///
     /// `l.max_count` only selects the variant: a group larger than it is still computed in full,
@@ -275,5 +281,7 @@ mod tests {
         assert_eq!(VARIANTS[variant_for(16)], 16);
         // Larger groups run in chunks of sixteen.
         assert_eq!(VARIANTS[variant_for(17)], 16);
+        assert_eq!(MoeInt4Kernels::chunk_items(4), 8);
+        assert_eq!(MoeInt4Kernels::chunk_items(40), 16);
     }
 }
