@@ -5,7 +5,9 @@
 //! covers EXPERTS (default 64, one whole layer) distinct experts with m rows each, gate/up
 //! (K=2048, N=2816) then down (K=1408, N=2048); launches rotate among three copies of the weights
 //! so no launch finds the previous one's weights in L2. Reported rates count the INT4 weights and
-//! scales read (activations are a few KB per item and not counted).
+//! scales read (activations are a few KB per item and not counted). All three timings go through
+//! `MoeInt4Kernels::launch` / `launch_gate_up` / `launch_down`, so they time the kernel variant
+//! the runtime gets for that m (the `chunk` column: items per block chunk, 8 or 16).
 
 use std::error::Error;
 use std::sync::Arc;
@@ -174,9 +176,10 @@ fn main() -> Res<()> {
     );
     println!();
     println!(
-        "{:>3} {:>6} | {:>9} {:>8} {:>6} | {:>9} {:>8} {:>6} | {:>9} {:>8} {:>6}",
+        "{:>3} {:>6} {:>5} | {:>9} {:>8} {:>6} | {:>9} {:>8} {:>6} | {:>9} {:>8} {:>6}",
         "m",
         "items",
+        "chunk",
         "both us",
         "GB/s",
         "%ceil",
@@ -248,7 +251,8 @@ fn main() -> Res<()> {
             rate(down_bytes, dn),
         );
         println!(
-            "{m:>3} {items:>6} | {:>9.1} {r_both:>8.0} {:>5.1}% | {:>9.1} {r_gu:>8.0} {:>5.1}% | {:>9.1} {r_dn:>8.0} {:>5.1}%",
+            "{m:>3} {items:>6} {:>5} | {:>9.1} {r_both:>8.0} {:>5.1}% | {:>9.1} {r_gu:>8.0} {:>5.1}% | {:>9.1} {r_dn:>8.0} {:>5.1}%",
+            MoeInt4Kernels::chunk_items(m),
             both * 1e3,
             100.0 * r_both / ceiling,
             gu * 1e3,

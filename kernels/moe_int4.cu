@@ -1,31 +1,52 @@
 // Grouped W4A16 MoE expert kernels for the INT4 draft: Marlin-tiled INT4 weights (group size
-// 128, docs/MARLIN.md), f32 activations, f32 arithmetic.
+// 128, docs/MARLIN.md), f32 activations, tensor-core products with f32 accumulation.
 //
 //   moe_int4_gate_up_<M>: h[item][j]   = silu(x[row]·gate[j]) * (x[row]·up[j]),   j < inter
 //   moe_int4_down_<M>:    out[item][c] = weight[item] * (h[item]·down[c]),       c < hidden
 //
-// <M> (1, 2, 4, 8) is the most items one block holds in registers at a time; the host picks the
-// smallest that covers the launch's largest group, so small batches get small register files and
-// many resident blocks (the kernels are memory-bound there). Every variant gives the same bits.
+// <M> (8, 16) is the most items one block handles at a time (one chunk); a larger group runs in
+// several chunks. The host picks 8 when no group exceeds 8 items (fewer registers, more resident
+// blocks), else 16. Both give the same bits for an item (see "Batch invariance").
 //
 // Work split. Block (x, y) owns 64 output columns (one Marlin 16x64 block column) of the expert
-// of group y (gate_up: gate columns 64x..64x+63 and the matching up columns). Its 8 warps split K
-// into 8 contiguous ranges of K/128 tile rows. Within a tile row, lane i loads the 16 bytes
-// (4 words, tiles j = 0..3) that Marlin stores for it: the codes of the 8 columns i/4 + 8e
-// (e = 0..7) at the 4 rows 2(i%4) + {0, 1, 8, 9}; those 8 columns' scales are the 8 consecutive
-// f16 at 8(i/4) of the block's 64-scale run. Each 16-byte chunk is loaded once and applied to
-// all the chunk's items.
+// of group y (gate_up: gate columns 64x..64x+63, then in a second pass the matching up columns).
+// Its 8 warps split K into 8 contiguous ranges of K/128 tile rows (16 input features each). Each
+// warp streams its tile rows through a private STAGES-deep cp.async ring in shared memory (lane
+// i copies, and later reads back, only its own 16 bytes, so no barrier is needed inside a warp).
 //
-// Arithmetic (identical for every item and every variant, which is the batch invariance):
-//   - a code q is decoded exactly: OR-ing nibble position p (bits 4p..4p+3) into the f32 2^23
-//     gives 2^23 + q 16^p, and subtracting 2^23 + 8 * 16^p leaves 16^p (q - 8) exactly; the
-//     activation is pre-multiplied by 16^-p (exact), so each product is x (q - 8) exactly;
-//   - per thread and quantization group: gp[e] += x (q - 8) as one fma per code, in a fixed
-//     order (tile row, then tile j, then nibble); at the end of the group acc[e] =
-//     fma(gp[e], scale[e], acc[e]);
-//   - the four lanes that share columns are summed by an xor butterfly (bitwise symmetric), then
-//     the eight warps' sums are added in warp order by one thread per output.
-// Nothing depends on how many items the group or the launch holds.
+// The product: mma.sync m16n8k16 (f16 inputs, f32 accumulators) with the weight as the A
+// operand (16 output columns x 16 input features) and the activations as B (16 features x 8
+// items). Marlin stores, for lane i = 4g + t (g = i/4, t = i%4), one word per 16x16 tile j of a
+// tile row holding the codes of tile columns g and g+8 at tile rows 2t, 2t+1, 2t+8, 2t+9; nibble
+// 4 (rr%2) + 2 (cc/8) + rr/8 holds (rr, cc). That is exactly the A fragment of lane i:
+//
+//   a0 = rows g,   k 2t, 2t+1   = nibbles 0 (low half), 4 (high half)   = w & 0x000F000F
+//   a1 = rows g+8, k 2t, 2t+1   = nibbles 2, 6                          = (w >> 8) & 0x000F000F
+//   a2 = rows g,   k 2t+8, 2t+9 = nibbles 1, 5                          = w & 0x00F000F0
+//   a3 = rows g+8, k 2t+8, 2t+9 = nibbles 3, 7                          = (w >> 8) & 0x00F000F0
+//
+// OR-ing 0x6400 (f16 1024) into a half whose mantissa holds q (or 16 q) gives 1024 + q (or
+// 1024 + 16 q) exactly; subtracting 1032 (or fma by 1/16 then -72) leaves q - 8 exactly, so the
+// A operand is the integer code, exact in f16. B fragment of lane i: item g of the n8 tile,
+// features 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1). C fragment: c0, c1 = output column g, items 2t,
+// 2t+1; c2, c3 = column g+8, same items. A chunk of up to 8 items is one n8 tile (NT = 1), up to
+// 16 two (NT = 2); missing items are zero columns of B.
+//
+// Numerics. Each activation x (f32) is split as hi = f16(x), lo = f16(x - hi) (x - hi is exact
+// in f32), and both halves go through the same mma into the same accumulators, so the product
+// carries x to about 2^-22 relative; code products are exact in f32. Requires |x| < 65504 (f16
+// range: beyond it hi is infinite). Per K group of 128 features a fresh f32 fragment collects the
+// group's mma results; at the group's end (or the end of the warp's range) acc = fma(partial,
+// scale, acc) per output element, scale being the f32 value of the stored f16 scale (exact). The
+// eight warps' acc values are then added in warp order by one thread per output.
+//
+// Batch invariance (an item's bits do not depend on its group's size, its position in the group,
+// or the launch): every arithmetic step above is per output element (item, column) in a fixed
+// order fixed by K alone; an item's B column, and so every mma it takes part in, is the same
+// whatever else is in its n8 tile or chunk, and the padding items are zero. This relies on the
+// tensor core computing each D element from its own A row, B column and C element only (true of
+// NVIDIA's mma units; tests/cuda_moe_int4.rs checks it by comparing an item alone, in a 16-item
+// chunk and reordered).
 //
 // Alignment: qweight and scales must be 16-byte aligned (device allocations are 256-byte aligned).
 
@@ -45,23 +66,50 @@ static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct
 
 #define MOE_THREADS 256
 #define MOE_WARPS 8
-#define MOE_MAX_ITEMS 8
 #define MOE_COLS 64
+// Tile rows in flight per warp (7 loads of 512 bytes while one is consumed).
+#define MOE_STAGES 8
+// Row stride of the reduction buffer: 68 words puts the 32 lanes' writes in distinct banks.
+#define MOE_RED_STRIDE 68
 
-// Shared memory of one block, reused by every chunk of items.
-struct MoeShared {
-    float red[MOE_WARPS][MOE_MAX_ITEMS][MOE_COLS];  // per-warp column sums
-    float gate[MOE_MAX_ITEMS][MOE_COLS];            // gate pre-activations (gate_up only)
-    const float* rows[MOE_MAX_ITEMS];               // activation row of each item of the chunk
+// One warp's shared memory: its load ring during the K loop, then its partial sums. The two are
+// never live together (the warp finishes reading the ring before it writes sums).
+template <int MAXI>
+union WarpSpace {
+    uint4 ring[MOE_STAGES][32];
+    float red[MAXI][MOE_RED_STRIDE];
 };
 
-// Weights are read once per item chunk: stream them past L1 so the activations stay there.
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
+template <int MAXI>
+struct MoeShared {
+    WarpSpace<MAXI> warp[MOE_WARPS];
+    float gate[MAXI][MOE_COLS];  // gate pre-activations (gate_up only)
+    const float* rows[MAXI];     // activation row of each item of the chunk
+};
+
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, past L1 (weights are read once per chunk). cp.async wants a
+// .global address; the conversion from the generic one is free on current GPUs.
+__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+    asm volatile(
+        "{ .reg .u64 g; cvta.to.global.u64 g, %1; cp.async.cg.shared.global [%0], [g], 16; }" ::"r"(
+            shared_addr(dst)),
+        "l"(src)
+        : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ float half_to_float(u32 bits16) {
@@ -71,176 +119,200 @@ __device__ __forceinline__ float half_to_float(u32 bits16) {
     return f;
 }
 
-// 16^p (q - 8) for the code q in bits `mask` (nibble position p) of `bits`; exact (see top).
-__device__ __forceinline__ float code_at(u32 bits, u32 mask, float magic) {
-    return __fsub_rn(__uint_as_float((bits & mask) | 0x4B000000u), magic);
+// f16x2 of (lo_elem, hi_elem): lo_elem in the low 16 bits, round to nearest even.
+__device__ __forceinline__ u32 pack_half2(float lo_elem, float hi_elem) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi_elem), "f"(lo_elem));
+    return r;
 }
 
-// The magic constants 2^23 + 8 * 16^p for p = 0..3.
-#define MAGIC0 8388616.0f
-#define MAGIC1 8388736.0f
-#define MAGIC2 8390656.0f
-#define MAGIC3 8421376.0f
+__device__ __forceinline__ float2 unpack_half2(u32 p) {
+    float2 f;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(f.x), "=f"(f.y)
+        : "r"(p));
+    return f;
+}
 
-// Adds one tile row's contribution to the group partials gp of the MI items.
-// `w` is this lane's 16-byte chunk, `k0` the activation index of its first row (16 tr + 2 (i%4)).
-template <int MI>
-__device__ __forceinline__ void tile_row(const uint4 w, const MoeShared& sh, u32 k0,
-                                         float (&gp)[MI][8]) {
-    // Decode the 32 codes once for all items. d[j][t]: tile j, nibble t.
-    float d[4][8];
-    const u32 words[4] = {w.x, w.y, w.z, w.w};
+// Splits the activation pair (v.x low, v.y high) into f16x2 hi and lo with hi + lo = v to ~2^-22.
+__device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
+    hi = pack_half2(v.x, v.y);
+    const float2 h = unpack_half2(hi);
+    lo = pack_half2(__fsub_rn(v.x, h.x), __fsub_rn(v.y, h.y));
+}
+
+// q - 8 for the two low-nibble codes (bits 0..3 and 16..19) of w: (1024 + q) - 1032, exact.
+__device__ __forceinline__ u32 codes_low(u32 w) {
+    const u32 v = (w & 0x000F000Fu) | 0x64006400u;
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64086408u));
+    return r;
+}
+
+// q - 8 for the two codes at bits 4..7 and 20..23: (1024 + 16 q) / 16 - 72, exact.
+__device__ __forceinline__ u32 codes_high(u32 w) {
+    const u32 v = (w & 0x00F000F0u) | 0x64006400u;
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x2C002C00u), "r"(0xD480D480u));
+    return r;
+}
+
+// d += A B for one m16n8k16 tile (A = 4 f16x2, B = 2 f16x2, d = 4 f32).
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// acc += part * scale for this lane's 8 columns (scales packed as f16 in `s`: word j holds tile
+// j's columns g (low half) and g+8 (high half)); part is reset for the next group.
+template <int NT>
+__device__ __forceinline__ void flush_group(const uint4 s, float (&part)[NT][4][4],
+                                            float (&acc)[NT][4][4]) {
+    const u32 sw[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const u32 lo = words[j];
-        const u32 hi = words[j] >> 16;
-        d[j][0] = code_at(lo, 0x000Fu, MAGIC0);
-        d[j][1] = code_at(lo, 0x00F0u, MAGIC1);
-        d[j][2] = code_at(lo, 0x0F00u, MAGIC2);
-        d[j][3] = code_at(lo, 0xF000u, MAGIC3);
-        d[j][4] = code_at(hi, 0x000Fu, MAGIC0);
-        d[j][5] = code_at(hi, 0x00F0u, MAGIC1);
-        d[j][6] = code_at(hi, 0x0F00u, MAGIC2);
-        d[j][7] = code_at(hi, 0xF000u, MAGIC3);
-    }
+        const float s_lo = half_to_float(sw[j] & 0xFFFFu);
+        const float s_hi = half_to_float(sw[j] >> 16);
 #pragma unroll
-    for (int m = 0; m < MI; ++m) {
-        const float* xr = sh.rows[m] + k0;
-        const float2 x01 = __ldg(reinterpret_cast<const float2*>(xr));      // rows 2a, 2a+1
-        const float2 x89 = __ldg(reinterpret_cast<const float2*>(xr + 8));  // rows 2a+8, 2a+9
-        // Nibble t holds row 2a + 8 (t%2) + t/4 of column slot 2j + (t/2)%2, at position t%4
-        // of its half word; scale the activation by 16^-(t%4) to cancel the position.
-        const float x0 = x01.x, x1 = x01.y;
-        const float x0s8 = __fmul_rn(x01.x, 0x1p-8f), x1s8 = __fmul_rn(x01.y, 0x1p-8f);
-        const float x2s4 = __fmul_rn(x89.x, 0x1p-4f), x3s4 = __fmul_rn(x89.y, 0x1p-4f);
-        const float x2s12 = __fmul_rn(x89.x, 0x1p-12f), x3s12 = __fmul_rn(x89.y, 0x1p-12f);
+        for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float a = gp[m][2 * j];
-            a = __fmaf_rn(d[j][0], x0, a);
-            a = __fmaf_rn(d[j][1], x2s4, a);
-            a = __fmaf_rn(d[j][4], x1, a);
-            a = __fmaf_rn(d[j][5], x3s4, a);
-            gp[m][2 * j] = a;
-            float b = gp[m][2 * j + 1];
-            b = __fmaf_rn(d[j][2], x0s8, b);
-            b = __fmaf_rn(d[j][3], x2s12, b);
-            b = __fmaf_rn(d[j][6], x1s8, b);
-            b = __fmaf_rn(d[j][7], x3s12, b);
-            gp[m][2 * j + 1] = b;
+            for (int e = 0; e < 4; ++e) {
+                acc[nt][j][e] = __fmaf_rn(part[nt][j][e], e < 2 ? s_lo : s_hi, acc[nt][j][e]);
+                part[nt][j][e] = 0.0f;
+            }
         }
     }
 }
 
-// acc += gp * scale for the group whose 8 scales (this lane's columns) are packed in `s`.
-template <int MI>
-__device__ __forceinline__ void flush_group(const uint4 s, float (&gp)[MI][8],
-                                            float (&acc)[MI][8]) {
-    const u32 sw[4] = {s.x, s.y, s.z, s.w};
-    float scale[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        scale[e] = half_to_float(e % 2 == 0 ? (sw[e / 2] & 0xFFFFu) : (sw[e / 2] >> 16));
-    }
-#pragma unroll
-    for (int m = 0; m < MI; ++m) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            acc[m][e] = __fmaf_rn(gp[m][e], scale[e], acc[m][e]);
-            gp[m][e] = 0.0f;
-        }
-    }
-}
-
-// This thread's partial sums over its warp's K range for the 8 columns lane/4 + 8e of column
-// block `b`, for the MI items whose rows are in sh.rows; then the lane and warp reduction into
-// sh.red (the caller synchronises before reading it).
-template <int MI, int U>
+// This warp's sums over its K range for the 64 columns of block column `b` and the chunk's
+// `count` items (rows in sh.rows), written to its sh.warp[].red (the caller synchronises before
+// reading them). NT n8 item tiles cover the chunk (count <= 8 NT).
+template <int NT, int MAXI>
 __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
                                            const uint4* __restrict__ scales, u32 n, u32 k,
-                                           u32 b, MoeShared& sh) {
+                                           u32 b, u32 count, MoeShared<MAXI>& sh) {
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
-    const u32 quad = lane & 3;
-    const u32 rows_per_warp = k / (16 * MOE_WARPS);  // = k / 128: whole, since k % 128 == 0
-    const u32 tr_begin = warp * rows_per_warp;
-    const u32 tr_end = tr_begin + rows_per_warp;
+    const u32 g = lane >> 2;
+    const u32 t = lane & 3;
+    const u32 rows = k / (16 * MOE_WARPS);  // tile rows per warp (= k / 128, whole)
+    const u32 tr_begin = warp * rows;
     const u64 row_vecs = n / 2;    // uint4 per qweight tile row (2n words)
     const u64 scale_vecs = n / 8;  // uint4 per scale row (n halves)
     const uint4* wp = qweight + (u64)tr_begin * row_vecs + 32u * b + lane;
-    const uint4* sp = scales + 8u * b + (lane >> 2);
+    const uint4* sp = scales + 8u * b + g;
+    uint4(&ring)[MOE_STAGES][32] = sh.warp[warp].ring;
 
-    float acc[MI][8];
-    float gp[MI][8];
 #pragma unroll
-    for (int m = 0; m < MI; ++m) {
+    for (u32 s = 0; s < MOE_STAGES; ++s) {
+        if (s < rows) copy_async(&ring[s][lane], wp + (u64)s * row_vecs);
+        copy_commit();
+    }
+
+    // Lane's B column: item 8 nt + g of the chunk (null past the chunk: zero operand).
+    const float* xr[NT];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            acc[m][e] = 0.0f;
-            gp[m][e] = 0.0f;
+    for (int nt = 0; nt < NT; ++nt) {
+        const u32 m = 8u * nt + g;
+        xr[nt] = m < count ? sh.rows[m] + 2u * t : nullptr;
+    }
+
+    float acc[NT][4][4];
+    float part[NT][4][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[nt][j][e] = 0.0f;
+                part[nt][j][e] = 0.0f;
+            }
         }
     }
     uint4 s = __ldg(sp + (u64)(tr_begin / 8) * scale_vecs);
 
-    for (u32 tr0 = tr_begin; tr0 < tr_end; tr0 += U) {
-        // U loads in flight before the first use.
-        uint4 w[U];
+#pragma unroll 1
+    for (u32 i = 0; i < rows; ++i) {
+        const u32 tr = tr_begin + i;
+        // Activations first: their (cached) loads overlap the wait for the weights.
+        u32 bh[NT][2], bl[NT][2];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            w[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (tr0 + u < tr_end) w[u] = load_stream(wp + (u64)(tr0 + u - tr_begin) * row_vecs);
+        for (int nt = 0; nt < NT; ++nt) {
+            float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
+            if (xr[nt] != nullptr) {
+                x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
+                x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
+            }
+            split_pair(x0, bh[nt][0], bl[nt][0]);
+            split_pair(x8, bh[nt][1], bl[nt][1]);
         }
+        // A new quantization group starts every 8 tile rows; its scales are needed only when
+        // the group ends, so the load has time to arrive.
+        if ((tr & 7u) == 0u && i != 0) s = __ldg(sp + (u64)(tr >> 3) * scale_vecs);
+
+        // Group i is complete once at most STAGES - 1 later groups are pending.
+        copy_wait<MOE_STAGES - 1>();
+        const uint4 w = ring[i % MOE_STAGES][lane];
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const u32 tr = tr0 + u;
-            if (tr < tr_end) {
-                // A new quantization group starts every 8 tile rows; its scales are needed only
-                // when the group ends, so the load has time to arrive.
-                if ((tr & 7u) == 0u && tr != tr_begin) s = __ldg(sp + (u64)(tr >> 3) * scale_vecs);
-                tile_row<MI>(w[u], sh, 16u * tr + 2u * quad, gp);
-                if ((tr & 7u) == 7u || tr + 1 == tr_end) flush_group<MI>(s, gp, acc);
+        for (int j = 0; j < 4; ++j) {
+            const u32 hi8 = words[j] >> 8;
+            const u32 a[4] = {codes_low(words[j]), codes_low(hi8), codes_high(words[j]),
+                              codes_high(hi8)};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma16816(part[nt][j], a, bh[nt][0], bh[nt][1]);
+                mma16816(part[nt][j], a, bl[nt][0], bl[nt][1]);
             }
         }
+        // Refill the slot just read (its value is consumed above, so the read has completed).
+        if (i + MOE_STAGES < rows) {
+            copy_async(&ring[i % MOE_STAGES][lane], wp + (u64)(i + MOE_STAGES) * row_vecs);
+        }
+        copy_commit();
+        if ((tr & 7u) == 7u || i + 1 == rows) flush_group<NT>(s, part, acc);
     }
+    copy_wait<0>();
+    // The ring and red share memory: every lane must be done with the ring first.
+    __syncwarp();
 
-    // Lanes 4c..4c+3 hold the same columns over different rows: an xor butterfly leaves the
-    // same bits in all four ((v0+v1)+(v2+v3) and its commuted forms).
+    float(&red)[MAXI][MOE_RED_STRIDE] = sh.warp[warp].red;
 #pragma unroll
-    for (int m = 0; m < MI; ++m) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            float v = acc[m][e];
-            v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-            v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-            // Lane quad writes slots 2 quad, 2 quad + 1 (compile-time slot, run-time predicate).
-            if ((u32)(e >> 1) == quad) sh.red[warp][m][(lane >> 2) + 8 * e] = v;
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                // c0, c1: column g, items 2t, 2t+1; c2, c3: column g+8.
+                red[8 * nt + 2 * t + (e & 1)][16 * j + g + 8 * (e >> 1)] = acc[nt][j][e];
+            }
         }
     }
 }
 
 // Sum of the eight warps' partials for item slot m, column c, in warp order.
-__device__ __forceinline__ float warp_sum(const MoeShared& sh, u32 m, u32 c) {
-    float v = sh.red[0][m][c];
+template <int MAXI>
+__device__ __forceinline__ float warp_sum(const MoeShared<MAXI>& sh, u32 m, u32 c) {
+    float v = sh.warp[0].red[m][c];
 #pragma unroll
-    for (int w = 1; w < MOE_WARPS; ++w) v = __fadd_rn(v, sh.red[w][m][c]);
+    for (int w = 1; w < MOE_WARPS; ++w) v = __fadd_rn(v, sh.warp[w].red[m][c]);
     return v;
 }
 
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + expf(-a)); }
 
-// Prefetch depth: deeper when few items leave registers free.
-template <int MI>
-struct Depth {
-    static constexpr int value = MI <= 2 ? 8 : 4;
-};
-
-template <int MI>
-__device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0,
+template <int NT, int MAXI>
+__device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                               const float* __restrict__ x,
                                               const u32* __restrict__ item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
-                                              MoeShared& sh) {
-    if (threadIdx.x < MI) sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
+                                              MoeShared<MAXI>& sh) {
+    if (threadIdx.x < count) {
+        sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
+    }
     __syncthreads();
     const uint4* qweight = reinterpret_cast<const uint4*>(g.gate_up);
     const uint4* scales = reinterpret_cast<const uint4*>(g.gate_up_scales);
@@ -249,9 +321,9 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0,
 #pragma unroll 1
     for (u32 pass = 0; pass < 2; ++pass) {
         const u32 b = blockIdx.x + pass * (inter / MOE_COLS);
-        block_pass<MI, Depth<MI>::value>(qweight, scales, n, hidden, b, sh);
+        block_pass<NT, MAXI>(qweight, scales, n, hidden, b, count, sh);
         __syncthreads();
-        for (u32 o = threadIdx.x; o < MI * MOE_COLS; o += MOE_THREADS) {
+        for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
             const float v = warp_sum(sh, m, c);
             if (pass == 0) {
@@ -261,24 +333,24 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0,
                     __fmul_rn(silu(sh.gate[m][c]), v);
             }
         }
-        // sh.red is rewritten by the next pass, sh.rows by the next chunk.
+        // The warp spaces are rewritten by the next pass, sh.rows by the next chunk.
         __syncthreads();
     }
 }
 
-template <int MI>
-__device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0,
+template <int NT, int MAXI>
+__device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                            const float* __restrict__ h,
                                            const float* __restrict__ item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
-                                           MoeShared& sh) {
-    if (threadIdx.x < MI) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
+                                           MoeShared<MAXI>& sh) {
+    if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
     __syncthreads();
-    block_pass<MI, Depth<MI>::value>(reinterpret_cast<const uint4*>(g.down),
-                                     reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
-                                     blockIdx.x, sh);
+    block_pass<NT, MAXI>(reinterpret_cast<const uint4*>(g.down),
+                         reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
+                         blockIdx.x, count, sh);
     __syncthreads();
-    for (u32 o = threadIdx.x; o < MI * MOE_COLS; o += MOE_THREADS) {
+    for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
         const u32 item = item0 + m;
         out[(u64)item * hidden + MOE_COLS * blockIdx.x + c] =
@@ -287,41 +359,24 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0,
     __syncthreads();
 }
 
-// Runs chunk<N> for a chunk of exactly `n` items (1 <= n <= MAXI): one instantiation per size,
-// so no register slot is ever spent on a missing item.
-template <int N, int MAXI>
-__device__ __forceinline__ void gate_up_dispatch(u32 n, const ExpertGroup& g, u32 item0,
-                                                 const float* x, const u32* item_row, float* h,
-                                                 u32 hidden, u32 inter, MoeShared& sh) {
-    if (n == N) {
-        gate_up_chunk<N>(g, item0, x, item_row, h, hidden, inter, sh);
-    } else if constexpr (N < MAXI) {
-        gate_up_dispatch<N + 1, MAXI>(n, g, item0, x, item_row, h, hidden, inter, sh);
-    }
-}
-
-template <int N, int MAXI>
-__device__ __forceinline__ void down_dispatch(u32 n, const ExpertGroup& g, u32 item0,
-                                              const float* h, const float* item_weight,
-                                              float* out, u32 hidden, u32 inter, MoeShared& sh) {
-    if (n == N) {
-        down_chunk<N>(g, item0, h, item_weight, out, hidden, inter, sh);
-    } else if constexpr (N < MAXI) {
-        down_dispatch<N + 1, MAXI>(n, g, item0, h, item_weight, out, hidden, inter, sh);
-    }
-}
-
-// grid = (inter / 64, groups), block = 256.
+// grid = (inter / 64, groups), block = 256. Chunks of MAXI items; a chunk of at most 8 items
+// takes the one-tile path (same bits, half the mma work).
 template <int MAXI>
 __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* __restrict__ groups,
                                                const float* __restrict__ x,
                                                const u32* __restrict__ item_row,
                                                float* __restrict__ h, u32 hidden, u32 inter) {
-    __shared__ MoeShared sh;
+    __shared__ MoeShared<MAXI> sh;
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
-        gate_up_dispatch<1, MAXI>(n, g, g.first + done, x, item_row, h, hidden, inter, sh);
+        if constexpr (MAXI > 8) {
+            if (n > 8) {
+                gate_up_chunk<2, MAXI>(g, g.first + done, n, x, item_row, h, hidden, inter, sh);
+                continue;
+            }
+        }
+        gate_up_chunk<1, MAXI>(g, g.first + done, n, x, item_row, h, hidden, inter, sh);
     }
 }
 
@@ -331,16 +386,22 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ grou
                                             const float* __restrict__ h,
                                             const float* __restrict__ item_weight,
                                             float* __restrict__ out, u32 hidden, u32 inter) {
-    __shared__ MoeShared sh;
+    __shared__ MoeShared<MAXI> sh;
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
-        down_dispatch<1, MAXI>(n, g, g.first + done, h, item_weight, out, hidden, inter, sh);
+        if constexpr (MAXI > 8) {
+            if (n > 8) {
+                down_chunk<2, MAXI>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh);
+                continue;
+            }
+        }
+        down_chunk<1, MAXI>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh);
     }
 }
 
-// Register caps: small variants keep several blocks resident per SM for latency hiding; the
-// 8-item variant is arithmetic-bound and gets the whole register file of one block.
+// Register caps keep several blocks resident per SM, so loads of other blocks overlap one
+// block's reduction and its pipeline start.
 #define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS)                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \
@@ -355,7 +416,5 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ grou
         down_kernel<MAXI>(groups, h, item_weight, out, hidden, inter);                            \
     }
 
-MOE_INT4_KERNELS(1, 3)
-MOE_INT4_KERNELS(2, 2)
-MOE_INT4_KERNELS(4, 1)
-MOE_INT4_KERNELS(8, 1)
+MOE_INT4_KERNELS(8, 3)
+MOE_INT4_KERNELS(16, 2)

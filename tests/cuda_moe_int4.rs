@@ -17,7 +17,8 @@ use specter::quant::{marlin_dequantize_out_in, marlin_pack, rtn, QuantMatrix};
 use specter::Error;
 use std::sync::Arc;
 
-/// Largest accepted ‖gpu - ref‖ / ‖ref‖ per item and stage (f32 accumulation against f64).
+/// Largest accepted ‖gpu - ref‖ / ‖ref‖ per item and stage (f16 hi/lo split activations and f32
+/// tensor-core accumulation against f64).
 const TOLERANCE: f64 = 1e-5;
 
 fn open_device() -> Option<CudaDevice> {
@@ -185,8 +186,13 @@ impl Setup {
     }
 
     /// Checks every item against the f64 reference: h from x, and out from the kernel's own h (so
-    /// each stage's error is measured alone). Returns the worst relative error of each stage.
-    fn check(&self, routing: &[(usize, Vec<(u32, f32)>)], h: &[f32], out: &[f32]) -> (f64, f64) {
+    /// each stage's error is measured alone). Returns each item's relative error of each stage.
+    fn check(
+        &self,
+        routing: &[(usize, Vec<(u32, f32)>)],
+        h: &[f32],
+        out: &[f32],
+    ) -> Vec<(f64, f64)> {
         let (hidden, inter) = (self.hidden, self.inter);
         let items: Vec<(usize, u32, f32)> = routing
             .iter()
@@ -223,9 +229,48 @@ impl Setup {
                 (h_err, (num / den).sqrt())
             })
             .collect();
-        let worst_h = errors.iter().map(|e| e.0).fold(0.0, f64::max);
-        let worst_out = errors.iter().map(|e| e.1).fold(0.0, f64::max);
-        (worst_h, worst_out)
+        errors
+    }
+
+    /// Runs `routing`, checks it against the reference, prints the worst error of each stage per
+    /// group size and asserts the tolerance. Returns (h, out).
+    fn run_checked(
+        &self,
+        what: &str,
+        routing: &[(usize, Vec<(u32, f32)>)],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (h, out) = self.run(routing);
+        let errors = self.check(routing, &h, &out);
+        let mut sizes: Vec<usize> = routing.iter().map(|(_, i)| i.len()).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        for size in sizes {
+            let (mut worst_h, mut worst_out, mut first) = (0.0f64, 0.0f64, 0);
+            for (_, items) in routing {
+                if items.len() == size {
+                    for e in &errors[first..first + size] {
+                        worst_h = worst_h.max(e.0);
+                        worst_out = worst_out.max(e.1);
+                    }
+                }
+                first += items.len();
+            }
+            if size > 0 {
+                println!(
+                    "hidden={} inter={} {what}: m={size}: worst relative error gate/up {worst_h:.3e}, down {worst_out:.3e}",
+                    self.hidden, self.inter
+                );
+            }
+            assert!(
+                worst_h < TOLERANCE,
+                "{what} m={size}: gate/up relative error {worst_h:.3e}"
+            );
+            assert!(
+                worst_out < TOLERANCE,
+                "{what} m={size}: down relative error {worst_out:.3e}"
+            );
+        }
+        (h, out)
     }
 }
 
@@ -255,21 +300,14 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 fn check_shape(hidden: usize, inter: usize, seed: u64) {
     let Some(device) = open_device() else { return };
-    // Uneven groups: one item, more than two register chunks (17), an odd count, an empty group,
-    // exactly one chunk, and a five.
-    let counts = [1, 17, 3, 0, 8, 5];
+    // Uneven groups: one item, two chunks (17: 16 on two mma item tiles, then 1), an odd count, an
+    // empty group, one full n8 tile, one full 16-item chunk, and a five.
+    let counts = [1, 17, 3, 0, 8, 16, 5];
     let rows = 24;
     let setup = Setup::new(device, hidden, inter, rows, counts.len(), seed);
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
     let routing = route(&mut rng, rows, &counts);
-    let (h, out) = setup.run(&routing);
-    let (h_err, out_err) = setup.check(&routing, &h, &out);
-    println!(
-        "hidden={hidden} inter={inter}: {} items, worst relative error gate/up {h_err:.3e}, down {out_err:.3e}",
-        counts.iter().sum::<usize>()
-    );
-    assert!(h_err < TOLERANCE, "gate/up relative error {h_err:.3e}");
-    assert!(out_err < TOLERANCE, "down relative error {out_err:.3e}");
+    let (h, out) = setup.run_checked("mixed launch", &routing);
     // Sanity: the outputs are not trivially zero.
     assert!(h.iter().any(|&v| v != 0.0) && out.iter().any(|&v| v != 0.0));
 
@@ -299,16 +337,25 @@ fn check_shape(hidden: usize, inter: usize, seed: u64) {
         first += n;
     }
 
-    // Batch invariance 2: an item launched alone (the one-item kernel variant) equals its output
-    // inside the big launch: the lone item, the last item of the 17 (third chunk), and one of the
-    // odd group of 3.
+    // Batch invariance 2: an item launched alone (the 8-item kernel variant, one n8 tile) equals
+    // its output inside the big launch (the 16-item variant): the lone item, the last item of
+    // the 17 (second chunk), items of the second n8 tile of a 16-item chunk, one of the odd group
+    // of 3, the last of the 8, and both ends of the 16.
     let mut first = 0;
     let mut starts = Vec::new();
     for (_, items) in &routing {
         starts.push(first);
         first += items.len();
     }
-    for (g, i) in [(0usize, 0usize), (1, 16), (1, 9), (2, 1), (4, 7)] {
+    for (g, i) in [
+        (0usize, 0usize),
+        (1, 16),
+        (1, 9),
+        (2, 1),
+        (4, 7),
+        (5, 0),
+        (5, 15),
+    ] {
         let (e, items) = &routing[g];
         let alone = [(*e, vec![items[i]])];
         let (h1, out1) = setup.run(&alone);
@@ -324,7 +371,29 @@ fn check_shape(hidden: usize, inter: usize, seed: u64) {
             "out of group {g} item {i} alone"
         );
     }
-    println!("hidden={hidden} inter={inter}: batch invariance holds (reordered and alone)");
+
+    // Each group size on its own launch (so m <= 8 runs the 8-item variant): two groups of m
+    // items, the first being the first m items of the 17-item group above, which must keep their
+    // bits; errors are checked per size.
+    let (e17, items17) = &routing[1];
+    for m in [1usize, 3, 8, 16, 17] {
+        let mut single = route(&mut rng, rows, &[m, m]);
+        single[0] = (*e17, items17[..m].to_vec());
+        single[1].0 = 4;
+        let (hm, outm) = setup.run_checked(&format!("launch of m={m}"), &single);
+        let a = starts[1];
+        assert_eq!(
+            bits(&hm[..m * inter]),
+            bits(&h[a * inter..][..m * inter]),
+            "h of the first {m} items of the 17-item group on their own"
+        );
+        assert_eq!(
+            bits(&outm[..m * hidden]),
+            bits(&out[a * hidden..][..m * hidden]),
+            "out of the first {m} items of the 17-item group on their own"
+        );
+    }
+    println!("hidden={hidden} inter={inter}: batch invariance holds (reordered, alone, per size)");
 }
 
 #[test]

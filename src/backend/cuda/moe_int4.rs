@@ -1,9 +1,11 @@
 //! Launching the grouped W4A16 expert kernels of `kernels/moe_int4.cu` (the INT4 draft experts).
 //!
 //! [`MoeInt4Kernels::launch`] runs the gate/up and down stages of a [`MoeLaunch`] whose expert
-//! weights are Marlin-tiled INT4 (docs/MARLIN.md); the combine stage is separate. Each kernel
-//! file entry comes in variants that hold 1, 2, 4 or 8 items in registers at a time; the launch
-//! picks the smallest that covers the largest group, and all variants compute the same bits.
+//! weights are Marlin-tiled INT4 (docs/MARLIN.md); the combine stage is separate. The kernels
+//! use tensor-core mma for every group size (no separate small-batch path, so an item's bits never
+//! depend on its group's size). Each entry comes in variants that take up to 8 or 16 items per
+//! block at a time; the launch picks the smallest that covers the largest group, and both compute
+//! the same bits for an item.
 
 use super::experts::{ExpertGroup, MoeLaunch};
 use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
@@ -12,8 +14,8 @@ use crate::{Error, Result};
 /// The kernel file (`kernels/moe_int4.cu`).
 const MODULE: &str = "moe_int4";
 
-/// Items one block holds in registers at a time, per variant.
-const VARIANTS: [usize; 4] = [1, 2, 4, 8];
+/// Items one block handles at a time (one chunk: one or two n8 mma tiles), per variant.
+const VARIANTS: [usize; 2] = [8, 16];
 
 /// Threads per block (eight warps splitting K).
 const THREADS: u32 = 256;
@@ -32,8 +34,8 @@ const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
 
 /// The gate/up and down kernels of every variant, loaded from one device.
 pub struct MoeInt4Kernels {
-    gate_up: [CudaFunction; 4],
-    down: [CudaFunction; 4],
+    gate_up: [CudaFunction; 2],
+    down: [CudaFunction; 2],
 }
 
 impl std::fmt::Debug for MoeInt4Kernels {
@@ -131,14 +133,9 @@ fn variant_for(max_count: usize) -> usize {
 impl MoeInt4Kernels {
     /// Loads (compiling on first use) the kernels from `device`.
     pub fn new(device: &CudaDevice) -> Result<Self> {
-        let load = |stage: &str| -> Result<[CudaFunction; 4]> {
+        let load = |stage: &str| -> Result<[CudaFunction; 2]> {
             let f = |m: usize| device.function(MODULE, &format!("moe_int4_{stage}_{m}"));
-            Ok([
-                f(VARIANTS[0])?,
-                f(VARIANTS[1])?,
-                f(VARIANTS[2])?,
-                f(VARIANTS[3])?,
-            ])
+            Ok([f(VARIANTS[0])?, f(VARIANTS[1])?])
         };
         Ok(MoeInt4Kernels {
             gate_up: load("gate_up")?,
@@ -146,10 +143,16 @@ impl MoeInt4Kernels {
         })
     }
 
+    /// Items per block chunk of the kernel variant a launch with largest group `max_count` runs
+    /// (8 or 16); every variant uses the tensor-core path and gives an item the same bits.
+    pub fn chunk_items(max_count: usize) -> usize {
+        VARIANTS[variant_for(max_count)]
+    }
+
     /// Issues gate/up then down for every group of `l` on `stream` (asynchronously).
     ///
-    /// `l.max_count` only selects the register variant: a group larger than it is still computed
-    /// in full, in more chunks. Expert `qweight` and scale pointers must be 16-byte aligned.
+    /// `l.max_count` only selects the variant: a group larger than it is still computed in full,
+    /// in more chunks. Expert `qweight` and scale pointers must be 16-byte aligned.
     pub fn launch(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
         self.launch_gate_up(stream, l)?;
         self.launch_down(stream, l)
@@ -272,11 +275,13 @@ mod tests {
 
     #[test]
     fn variant_covers_the_largest_group() {
-        assert_eq!(VARIANTS[variant_for(1)], 1);
-        assert_eq!(VARIANTS[variant_for(2)], 2);
-        assert_eq!(VARIANTS[variant_for(3)], 4);
+        assert_eq!(VARIANTS[variant_for(1)], 8);
         assert_eq!(VARIANTS[variant_for(8)], 8);
-        // Larger groups run in chunks of eight.
-        assert_eq!(VARIANTS[variant_for(17)], 8);
+        assert_eq!(VARIANTS[variant_for(9)], 16);
+        assert_eq!(VARIANTS[variant_for(16)], 16);
+        // Larger groups run in chunks of sixteen.
+        assert_eq!(VARIANTS[variant_for(17)], 16);
+        assert_eq!(MoeInt4Kernels::chunk_items(4), 8);
+        assert_eq!(MoeInt4Kernels::chunk_items(40), 16);
     }
 }
