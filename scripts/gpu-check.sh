@@ -68,6 +68,14 @@ bench() {
         "lru16|--mode target --resident-experts 16 --policy lru"
         "ondemand16|--mode target --resident-experts 16 --policy ondemand"
         "specter-resident-k4|--mode specter --depth 4"
+        "ds_high-specter-k16|--mode specter --depth 16 --resident-experts 16 --policy lru"
+        "ds_high-specter-k4|--mode specter --depth 4 --resident-experts 16 --policy lru"
+        "lru32-matched-high|--mode target --resident-experts 32 --policy lru"
+        "ds_low-specter-k16|--mode specter --depth 16 --resident-experts 4 --policy lru"
+        "ds_low-specter-k4|--mode specter --depth 4 --resident-experts 4 --policy lru"
+        "lru4|--mode target --resident-experts 4 --policy lru"
+        "ondemand4|--mode target --resident-experts 4 --policy ondemand"
+        "lru20-matched-low|--mode target --resident-experts 20 --policy lru"
         ${BENCH_VARIANTS:-}
     )
     for v in "${variants[@]}"; do
@@ -81,12 +89,14 @@ import json, sys
 d = json.load(open(sys.argv[1])); s = d["stats"]; g = d["gpu"]; o = g.get("offload") or {}
 print("\t".join(str(x) for x in [sys.argv[2], sys.argv[3], round(s["tpot_ms"], 3), round(s["ttft_ms"], 1),
       round(o.get("hit_rate", 1.0), 3), round(o.get("copy_gbps", 0.0), 1), round(g["vram_peak_bytes"] / 1e9, 2),
-      round(s["acceptance_rate"], 3), ",".join(map(str, d["tokens"][:6])), ",".join(map(str, d["tokens"][-3:]))]))
+      round(s["acceptance_rate"], 3), round(o.get("prefetch_precision", 0.0), 3),
+      round(o.get("prefetch_recall", 0.0), 3), round(o.get("prefetch_copy_seconds", 0.0), 3),
+      round(o.get("copy_seconds", 0.0), 3), ",".join(map(str, d["tokens"][:6])), ",".join(map(str, d["tokens"][-3:]))]))
 EOF
         done
     done
     echo "== DeepSeek-V2-Lite shape, $layers layers, 128 tokens"
-    echo "variant rep tpot_ms ttft_ms hit_rate copy_GB/s vram_peak_GB acceptance first_tokens last_tokens"
+    echo "variant rep tpot_ms ttft_ms hit_rate copy_GB/s vram_peak_GB acceptance pf_precision pf_recall pf_copy_s copy_s first_tokens last_tokens"
     cat "$out/bench.tsv"
 }
 

@@ -13,8 +13,10 @@ use std::sync::Arc;
 use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
-use specter::backend::cuda::{CudaBackend, CudaDevice, HostPath, OffloadConfig, SlotPolicy};
-use specter::decode::{generate, GenerateOptions, Mode, Sampling};
+use specter::backend::cuda::{
+    CudaBackend, CudaDevice, CudaPrefetcher, HostPath, OffloadConfig, SlotPolicy,
+};
+use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
 use specter::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
@@ -92,6 +94,28 @@ fn every_fixture_every_residency(speculative: bool) {
                     got, want,
                     "{name} ({label}): GPU target tokens differ from the CPU"
                 );
+                if speculative && gpu.backend().offload_slots().unwrap().is_some() {
+                    // Draft-driven prefetch into the expert cache changes what is resident, never
+                    // the tokens.
+                    let mut prefetcher =
+                        CudaPrefetcher::new(gpu.backend(), gpu.info(), 55e9).unwrap();
+                    let out = generate_observed(
+                        &gpu,
+                        prompt,
+                        &options(Mode::Specter, 16, 8),
+                        &mut prefetcher,
+                        &mut |_| {},
+                    )
+                    .expect("specter with prefetch");
+                    assert!(
+                        prefetcher.take_error().is_none(),
+                        "{name} ({label}): prefetch failed"
+                    );
+                    assert_eq!(
+                        out.tokens, got,
+                        "{name} ({label}): GPU specter with prefetch is not lossless"
+                    );
+                }
                 if speculative {
                     for depth in [1, 4, 16] {
                         let spec = greedy(&gpu, prompt, Mode::Specter, depth);
@@ -104,9 +128,20 @@ fn every_fixture_every_residency(speculative: bool) {
             }
             if let Some(stats) = gpu.backend().offload_stats().unwrap() {
                 eprintln!(
-                    "{name} {label}: hits {} misses {} copied {} B via {}",
-                    stats.hits, stats.misses, stats.bytes_copied, stats.path
+                    "{name} {label}: hits {} misses {} copied {} B via {}; prefetched {} (used {})",
+                    stats.hits,
+                    stats.misses,
+                    stats.bytes_copied,
+                    stats.path,
+                    stats.prefetched,
+                    stats.prefetch_used
                 );
+                if speculative && stats.policy == "lru" {
+                    assert!(
+                        stats.prefetched > 0,
+                        "{name} ({label}): the plan never prefetched"
+                    );
+                }
                 assert!(
                     stats.misses > 0,
                     "{name} ({label}): nothing was ever copied"

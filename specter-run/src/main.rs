@@ -7,9 +7,9 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
-use specter::backend::cuda::{HostPath, SlotPolicy};
+use specter::backend::cuda::{CudaPrefetcher, HostPath, SlotPolicy};
 use specter::decode::{self, GenerateOptions, GenerateOutput, Mode, Sampling};
-use specter::model::NoHook;
+use specter::model::{LanguageModel, NoHook};
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
 use specter::session::{BackendKind, Session, SessionModel, SessionOptions};
 use specter::verify_mode::VerifyMode;
@@ -134,7 +134,8 @@ struct GenerateArgs {
     /// mapping can be registered for direct DMA.
     #[arg(long)]
     pinned_staging: bool,
-    /// Host-to-device bandwidth the CPU simulation of expert copies assumes (GB/s).
+    /// Host-to-device bandwidth the CPU simulation of expert copies assumes (GB/s); on CUDA, the
+    /// first estimate the prefetch schedule uses.
     #[arg(long, default_value_t = 55.0)]
     bandwidth_gbps: f64,
     /// Sampling temperature; 0 is greedy (the default).
@@ -320,15 +321,33 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (SessionModel::Cpu(_), Some(slots)) => Some(slots),
         _ => None,
     };
-    let output: GenerateOutput = match simulate {
-        None => with_session_model!(session, |m| decode::generate(
+    // On the GPU with offloaded experts, Specter mode prefetches what the draft forecasts.
+    let prefetch_model = match (&session.model, opts.mode) {
+        (SessionModel::Cuda(m), Mode::Specter) if m.backend().offload_slots()?.is_some() => {
+            Some(m.as_ref())
+        }
+        _ => None,
+    };
+    let mut draft_step_ms = None;
+    let output: GenerateOutput = match (simulate, prefetch_model) {
+        (None, Some(m)) => {
+            let mut prefetcher =
+                CudaPrefetcher::new(m.backend(), m.info(), args.bandwidth_gbps * 1e9)?;
+            let out = decode::generate_observed(m, &prompt, &opts, &mut prefetcher, &mut on_token)?;
+            if let Some(e) = prefetcher.take_error() {
+                return Err(e.into());
+            }
+            draft_step_ms = Some(prefetcher.draft_step_seconds() * 1e3);
+            out
+        }
+        (None, None) => with_session_model!(session, |m| decode::generate(
             m,
             &prompt,
             &opts,
             &mut NoHook,
             &mut on_token
         ))?,
-        Some(slots) => {
+        (Some(slots), _) => {
             let info = session.info();
             if slots == 0 || slots > info.num_experts {
                 bail!(
@@ -398,6 +417,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     "slot_vram_bytes": o.slot_vram_bytes, "hits": o.hits, "misses": o.misses,
                     "hit_rate": o.hit_rate(), "bytes_copied": o.bytes_copied,
                     "copy_seconds": o.copy_seconds, "copy_gbps": o.copy_bandwidth() / 1e9,
+                    "prefetched": o.prefetched, "prefetch_used": o.prefetch_used,
+                    "prefetch_precision": o.prefetch_precision(), "prefetch_recall": o.prefetch_recall(),
+                    "prefetch_bytes": o.prefetch_bytes, "prefetch_copy_seconds": o.prefetch_copy_seconds,
+                    "draft_step_ms": draft_step_ms,
                 })),
             }),
         };

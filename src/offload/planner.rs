@@ -50,6 +50,11 @@ impl Planner {
         }
     }
 
+    /// A new estimate of a draft step's time (measured as decoding runs).
+    pub fn set_draft_step_seconds(&mut self, draft_step_s: f64) {
+        self.draft_step_s = draft_step_s;
+    }
+
     /// Starts a window of `depth` draft steps: counts restart from zero.
     pub fn begin_window(&mut self, depth: usize) {
         self.counts.iter_mut().for_each(|c| *c = 0);

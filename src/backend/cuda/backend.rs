@@ -356,6 +356,31 @@ impl CudaBackend {
         }
     }
 
+    /// Copies `experts` of model layer `layer` into the expert cache ahead of use and protects
+    /// them until [`Self::clear_plans`]; returns the bytes issued (0 without offloading).
+    pub fn prefetch(&self, layer: usize, experts: &[u32]) -> Result<usize> {
+        match &self.offload {
+            None => Ok(0),
+            Some(o) => self.lock(o)?.prefetch(layer, experts),
+        }
+    }
+
+    /// Ends the current prefetch plan.
+    pub fn clear_plans(&self) -> Result<()> {
+        if let Some(o) = &self.offload {
+            self.lock(o)?.clear_plans();
+        }
+        Ok(())
+    }
+
+    /// Expert slots per MoE layer, when routed experts are offloaded.
+    pub fn offload_slots(&self) -> Result<Option<usize>> {
+        match &self.offload {
+            None => Ok(None),
+            Some(o) => Ok(Some(self.lock(o)?.slots_per_layer())),
+        }
+    }
+
     /// Restores the expert cache's initial residency and clears its counters.
     pub fn reset_offload(&self) -> Result<()> {
         if let Some(o) = &self.offload {

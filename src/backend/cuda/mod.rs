@@ -15,6 +15,7 @@ mod host;
 mod moe_int4;
 mod nvrtc;
 mod offload;
+mod prefetch;
 
 pub use backend::{CudaBackend, GpuAct, GpuWeight};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
@@ -25,6 +26,7 @@ pub use nvrtc::{
     PtxCache,
 };
 pub use offload::{HostPath, OffloadConfig, OffloadStats, SlotPolicy};
+pub use prefetch::CudaPrefetcher;
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

@@ -75,9 +75,31 @@ pub struct OffloadStats {
     pub bytes_copied: u64,
     /// Time the copy stream spent copying (device events), seconds.
     pub copy_seconds: f64,
+    /// Experts copied ahead of the verify pass by the draft-driven plan.
+    pub prefetched: u64,
+    /// Of those, the ones a target pass then used.
+    pub prefetch_used: u64,
+    /// Distinct experts target passes needed (summed over passes and layers) ...
+    pub target_needed: u64,
+    /// ... and how many of them the current plan held.
+    pub target_planned: u64,
+    /// Bytes copied by prefetches (the rest of `bytes_copied` were demand loads).
+    pub prefetch_bytes: u64,
+    /// Copy-stream time of the prefetches, seconds (hidden behind drafting when the plan was early).
+    pub prefetch_copy_seconds: f64,
 }
 
 impl OffloadStats {
+    /// Prefetched experts that were used, over those prefetched.
+    pub fn prefetch_precision(&self) -> f64 {
+        ratio(self.prefetch_used, self.prefetched)
+    }
+
+    /// Experts target passes needed that the plan held, over those needed.
+    pub fn prefetch_recall(&self) -> f64 {
+        ratio(self.target_planned, self.target_needed)
+    }
+
     pub fn hit_rate(&self) -> f64 {
         let total = self.hits + self.misses;
         if total == 0 {
@@ -97,6 +119,14 @@ impl OffloadStats {
     }
 }
 
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
 /// Where one expert's tensors sit inside its blob.
 #[derive(Clone, Copy, Debug)]
 struct BlobLayout {
@@ -113,6 +143,14 @@ struct LayerSlots {
     expert_slot: Vec<Option<usize>>,
     last_use: Vec<u64>,
     blobs: Vec<BlobLayout>,
+    /// Recorded on the copy stream after a prefetch into the slot.
+    slot_ready: Vec<CudaEvent>,
+    /// A prefetch into the slot may still be in flight: compute waits on `slot_ready` first.
+    slot_pending: Vec<bool>,
+    /// Held by the current plan: not evicted by demand loads or later prefetches of the window.
+    planned: Vec<bool>,
+    /// Prefetched and not used yet.
+    unused_prefetch: Vec<bool>,
 }
 
 pub struct ExpertOffload {
@@ -132,7 +170,8 @@ pub struct ExpertOffload {
     copy_stream: Arc<CudaStream>,
     ready: CudaEvent,
     released: CudaEvent,
-    timings: Vec<(CudaEvent, CudaEvent)>,
+    /// Copy batches to time: start, end, and whether it was a prefetch.
+    timings: Vec<(CudaEvent, CudaEvent, bool)>,
     stats: OffloadStats,
     tick: u64,
 }
@@ -229,6 +268,12 @@ impl ExpertOffload {
                 expert_slot: vec![None; experts],
                 last_use: vec![0; cfg.slots_per_layer],
                 blobs,
+                slot_ready: (0..cfg.slots_per_layer)
+                    .map(|_| event(false))
+                    .collect::<Result<_>>()?,
+                slot_pending: vec![false; cfg.slots_per_layer],
+                planned: vec![false; cfg.slots_per_layer],
+                unused_prefetch: vec![false; cfg.slots_per_layer],
             });
         }
         let mut registrations = Vec::new();
@@ -329,6 +374,8 @@ impl ExpertOffload {
             l.slot_expert.iter_mut().for_each(|s| *s = None);
             l.expert_slot.iter_mut().for_each(|s| *s = None);
             l.last_use.iter_mut().for_each(|t| *t = 0);
+            l.planned.iter_mut().for_each(|p| *p = false);
+            l.unused_prefetch.iter_mut().for_each(|p| *p = false);
         }
         self.timings.clear();
         let keep = OffloadStats {
@@ -344,9 +391,12 @@ impl ExpertOffload {
     }
 
     pub(crate) fn stats(&mut self) -> Result<OffloadStats> {
-        for (start, end) in self.timings.drain(..) {
+        for (start, end, prefetch) in self.timings.drain(..) {
             let ms = guarded("cuEventElapsedTime", || start.elapsed_ms(&end))?;
             self.stats.copy_seconds += ms as f64 / 1e3;
+            if prefetch {
+                self.stats.prefetch_copy_seconds += ms as f64 / 1e3;
+            }
         }
         Ok(self.stats.clone())
     }
@@ -369,6 +419,9 @@ impl ExpertOffload {
             l.expert_slot.iter_mut().for_each(|s| *s = None);
         }
         let mut pending: Vec<usize> = (0..plan.hit.len()).collect();
+        let mut used_prefetches = 0u64;
+        let mut planned_hits = 0u64;
+        self.stats.target_needed += plan.hit.len() as u64;
         while !pending.is_empty() {
             self.tick += 1;
             let tick = self.tick;
@@ -390,18 +443,35 @@ impl ExpertOffload {
                         _ => rest.push(g),
                     }
                 }
+                for &(_, s) in &hits {
+                    if l.slot_pending[s] {
+                        // A prefetch may still be landing in this slot.
+                        guarded("cuStreamWaitEvent", || stream.wait(&l.slot_ready[s]))?;
+                        l.slot_pending[s] = false;
+                    }
+                    if l.unused_prefetch[s] {
+                        l.unused_prefetch[s] = false;
+                        used_prefetches += 1;
+                    }
+                    if l.planned[s] {
+                        planned_hits += 1;
+                    }
+                }
                 let mut deferred = Vec::new();
                 for g in rest {
                     let e = plan.hit[g] as usize;
                     // A free slot, else the least recently used one this round does not use.
-                    let victim = (0..slots_n)
-                        .filter(|&s| !used[s])
-                        .min_by_key(|&s| (l.slot_expert[s].is_some(), l.last_use[s], s));
+                    let victim = (0..slots_n).filter(|&s| !used[s]).min_by_key(|&s| {
+                        (l.planned[s], l.slot_expert[s].is_some(), l.last_use[s], s)
+                    });
                     match victim {
                         Some(s) => {
                             if let Some(old) = l.slot_expert[s] {
                                 l.expert_slot[old as usize] = None;
                             }
+                            l.planned[s] = false;
+                            l.unused_prefetch[s] = false;
+                            l.slot_pending[s] = false;
                             l.slot_expert[s] = Some(e as u32);
                             l.expert_slot[e] = Some(s);
                             l.last_use[s] = tick;
@@ -425,6 +495,94 @@ impl ExpertOffload {
             }
             // Later copies into these slots wait for the kernels just issued.
             guarded("cuEventRecord", || self.released.record(&stream))?;
+        }
+        self.stats.prefetch_used += used_prefetches;
+        self.stats.target_planned += planned_hits;
+        Ok(())
+    }
+
+    /// Copies the planned experts of model layer `layer` that are not resident into slots not
+    /// held by the plan, on the copy stream, and marks every planned expert protected until
+    /// [`Self::clear_plans`]. Returns the bytes issued. The compute stream does not wait: a
+    /// later pass that uses a slot waits on that slot's own event.
+    pub(crate) fn prefetch(&mut self, layer: usize, experts: &[u32]) -> Result<usize> {
+        let copy = self.copy_stream.clone();
+        let slots_n = self.slots_per_layer;
+        let mut chosen = Vec::new();
+        {
+            let l = self.layer_mut(layer)?;
+            for &e in experts {
+                let e = e as usize;
+                if e >= l.expert_slot.len() {
+                    return Err(Error::Request(format!("prefetch: expert {e} out of range")));
+                }
+                if let Some(s) = l.expert_slot[e] {
+                    l.planned[s] = true;
+                    continue;
+                }
+                let victim = (0..slots_n)
+                    .filter(|&s| !l.planned[s])
+                    .min_by_key(|&s| (l.slot_expert[s].is_some(), l.last_use[s], s));
+                let Some(s) = victim else { break };
+                if let Some(old) = l.slot_expert[s] {
+                    l.expert_slot[old as usize] = None;
+                }
+                l.slot_expert[s] = Some(e as u32);
+                l.expert_slot[e] = Some(s);
+                l.planned[s] = true;
+                l.unused_prefetch[s] = true;
+                l.slot_pending[s] = true;
+                chosen.push((e, s));
+            }
+        }
+        if chosen.is_empty() {
+            return Ok(0);
+        }
+        // The slots may still be read by kernels issued before now.
+        guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
+        let ctx = copy.context().clone();
+        let timing = |_: ()| {
+            guarded("cuEventCreate", || {
+                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            })
+        };
+        let (start, end) = (timing(())?, timing(())?);
+        guarded("cuEventRecord", || start.record(&copy))?;
+        let mb = self.matrix_bytes;
+        for &(e, s) in &chosen {
+            self.copy_expert(layer, e, s)?;
+            let l = self.layer_mut(layer)?;
+            guarded("cuEventRecord", || l.slot_ready[s].record(&copy))?;
+            self.stats.bytes_copied += 3 * mb as u64;
+            self.stats.prefetch_bytes += 3 * mb as u64;
+            self.stats.prefetched += 1;
+        }
+        guarded("cuEventRecord", || end.record(&copy))?;
+        self.timings.push((start, end, true));
+        Ok(chosen.len() * 3 * mb)
+    }
+
+    /// Ends the current plan: its experts become ordinary LRU residents.
+    pub(crate) fn clear_plans(&mut self) {
+        for l in self.layers.iter_mut().flatten() {
+            l.planned.iter_mut().for_each(|p| *p = false);
+        }
+    }
+
+    pub(crate) fn slots_per_layer(&self) -> usize {
+        self.slots_per_layer
+    }
+
+    /// One expert's blob into slot `slot` of `layer` (one DMA when its tensors are contiguous).
+    fn copy_expert(&mut self, layer: usize, expert: usize, slot: usize) -> Result<()> {
+        let mb = self.matrix_bytes;
+        let blob = self.layer_mut(layer)?.blobs[expert];
+        let contiguous = blob.up == blob.gate + mb && blob.down == blob.up + mb;
+        if contiguous {
+            return self.copy_run(layer, slot, blob.file_offset + blob.gate, 0, 3 * mb);
+        }
+        for (src, dst) in [(blob.gate, 0), (blob.up, mb), (blob.down, 2 * mb)] {
+            self.copy_run(layer, slot, blob.file_offset + src, dst, mb)?;
         }
         Ok(())
     }
@@ -495,27 +653,13 @@ impl ExpertOffload {
         guarded("cuEventRecord", || start.record(&copy))?;
         let mb = self.matrix_bytes;
         for &(g, s) in chosen {
-            let e = plan.hit[g] as usize;
-            let blob = self.layer_mut(layer)?.blobs[e];
             // Slot layout: gate, up (together the fused gate/up matrix), down.
-            let pieces = [(blob.gate, 0), (blob.up, mb), (blob.down, 2 * mb)];
-            let contiguous = blob.up == blob.gate + mb && blob.down == blob.up + mb;
-            let runs: Vec<(usize, usize, usize)> = if contiguous {
-                vec![(blob.file_offset + blob.gate, 0, 3 * mb)]
-            } else {
-                pieces
-                    .iter()
-                    .map(|&(src, dst)| (blob.file_offset + src, dst, mb))
-                    .collect()
-            };
-            for (src, dst, len) in runs {
-                self.copy_run(layer, s, src, dst, len)?;
-            }
+            self.copy_expert(layer, plan.hit[g] as usize, s)?;
             self.stats.bytes_copied += 3 * mb as u64;
         }
         guarded("cuEventRecord", || end.record(&copy))?;
         guarded("cuEventRecord", || self.ready.record(&copy))?;
-        self.timings.push((start, end));
+        self.timings.push((start, end, false));
         Ok(())
     }
 
