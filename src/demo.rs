@@ -111,7 +111,7 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         sampling: Sampling::greedy(),
         stop_at_eos: false,
     };
-    say("4. backend: cpu (the exact f32 reference; GPU execution is not part of this build)");
+    say("4. backend: cpu (the exact f32 reference; on a GPU, `specter-run generate --backend cuda`)");
     let target = generate(
         &model,
         &prompt,

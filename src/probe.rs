@@ -22,7 +22,7 @@
 //!     session.tokenizer.as_ref(),
 //!     DEFAULT_CALIBRATION_TOKENS,
 //! )?;
-//! let report = probe(&session.model, &tokens, &ProbeOptions { window: 16 })?;
+//! let report = probe(session.cpu_model()?, &tokens, &ProbeOptions { window: 16 })?;
 //! print!("{}", render_text(&report));
 //! # Ok(())
 //! # }

@@ -275,9 +275,34 @@ fn bad_sampling_parameters_are_refused() {
 }
 
 #[test]
-fn the_cuda_backend_without_a_gpu_build_is_refused_clearly() {
+fn the_cuda_backend_without_a_gpu_is_refused_clearly() {
+    if specter::backend::cuda::driver_library_present() {
+        eprintln!(
+            "skipped: this machine has a CUDA driver (scripts/gpu-check.sh runs the GPU path)"
+        );
+        return;
+    }
     let run = generate(&["--prompt-ids", "5", "--backend", "cuda"]);
-    assert_clean_failure(&run, &["cuda", "--backend cpu"]);
+    assert_clean_failure(&run, &["libcuda.so.1", "--backend cpu"]);
+    let run = generate(&[
+        "--prompt-ids",
+        "5",
+        "--backend",
+        "cuda",
+        "--resident-experts",
+        "2",
+    ]);
+    assert_clean_failure(&run, &["libcuda.so.1", "--backend cpu"]);
+}
+
+#[test]
+fn gpu_only_options_need_the_cuda_backend() {
+    let run = generate(&["--prompt-ids", "5", "--vram-budget", "24"]);
+    assert_clean_failure(&run, &["--vram-budget", "--backend cuda"]);
+    let run = generate(&["--prompt-ids", "5", "--pinned-staging"]);
+    assert_clean_failure(&run, &["--pinned-staging", "--backend cuda"]);
+    let run = generate(&["--prompt-ids", "5", "--backend", "cuda", "--vram-budget=-3"]);
+    assert_clean_failure(&run, &["--vram-budget", "positive"]);
 }
 
 /// `specter-run generate` on `bytes` written as a file fails mentioning `needles` and the path.

@@ -711,14 +711,17 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, x: &GpuAct) -> Result<Vec<f32>> {
+        // Wait first: a copy into pageable memory would otherwise wait for the queued kernels
+        // inside the copy, and the host timing would count the device's time as the host's.
+        self.synchronize()?;
         let mut out = vec![0.0f32; x.rows * x.cols];
         if !out.is_empty() {
             let view = x.buf.slice(..out.len());
             guarded("cuda: device-to-host copy failed", || {
                 self.stream.memcpy_dtoh(&view, &mut out)
             })?;
+            guarded("cuStreamSynchronize", || self.stream.synchronize())?;
         }
-        self.synchronize()?;
         Ok(out)
     }
 
@@ -1413,11 +1416,12 @@ impl Backend for CudaBackend {
             ROW_THREADS,
             &args,
         )?;
+        self.synchronize()?;
         let mut host = vec![0u32; x.rows];
         guarded("cuda argmax: device-to-host copy failed", || {
             self.stream.memcpy_dtoh(&out, &mut host)
         })?;
-        self.synchronize()?;
+        guarded("cuStreamSynchronize", || self.stream.synchronize())?;
         Ok(host)
     }
 }
@@ -1691,5 +1695,53 @@ impl CudaBackend {
 
     fn launch_moe_int4(&self, l: &MoeLaunch) -> Result<()> {
         self.int4.launch(&self.stream, l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_up_by_at_most_an_eighth() {
+        for n in [
+            1usize,
+            255,
+            256,
+            257,
+            1000,
+            4096,
+            4097,
+            100_000,
+            102_400 * 17,
+        ] {
+            let b = bucket(n);
+            assert!(b >= n, "{n} -> {b}");
+            assert!(
+                n <= 256 || (b - n) * 8 <= n,
+                "{n} -> {b} wastes more than an eighth"
+            );
+            assert_eq!(bucket(b), b, "a bucket size is its own bucket");
+        }
+    }
+
+    #[test]
+    fn the_work_list_groups_rows_by_ascending_expert() {
+        // 3 rows, top 2: row 0 -> experts 4, 1; row 1 -> 1, 0; row 2 -> 4, 0.
+        let routing = Routing {
+            top_k: 2,
+            ids: vec![4, 1, 1, 0, 4, 0],
+            weights: vec![0.6, 0.4, 0.7, 0.3, 0.9, 0.1],
+        };
+        let plan = MoePlan::new(&routing, 6);
+        assert_eq!(plan.hit, vec![0, 1, 4]);
+        assert_eq!(plan.starts, vec![0, 2, 4, 6]);
+        // Each expert's items in ascending row order.
+        assert_eq!(plan.item_row, vec![1, 2, 0, 1, 0, 2]);
+        assert_eq!(plan.item_weight, vec![0.3, 0.1, 0.4, 0.7, 0.6, 0.9]);
+        // Each row's items in ascending expert id: row 0 has expert 1 (item 2) then 4 (item 4).
+        assert_eq!(plan.row_items, vec![2, 4, 0, 3, 1, 5]);
+        assert_eq!(plan.range(2), (4, 2));
+        assert_eq!(plan.max_count(), 2);
     }
 }
