@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
 use specter::backend::cuda::{CudaPrefetcher, HostPath, SlotPolicy};
-use specter::decode::{self, GenerateOptions, GenerateOutput, Mode, Sampling};
+use specter::decode::{self, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
 use specter::session::{BackendKind, Session, SessionModel, SessionOptions};
@@ -112,9 +112,13 @@ struct GenerateArgs {
     /// target: the FP16 model alone; draft: the INT4 draft alone (not lossless).
     #[arg(long, value_enum, default_value_t = ModeArg::Specter)]
     mode: ModeArg,
-    /// Draft tokens per verify pass.
+    /// Draft tokens per verify pass (with --auto-depth, the most it may use).
     #[arg(long, default_value_t = 8)]
     depth: usize,
+    /// Choose each round's depth from measured cost per committed token, down to plain target
+    /// decoding when speculation does not pay (Specter mode).
+    #[arg(long)]
+    auto_depth: bool,
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     backend: BackendArg,
     /// Routed experts kept resident per MoE layer; the rest are copied in when needed. On CUDA
@@ -328,18 +332,36 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
         _ => None,
     };
+    if args.auto_depth && opts.mode != Mode::Specter {
+        bail!("--auto-depth needs --mode specter");
+    }
     let mut draft_step_ms = None;
+    let mut auto_report = None;
     let output: GenerateOutput = match (simulate, prefetch_model) {
         (None, Some(m)) => {
             let mut prefetcher =
                 CudaPrefetcher::new(m.backend(), m.info(), args.bandwidth_gbps * 1e9)?;
-            let out = decode::generate_observed(m, &prompt, &opts, &mut prefetcher, &mut on_token)?;
+            let out = if args.auto_depth {
+                let mut auto = AutoDepth::new(&mut prefetcher, opts.depth, opts.depth);
+                let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token)?;
+                auto_report = Some(auto.report());
+                out
+            } else {
+                decode::generate_observed(m, &prompt, &opts, &mut prefetcher, &mut on_token)?
+            };
             if let Some(e) = prefetcher.take_error() {
                 return Err(e.into());
             }
             draft_step_ms = Some(prefetcher.draft_step_seconds() * 1e3);
             out
         }
+        (None, None) if args.auto_depth => with_session_model!(session, |m| {
+            let mut quiet = NoHook;
+            let mut auto = AutoDepth::new(&mut quiet, opts.depth, opts.depth);
+            let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token);
+            auto_report = Some(auto.report());
+            out
+        })?,
         (None, None) => with_session_model!(session, |m| decode::generate(
             m,
             &prompt,
@@ -429,6 +451,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             "architecture": session.config.model_type.as_str(),
             "backend": if session.cuda().is_some() { "cuda" } else { "cpu" },
             "gpu": gpu,
+            "auto_depth": auto_report,
             "mode": format!("{:?}", opts.mode).to_lowercase(),
             "depth": opts.depth,
             "prompt_tokens": prompt,

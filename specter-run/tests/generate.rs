@@ -473,3 +473,47 @@ fn a_bundle_without_a_tokenizer_takes_ids_and_refuses_text() {
     assert_eq!(tokens(&record, "tokens"), printed);
     assert!(record["text"].is_null());
 }
+
+#[test]
+fn automatic_depth_is_lossless_and_reports_its_rounds() {
+    let target = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "24",
+        "--mode",
+        "target",
+        "--ignore-eos",
+    ]);
+    let auto = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "24",
+        "--mode",
+        "specter",
+        "--depth",
+        "8",
+        "--auto-depth",
+        "--ignore-eos",
+    ]);
+    assert_eq!(
+        auto["tokens"], target["tokens"],
+        "auto depth changed the greedy tokens"
+    );
+    let report = &auto["auto_depth"];
+    assert_eq!(report["depths"], serde_json::json!([0, 1, 2, 4, 8]));
+    let rounds: u64 = report["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        rounds,
+        auto["stats"]["rounds"].as_u64().unwrap(),
+        "{report}"
+    );
+    let run = generate(&["--prompt-ids", "5", "--mode", "target", "--auto-depth"]);
+    assert_clean_failure(&run, &["--auto-depth", "--mode specter"]);
+}

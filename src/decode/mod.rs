@@ -4,8 +4,10 @@
 //! committed boundary". Greedy output equals target-only decoding; sampled output follows the
 //! target's distribution (speculative rejection sampling).
 
+mod depth;
 mod sampling;
 
+pub use depth::{AutoDepth, AutoDepthReport};
 pub use sampling::{accept_or_resample, argmax, distribution, sample, Sampling};
 
 use std::time::Instant;
@@ -82,6 +84,11 @@ pub trait DecodeObserver: RouteHook {
     fn on_draft_step(&mut self, _step: usize) {}
     /// `committed` tokens were committed, `accepted` of them drafts the target accepted.
     fn on_commit(&mut self, _accepted: usize, _committed: usize) {}
+    /// The draft depth of the coming round, given the configured one (the most it may be).
+    /// 0 skips drafting: the round is one plain target step. Automatic depth control decides here.
+    fn next_depth(&mut self, configured: usize) -> usize {
+        configured
+    }
 }
 
 /// Wraps a plain route hook as an observer that ignores phase boundaries.
@@ -113,6 +120,8 @@ impl RouteHook for HookOnly<'_> {
 }
 
 impl DecodeObserver for HookOnly<'_> {}
+
+impl DecodeObserver for crate::model::NoHook {}
 
 /// Validates the prompt (non-empty, ids < vocab, prompt + max_new_tokens <= max_context) and the
 /// options with [`Error::Request`] naming the problem, then decodes. `on_token` is called for
@@ -422,7 +431,10 @@ fn decode_speculative<M: LanguageModel>(
     while !commits.finished {
         // A round commits at most K + 1 tokens; never draft past max_new_tokens (which also keeps
         // the verify pass inside the KV capacity).
-        let k = depth.min(commits.remaining() - 1);
+        let k = observer
+            .next_depth(depth)
+            .min(depth)
+            .min(commits.remaining() - 1);
         let committed_len = kv.len();
         drafts.clear();
         draft_dists.clear();

@@ -1,0 +1,271 @@
+//! Automatic draft depth: an observer that picks each round's depth from what rounds cost.
+//!
+//! Speculation pays when a round's draft steps and verify pass cost less per committed token than
+//! plain decoding does; with offloaded experts that depends on acceptance, on how many distinct
+//! experts a verify window touches and on copy bandwidth, none of which is known in advance (a
+//! model with nearly uniform routing touches most experts in a long window). So the controller
+//! measures: for every candidate depth (0, plain target decoding, then powers of two up to the
+//! configured depth) it keeps a moving average of wall time per committed token, runs the best
+//! one, and re-tries a neighbour now and then so that a change in conditions is noticed.
+//! Exploration is a bounded share of rounds, and depth 0 is always a candidate, so once measured
+//! the controller is never slower than plain decoding by more than that share.
+
+use std::time::Instant;
+
+use super::DecodeObserver;
+use crate::model::{RouteHook, Variant};
+
+/// Rounds between two exploration rounds.
+const EXPLORE_EVERY: usize = 8;
+/// Weight of the newest sample in a depth's moving average.
+const EMA_WEIGHT: f64 = 0.3;
+
+/// How the rounds went, per candidate depth.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct AutoDepthReport {
+    /// Candidate depths, ascending (0 is plain target decoding).
+    pub depths: Vec<usize>,
+    /// Rounds run at each depth.
+    pub rounds: Vec<usize>,
+    /// Moving average of seconds per committed token at each depth (0 where never measured).
+    pub seconds_per_token: Vec<f64>,
+    /// The depth the controller would run next.
+    pub chosen: usize,
+}
+
+/// Wraps another observer (which sees every call) and decides each round's depth.
+pub struct AutoDepth<'a> {
+    inner: &'a mut dyn DecodeObserver,
+    depths: Vec<usize>,
+    cost: Vec<Option<f64>>,
+    rounds: Vec<usize>,
+    current: usize,
+    round: usize,
+    /// Index of the depth the round in flight runs.
+    running: usize,
+    round_started: Option<f64>,
+    clock: Box<dyn FnMut() -> f64 + 'a>,
+}
+
+impl<'a> AutoDepth<'a> {
+    /// Candidate depths 0, 1, 2, 4, ... up to `max_depth`, starting at `start` (rounded down to a
+    /// candidate), timed with the wall clock.
+    pub fn new(inner: &'a mut dyn DecodeObserver, max_depth: usize, start: usize) -> Self {
+        let origin = Instant::now();
+        Self::with_clock(
+            inner,
+            max_depth,
+            start,
+            Box::new(move || origin.elapsed().as_secs_f64()),
+        )
+    }
+
+    /// As [`Self::new`] with a clock in seconds (tests drive it by hand).
+    pub fn with_clock(
+        inner: &'a mut dyn DecodeObserver,
+        max_depth: usize,
+        start: usize,
+        clock: Box<dyn FnMut() -> f64 + 'a>,
+    ) -> Self {
+        let mut depths = vec![0];
+        let mut d = 1;
+        while d <= max_depth {
+            depths.push(d);
+            d *= 2;
+        }
+        if *depths.last().unwrap_or(&0) != max_depth && max_depth > 0 {
+            depths.push(max_depth);
+        }
+        let current = depths.iter().rposition(|&d| d <= start).unwrap_or(0);
+        let n = depths.len();
+        AutoDepth {
+            inner,
+            depths,
+            cost: vec![None; n],
+            rounds: vec![0; n],
+            current,
+            round: 0,
+            running: current,
+            round_started: None,
+            clock,
+        }
+    }
+
+    pub fn report(&self) -> AutoDepthReport {
+        AutoDepthReport {
+            depths: self.depths.clone(),
+            rounds: self.rounds.clone(),
+            seconds_per_token: self.cost.iter().map(|c| c.unwrap_or(0.0)).collect(),
+            chosen: self.depths[self.current],
+        }
+    }
+
+    /// The candidate to run this round: the best measured one, except on exploration rounds,
+    /// which try an unmeasured or a neighbouring depth.
+    fn pick(&mut self) -> usize {
+        self.round += 1;
+        // Never measured candidates first (cheapest to learn: one round each), nearest first.
+        if let Some(i) = self.nearest_unmeasured() {
+            if self.round.is_multiple_of(2) || self.cost[self.current].is_none() {
+                return i;
+            }
+        }
+        if self.round.is_multiple_of(EXPLORE_EVERY) {
+            let up = (self.current + 1).min(self.depths.len() - 1);
+            let down = self.current.saturating_sub(1);
+            return if (self.round / EXPLORE_EVERY).is_multiple_of(2) {
+                up
+            } else {
+                down
+            };
+        }
+        self.current
+    }
+
+    fn nearest_unmeasured(&self) -> Option<usize> {
+        (0..self.depths.len())
+            .filter(|&i| self.cost[i].is_none())
+            .min_by_key(|&i| i.abs_diff(self.current))
+    }
+}
+
+impl RouteHook for AutoDepth<'_> {
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        layer: usize,
+        moe_layer: usize,
+        top_k: usize,
+        topk: &[u32],
+    ) {
+        self.inner.on_route(variant, layer, moe_layer, top_k, topk);
+    }
+
+    fn wants_routes(&self) -> bool {
+        self.inner.wants_routes()
+    }
+
+    fn wants_moe_input(&self) -> bool {
+        self.inner.wants_moe_input()
+    }
+
+    fn on_moe_input(&mut self, variant: Variant, moe_layer: usize, hidden: &[f32], topk: &[u32]) {
+        self.inner.on_moe_input(variant, moe_layer, hidden, topk);
+    }
+}
+
+impl DecodeObserver for AutoDepth<'_> {
+    fn on_target_pass(&mut self, rows: usize) {
+        self.inner.on_target_pass(rows);
+    }
+
+    fn on_draft_window(&mut self, depth: usize) {
+        self.inner.on_draft_window(depth);
+    }
+
+    fn on_draft_step(&mut self, step: usize) {
+        self.inner.on_draft_step(step);
+    }
+
+    fn next_depth(&mut self, configured: usize) -> usize {
+        let inner = self.inner.next_depth(configured);
+        self.running = self.pick();
+        self.round_started = Some((self.clock)());
+        self.depths[self.running].min(inner)
+    }
+
+    fn on_commit(&mut self, accepted: usize, committed: usize) {
+        self.inner.on_commit(accepted, committed);
+        // The prefill's commit has no round in flight.
+        let Some(started) = self.round_started.take() else {
+            return;
+        };
+        if committed == 0 {
+            return;
+        }
+        let per_token = ((self.clock)() - started).max(0.0) / committed as f64;
+        let i = self.running;
+        self.rounds[i] += 1;
+        self.cost[i] = Some(match self.cost[i] {
+            None => per_token,
+            Some(c) => (1.0 - EMA_WEIGHT) * c + EMA_WEIGHT * per_token,
+        });
+        // The best measured depth becomes the current one.
+        if let Some(best) = (0..self.depths.len())
+            .filter(|&j| self.cost[j].is_some())
+            .min_by(|&a, &b| {
+                self.cost[a]
+                    .unwrap_or(f64::MAX)
+                    .total_cmp(&self.cost[b].unwrap_or(f64::MAX))
+            })
+        {
+            self.current = best;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    struct Quiet;
+    impl RouteHook for Quiet {
+        fn on_route(&mut self, _: Variant, _: usize, _: usize, _: usize, _: &[u32]) {}
+    }
+    impl DecodeObserver for Quiet {}
+
+    /// Runs `rounds` rounds where a round at depth d takes `round_s(d)` seconds and commits
+    /// `committed(d)` tokens; returns the controller's report.
+    fn drive(
+        rounds: usize,
+        start: usize,
+        round_s: impl Fn(usize) -> f64,
+        committed: impl Fn(usize) -> usize,
+    ) -> AutoDepthReport {
+        let now = Cell::new(0.0f64);
+        let mut inner = Quiet;
+        let mut auto = AutoDepth::with_clock(&mut inner, 16, start, Box::new(|| now.get()));
+        for _ in 0..rounds {
+            let d = auto.next_depth(16);
+            now.set(now.get() + round_s(d));
+            auto.on_commit(0, committed(d));
+        }
+        auto.report()
+    }
+
+    #[test]
+    fn falls_back_to_plain_decoding_when_speculation_does_not_pay() {
+        // Every round costs 10 ms plus 9 ms per draft step and commits 1 + d/2 tokens: plain
+        // decoding (10 ms per token) beats every depth.
+        let r = drive(200, 8, |d| 0.010 + 0.009 * d as f64, |d| 1 + d / 2);
+        assert_eq!(r.chosen, 0, "{r:?}");
+        // Exploration stays a small share of rounds.
+        let plain = r.rounds[0];
+        assert!(plain >= 150, "only {plain} of 200 rounds ran plain: {r:?}");
+    }
+
+    #[test]
+    fn settles_on_the_cheapest_depth_per_token() {
+        // Verify costs 40 ms (copies), a draft step 2 ms, and about 0.8 of drafts are accepted up
+        // to depth 4 but few beyond: depth 4 is cheapest per token.
+        let committed = |d: usize| 1 + (d.min(4) * 8) / 10;
+        let r = drive(300, 1, |d| 0.040 + 0.002 * d as f64, committed);
+        assert_eq!(r.chosen, 4, "{r:?}");
+        assert_eq!(r.depths, vec![0, 1, 2, 4, 8, 16]);
+    }
+
+    #[test]
+    fn the_prefill_commit_is_not_a_round_and_depth_never_exceeds_the_configured_one() {
+        let mut inner = Quiet;
+        let mut auto = AutoDepth::with_clock(&mut inner, 6, 6, Box::new(|| 0.0));
+        auto.on_commit(0, 1);
+        assert_eq!(auto.report().rounds.iter().sum::<usize>(), 0);
+        assert_eq!(auto.report().depths, vec![0, 1, 2, 4, 6]);
+        for _ in 0..20 {
+            assert!(auto.next_depth(3) <= 3);
+            auto.on_commit(0, 1);
+        }
+    }
+}
