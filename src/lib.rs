@@ -12,6 +12,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod decode;
 pub mod demo;
+pub mod depth_profile;
 pub mod doctor;
 pub mod error;
 pub mod model;

@@ -73,6 +73,12 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         depth: usize,
     },
+    /// Measure TPOT at every draft depth (0 is plain target decoding) on this machine and in this
+    /// residency, and write the fastest as a profile that `generate --auto-depth --profile FILE`
+    /// starts from.
+    ///
+    /// Example: specter-run profile model.specter --backend cuda --resident-experts 16 -o model.profile.json
+    Profile(ProfileArgs),
     /// Report what this machine offers and what Specter will use: driver, GPU, NVRTC, the host copy
     /// path, measured host-to-device bandwidth, free RAM and disk.
     ///
@@ -119,6 +125,10 @@ struct GenerateArgs {
     /// decoding when speculation does not pay (Specter mode).
     #[arg(long)]
     auto_depth: bool,
+    /// With --auto-depth: start from the depth a `specter-run profile` measured for this bundle
+    /// and machine.
+    #[arg(long, requires = "auto_depth")]
+    profile: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     backend: BackendArg,
     /// Routed experts kept resident per MoE layer; the rest are copied in when needed. On CUDA
@@ -182,6 +192,37 @@ impl From<VerifyArg> for VerifyMode {
     }
 }
 
+#[derive(clap::Args)]
+struct ProfileArgs {
+    bundle: PathBuf,
+    /// Where to write the profile (JSON).
+    #[arg(short, long)]
+    output: PathBuf,
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    backend: BackendArg,
+    /// CUDA: routed experts kept in VRAM per MoE layer (the rest are copied in).
+    #[arg(long)]
+    resident_experts: Option<usize>,
+    #[arg(long, value_enum, default_value_t = PolicyArg::Lru)]
+    policy: PolicyArg,
+    /// Prompt as comma-separated token ids.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20"
+    )]
+    prompt_ids: Vec<u32>,
+    /// New tokens per measurement.
+    #[arg(long, default_value_t = 48)]
+    new_tokens: usize,
+    /// Depths to measure, comma separated; 0 is plain target decoding.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,4,8,16")]
+    depths: Vec<usize>,
+    /// Runs per depth (the median TPOT is kept).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum ModeArg {
     Specter,
@@ -226,6 +267,7 @@ fn main() -> ExitCode {
             max_new_tokens,
             depth,
         } => demo(arch, dir, max_new_tokens, depth),
+        Command::Profile(args) => profile(args),
         Command::Doctor {
             json,
             device,
@@ -335,6 +377,12 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if args.auto_depth && opts.mode != Mode::Specter {
         bail!("--auto-depth needs --mode specter");
     }
+    let start_depth = match &args.profile {
+        Some(path) => specter::depth_profile::DepthProfile::load(path)?
+            .start_depth_for(&session, path)?
+            .min(opts.depth),
+        None => opts.depth,
+    };
     let mut draft_step_ms = None;
     let mut auto_report = None;
     let output: GenerateOutput = match (simulate, prefetch_model) {
@@ -342,7 +390,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             let mut prefetcher =
                 CudaPrefetcher::new(m.backend(), m.info(), args.bandwidth_gbps * 1e9)?;
             let out = if args.auto_depth {
-                let mut auto = AutoDepth::new(&mut prefetcher, opts.depth, opts.depth);
+                let mut auto = AutoDepth::new(&mut prefetcher, opts.depth, start_depth);
                 let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token)?;
                 auto_report = Some(auto.report());
                 out
@@ -357,7 +405,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
         (None, None) if args.auto_depth => with_session_model!(session, |m| {
             let mut quiet = NoHook;
-            let mut auto = AutoDepth::new(&mut quiet, opts.depth, opts.depth);
+            let mut auto = AutoDepth::new(&mut quiet, opts.depth, start_depth);
             let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token);
             auto_report = Some(auto.report());
             out
@@ -617,4 +665,49 @@ fn slots_for_budget(path: &std::path::Path, gb: f64, with_draft: bool) -> Result
         );
     }
     Ok((((budget - fixed) / per_slot) as usize).min(info.num_experts))
+}
+
+fn profile(args: ProfileArgs) -> Result<()> {
+    let backend = match args.backend {
+        BackendArg::Cpu => BackendKind::Cpu,
+        BackendArg::Cuda => BackendKind::Cuda,
+    };
+    let mut opts = SessionOptions::new(backend);
+    if let Some(n) = args.resident_experts {
+        if backend != BackendKind::Cuda {
+            bail!(
+                "--resident-experts needs --backend cuda when profiling (real copies are measured)"
+            );
+        }
+        let policy = match args.policy {
+            PolicyArg::Lru => SlotPolicy::Lru,
+            PolicyArg::Ondemand => SlotPolicy::OnDemand,
+        };
+        opts.offload = Some((n, policy));
+    }
+    let session = Session::open_with(&args.bundle, &opts)?;
+    let report = specter::depth_profile::sweep(
+        &session,
+        &args.prompt_ids,
+        args.new_tokens,
+        &args.depths,
+        args.repeats,
+    )?;
+    report.save(&args.output)?;
+    println!("depth  tpot_ms  acceptance");
+    for ((d, t), a) in report
+        .depths
+        .iter()
+        .zip(&report.tpot_ms)
+        .zip(&report.acceptance)
+    {
+        println!("{d:>5}  {t:>7.3}  {a:>10.3}");
+    }
+    println!(
+        "best depth {} ({}), written to {}",
+        report.best_depth,
+        report.key.residency,
+        args.output.display()
+    );
+    Ok(())
 }

@@ -517,3 +517,75 @@ fn automatic_depth_is_lossless_and_reports_its_rounds() {
     let run = generate(&["--prompt-ids", "5", "--mode", "target", "--auto-depth"]);
     assert_clean_failure(&run, &["--auto-depth", "--mode specter"]);
 }
+
+#[test]
+fn a_depth_profile_is_measured_used_and_refused_for_another_bundle() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile.json");
+    let bundle = converted().bundle.display().to_string();
+    let run = cli::run(
+        env!("CARGO_BIN_EXE_specter-run"),
+        &[
+            "profile".to_string(),
+            bundle.clone(),
+            "-o".to_string(),
+            profile.display().to_string(),
+            "--new-tokens".to_string(),
+            "8".to_string(),
+            "--depths".to_string(),
+            "0,1,4".to_string(),
+            "--repeats".to_string(),
+            "1".to_string(),
+        ],
+    );
+    assert!(run.ok(), "{run:?}");
+    let written: Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    assert_eq!(written["depths"], serde_json::json!([0, 1, 4]));
+    assert_eq!(written["key"]["backend"], "cpu");
+    let best = written["best_depth"].as_u64().unwrap();
+    assert!([0, 1, 4].contains(&best), "{written}");
+    assert!(run.stdout.contains("best depth"), "{run:?}");
+
+    let p = profile.display().to_string();
+    let target = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "12",
+        "--mode",
+        "target",
+        "--ignore-eos",
+    ]);
+    let auto = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "12",
+        "--mode",
+        "specter",
+        "--depth",
+        "4",
+        "--auto-depth",
+        "--profile",
+        &p,
+        "--ignore-eos",
+    ]);
+    assert_eq!(auto["tokens"], target["tokens"]);
+
+    // A profile of another bundle (its manifest checksum differs) is refused by name.
+    let mut other = written.clone();
+    other["key"]["manifest_sha256"] = Value::String("00".repeat(32));
+    let other_path = dir.path().join("other.json");
+    std::fs::write(&other_path, other.to_string()).unwrap();
+    let o = other_path.display().to_string();
+    let run = generate(&[
+        "--prompt-ids",
+        "5",
+        "--mode",
+        "specter",
+        "--auto-depth",
+        "--profile",
+        &o,
+    ]);
+    assert_clean_failure(&run, &["profile", "another bundle"]);
+}
