@@ -9,6 +9,7 @@
 
 pub mod arch;
 pub mod backend;
+pub mod bench;
 pub mod checkpoint;
 pub mod decode;
 pub mod demo;

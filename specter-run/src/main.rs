@@ -1,6 +1,6 @@
 //! specter-run: load a Specter bundle and generate tokens with speculative offloading.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -73,6 +73,12 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         depth: usize,
     },
+    /// The paper's protocol on one bundle: every mode on the same prompts and weights, TPOT and
+    /// TTFT per run, every mode's tokens checked against target-only, a markdown table, JSON and
+    /// an SVG plot.
+    ///
+    /// Example: specter-run bench model.specter --backend cuda --case ds_high --modes resident,lru,ondemand,specter,auto --json ds_high.json --plot ds_high.svg
+    Bench(BenchArgs),
     /// Measure TPOT at every draft depth (0 is plain target decoding) on this machine and in this
     /// residency, and write the fastest as a profile that `generate --auto-depth --profile FILE`
     /// starts from.
@@ -193,6 +199,52 @@ impl From<VerifyArg> for VerifyMode {
 }
 
 #[derive(clap::Args)]
+struct BenchArgs {
+    bundle: PathBuf,
+    /// ds_high, ds_low, qwen_high, qwen_low, phi_high, phi_low, or custom (with --depth,
+    /// --resident-experts and --matched-experts).
+    #[arg(long)]
+    case: String,
+    /// Comma-separated modes: resident, lru, ondemand, specter, auto.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "resident,lru,ondemand,specter"
+    )]
+    modes: Vec<String>,
+    #[arg(long, value_enum, default_value_t = BackendArg::Cuda)]
+    backend: BackendArg,
+    /// A file of prompts, one per line: token ids (comma or space separated) or text, each cut
+    /// to its first 16 tokens. Default: --num-prompts seeded random prompts of 16 ids.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    #[arg(long, default_value_t = 10)]
+    num_prompts: usize,
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// custom case: draft depth.
+    #[arg(long)]
+    depth: Option<usize>,
+    /// custom case: experts per layer in VRAM for the modes with a draft.
+    #[arg(long)]
+    resident_experts: Option<usize>,
+    /// custom case: experts per layer in VRAM for target-only lru and ondemand.
+    #[arg(long)]
+    matched_experts: Option<usize>,
+    /// Write the JSON record (every run and every mode's summary) here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the markdown table here too (it is always printed).
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+    /// Write an SVG bar chart of mean TPOT per mode here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
 struct ProfileArgs {
     bundle: PathBuf,
     /// Where to write the profile (JSON).
@@ -268,6 +320,7 @@ fn main() -> ExitCode {
             depth,
         } => demo(arch, dir, max_new_tokens, depth),
         Command::Profile(args) => profile(args),
+        Command::Bench(args) => bench(args),
         Command::Doctor {
             json,
             device,
@@ -709,5 +762,146 @@ fn profile(args: ProfileArgs) -> Result<()> {
         report.key.residency,
         args.output.display()
     );
+    Ok(())
+}
+
+/// Prompt length of the paper's protocol.
+const BENCH_PROMPT_TOKENS: usize = 16;
+
+fn read_bench_prompts(path: &std::path::Path, bundle: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the prompts file {}", path.display()))?;
+    let mut tokenizer = None;
+    let mut prompts = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let ids: std::result::Result<Vec<u32>, _> = line
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|t| !t.is_empty())
+            .map(str::parse::<u32>)
+            .collect();
+        let mut ids = match ids {
+            Ok(ids) => ids,
+            Err(_) => {
+                if tokenizer.is_none() {
+                    let b = specter_format::Bundle::open(bundle)?;
+                    let bytes = b.tokenizer_bytes().with_context(|| {
+                        format!(
+                            "{} line {}: text prompts need the bundle's tokenizer, and {} has none (use token ids)",
+                            path.display(),
+                            n + 1,
+                            bundle.display()
+                        )
+                    })?;
+                    tokenizer = Some(tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+                        anyhow::anyhow!("the bundle's tokenizer does not load: {e}")
+                    })?);
+                }
+                let t = tokenizer.as_ref().context("tokenizer")?;
+                t.encode(line, true)
+                    .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), n + 1))?
+                    .get_ids()
+                    .to_vec()
+            }
+        };
+        ids.truncate(BENCH_PROMPT_TOKENS);
+        if ids.is_empty() {
+            bail!(
+                "{} line {}: the prompt has no tokens",
+                path.display(),
+                n + 1
+            );
+        }
+        prompts.push(ids);
+    }
+    if prompts.is_empty() {
+        bail!("{} holds no prompts", path.display());
+    }
+    Ok(prompts)
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    use specter::bench::{self, BenchCase, BenchMode, BenchOptions};
+    let case = if args.case == "custom" {
+        match (args.depth, args.resident_experts, args.matched_experts) {
+            (Some(depth), Some(resident), Some(matched)) if depth > 0 && resident > 0 && matched > 0 => BenchCase {
+                name: "custom",
+                depth,
+                resident,
+                matched,
+            },
+            _ => bail!("--case custom needs --depth, --resident-experts and --matched-experts, each at least 1"),
+        }
+    } else {
+        if args.depth.is_some() || args.resident_experts.is_some() || args.matched_experts.is_some()
+        {
+            bail!("--depth, --resident-experts and --matched-experts only go with --case custom");
+        }
+        bench::case(&args.case)?
+    };
+    let modes = args
+        .modes
+        .iter()
+        .map(|m| BenchMode::parse(m))
+        .collect::<specter::Result<Vec<_>>>()?;
+    let backend = match args.backend {
+        BackendArg::Cpu => BackendKind::Cpu,
+        BackendArg::Cuda => BackendKind::Cuda,
+    };
+    let prompts = match &args.prompts {
+        Some(path) => read_bench_prompts(path, &args.bundle)?,
+        None => {
+            let b = specter_format::Bundle::open(&args.bundle)?;
+            let cfg = specter::arch::ArchConfig::from_config_json(b.hyperparameters_json())?;
+            bench::synthetic_prompts(cfg.vocab_size, args.num_prompts, BENCH_PROMPT_TOKENS, 0)
+        }
+    };
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("bench [{bar:30}] {pos}/{len} runs, eta {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar
+    });
+    let opts = BenchOptions {
+        backend,
+        case,
+        modes,
+        prompts,
+        new_tokens: args.new_tokens,
+        repeats: args.repeats,
+    };
+    let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
+        Some(bar) => {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        }
+        None => eprintln!("bench: {done}/{total} runs"),
+    })?;
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let table = bench::render_markdown(&report);
+    print!("{table}");
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, &table).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, bench::render_svg(&report))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let disagreeing = report.runs.iter().filter(|r| !r.agrees).count();
+    if disagreeing > 0 {
+        bail!("{disagreeing} run(s) gave tokens different from target-only decoding: see the agreement column");
+    }
     Ok(())
 }

@@ -1,0 +1,477 @@
+//! `specter-run bench`: the paper's protocol on one bundle, every mode measured in one run on the
+//! same weights and prompts, with a greedy-agreement check of every mode against target-only.
+//!
+//! Protocol (docs/BENCHMARKS.md and the paper's): single request, greedy, 16-token prompts, 128
+//! new tokens; TPOT = (last commit - first commit) / (N - 1) and TTFT per run; the expert cache
+//! is emptied and its counters cleared before every input, outside the timed region. Modes:
+//!
+//! - `resident`: target-only, every expert in VRAM (on the CPU backend: the CPU reference);
+//! - `lru`, `ondemand`: target-only, plain autoregressive, with the case's matched number of
+//!   resident experts per layer (the draft's memory given to the cache, as the paper's baselines);
+//! - `specter`: the INT4 draft proposes at the case's depth, draft-driven prefetch;
+//! - `auto`: as `specter` with automatic depth.
+//!
+//! The separate-draft SpecMoEOff baseline needs a second, smaller model and is not part of this
+//! version.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::cuda::{CudaPrefetcher, SlotPolicy};
+use crate::decode::{
+    generate, generate_observed, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling,
+};
+use crate::model::{LanguageModel, NoHook};
+use crate::session::{BackendKind, Session, SessionModel, SessionOptions};
+use crate::{Error, Result};
+
+/// A protocol case: draft depth and experts per layer in VRAM.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct BenchCase {
+    pub name: &'static str,
+    pub depth: usize,
+    /// Resident experts per layer for the modes that hold the draft.
+    pub resident: usize,
+    /// Resident experts per layer for target-only baselines at matched memory.
+    pub matched: usize,
+}
+
+/// The paper's cases (protocol.md). Matched counts for Qwen and Phi give the baselines the
+/// draft's memory the same way DeepSeek's 16/32 and 4/20 do (about a quarter of all experts).
+pub const CASES: &[BenchCase] = &[
+    BenchCase {
+        name: "ds_high",
+        depth: 16,
+        resident: 16,
+        matched: 32,
+    },
+    BenchCase {
+        name: "ds_low",
+        depth: 16,
+        resident: 4,
+        matched: 20,
+    },
+    BenchCase {
+        name: "qwen_high",
+        depth: 8,
+        resident: 15,
+        matched: 30,
+    },
+    BenchCase {
+        name: "qwen_low",
+        depth: 8,
+        resident: 8,
+        matched: 23,
+    },
+    BenchCase {
+        name: "phi_high",
+        depth: 16,
+        resident: 2,
+        matched: 6,
+    },
+    BenchCase {
+        name: "phi_low",
+        depth: 16,
+        resident: 1,
+        matched: 5,
+    },
+];
+
+pub fn case(name: &str) -> Result<BenchCase> {
+    CASES
+        .iter()
+        .copied()
+        .find(|c| c.name == name)
+        .ok_or_else(|| {
+            let known: Vec<&str> = CASES.iter().map(|c| c.name).collect();
+            Error::Request(format!(
+                "unknown case {name:?} (known: {}, or custom with --depth and --resident-experts)",
+                known.join(", ")
+            ))
+        })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchMode {
+    Resident,
+    Lru,
+    Ondemand,
+    Specter,
+    Auto,
+}
+
+impl BenchMode {
+    pub fn parse(name: &str) -> Result<BenchMode> {
+        Ok(match name {
+            "resident" => BenchMode::Resident,
+            "lru" => BenchMode::Lru,
+            "ondemand" => BenchMode::Ondemand,
+            "specter" => BenchMode::Specter,
+            "auto" => BenchMode::Auto,
+            "specmoeoff" => {
+                return Err(Error::Request(
+                    "mode specmoeoff (a separate draft model with its own KV) is not part of this version; \
+                     use resident, lru, ondemand, specter or auto"
+                        .into(),
+                ))
+            }
+            other => {
+                return Err(Error::Request(format!(
+                    "unknown mode {other:?} (resident, lru, ondemand, specter, auto)"
+                )))
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchMode::Resident => "resident",
+            BenchMode::Lru => "lru",
+            BenchMode::Ondemand => "ondemand",
+            BenchMode::Specter => "specter",
+            BenchMode::Auto => "auto",
+        }
+    }
+
+    fn target_only(self) -> bool {
+        matches!(
+            self,
+            BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand
+        )
+    }
+}
+
+/// One generation.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRun {
+    pub mode: &'static str,
+    pub prompt: usize,
+    pub repeat: usize,
+    pub tpot_ms: f64,
+    pub ttft_ms: f64,
+    pub acceptance_rate: f64,
+    pub hit_rate: Option<f64>,
+    pub copy_gbps: Option<f64>,
+    pub prefetch_precision: Option<f64>,
+    pub prefetch_recall: Option<f64>,
+    /// Equal to the reference (target-only) tokens for this prompt.
+    pub agrees: bool,
+}
+
+/// Per mode, over all its runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModeSummary {
+    pub mode: &'static str,
+    pub resident_experts: Option<usize>,
+    pub depth: Option<usize>,
+    pub mean_tpot_ms: f64,
+    pub median_tpot_ms: f64,
+    pub mean_ttft_ms: f64,
+    pub peak_vram_bytes: Option<u64>,
+    pub agreement: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub bundle: String,
+    pub backend: &'static str,
+    pub device: String,
+    pub case: BenchCase,
+    pub prompts: usize,
+    pub new_tokens: usize,
+    pub repeats: usize,
+    pub modes: Vec<ModeSummary>,
+    pub runs: Vec<BenchRun>,
+}
+
+pub struct BenchOptions {
+    pub backend: BackendKind,
+    pub case: BenchCase,
+    pub modes: Vec<BenchMode>,
+    pub prompts: Vec<Vec<u32>>,
+    pub new_tokens: usize,
+    pub repeats: usize,
+}
+
+/// `count` prompts of `len` token ids drawn from the vocabulary with a fixed seed.
+pub fn synthetic_prompts(vocab: usize, count: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| {
+            (0..len)
+                .map(|_| rng.random_range(1..vocab as u32))
+                .collect()
+        })
+        .collect()
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs every mode over every prompt and repeat; `progress(done, total)` after each run.
+pub fn run(
+    path: &std::path::Path,
+    opts: &BenchOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<BenchReport> {
+    if opts.modes.is_empty() || opts.prompts.is_empty() || opts.repeats == 0 || opts.new_tokens < 2
+    {
+        return Err(Error::Request(
+            "bench needs at least one mode, one prompt, one repeat and two new tokens".into(),
+        ));
+    }
+    let reference_mode = opts.modes.iter().copied().find(|m| m.target_only()).ok_or_else(|| {
+        Error::Request(
+            "include a target-only mode (resident, lru or ondemand): every mode's tokens are checked against it"
+                .into(),
+        )
+    })?;
+    if opts.backend == BackendKind::Cpu {
+        if let Some(m) = opts
+            .modes
+            .iter()
+            .find(|m| matches!(m, BenchMode::Lru | BenchMode::Ondemand))
+        {
+            return Err(Error::Request(format!(
+                "mode {} copies experts into VRAM and needs --backend cuda",
+                m.name()
+            )));
+        }
+    }
+    // The reference runs first so every other mode can be checked as it goes.
+    let mut order = vec![reference_mode];
+    order.extend(opts.modes.iter().copied().filter(|&m| m != reference_mode));
+    let total = order.len() * opts.prompts.len() * opts.repeats;
+    let mut done = 0;
+    let mut reference: Vec<Vec<u32>> = Vec::new();
+    let mut runs = Vec::new();
+    let mut summaries = Vec::new();
+    let mut device = String::new();
+    for mode in order {
+        let mut session_opts = SessionOptions::new(opts.backend);
+        session_opts.with_draft = !mode.target_only();
+        let resident = match (mode, opts.backend) {
+            (_, BackendKind::Cpu) | (BenchMode::Resident, _) => None,
+            (BenchMode::Lru, _) => Some((opts.case.matched, SlotPolicy::Lru)),
+            (BenchMode::Ondemand, _) => Some((opts.case.matched, SlotPolicy::OnDemand)),
+            (BenchMode::Specter | BenchMode::Auto, _) => {
+                Some((opts.case.resident, SlotPolicy::Lru))
+            }
+        };
+        session_opts.offload = resident;
+        let session = Session::open_with(path, &session_opts)?;
+        if let Some(g) = session.cuda() {
+            device = g.device().name().to_string();
+            g.reset_vram_peak()?;
+        }
+        let gen = GenerateOptions {
+            mode: if mode.target_only() {
+                Mode::Target
+            } else {
+                Mode::Specter
+            },
+            max_new_tokens: opts.new_tokens,
+            depth: opts.case.depth,
+            sampling: Sampling::greedy(),
+            stop_at_eos: false,
+        };
+        let mut tpots = Vec::new();
+        let mut ttfts = Vec::new();
+        let mut agree = 0usize;
+        for (p, prompt) in opts.prompts.iter().enumerate() {
+            for repeat in 0..opts.repeats {
+                if let Some(g) = session.cuda() {
+                    // The initial (empty) residency and zeroed counters, outside the timed region.
+                    g.reset_offload()?;
+                }
+                let out = run_one(&session, prompt, &gen, mode == BenchMode::Auto)?;
+                if mode == reference_mode && repeat == 0 {
+                    reference.push(out.tokens.clone());
+                }
+                let agrees = reference.get(p) == Some(&out.tokens);
+                agree += usize::from(agrees);
+                let stats = session
+                    .cuda()
+                    .map(|g| g.offload_stats())
+                    .transpose()?
+                    .flatten();
+                runs.push(BenchRun {
+                    mode: mode.name(),
+                    prompt: p,
+                    repeat,
+                    tpot_ms: out.stats.tpot_ms,
+                    ttft_ms: out.stats.ttft_ms,
+                    acceptance_rate: out.stats.acceptance_rate,
+                    hit_rate: stats.as_ref().map(|s| s.hit_rate()),
+                    copy_gbps: stats.as_ref().map(|s| s.copy_bandwidth() / 1e9),
+                    prefetch_precision: stats.as_ref().map(|s| s.prefetch_precision()),
+                    prefetch_recall: stats.as_ref().map(|s| s.prefetch_recall()),
+                    agrees,
+                });
+                tpots.push(out.stats.tpot_ms);
+                ttfts.push(out.stats.ttft_ms);
+                done += 1;
+                progress(done, total);
+            }
+        }
+        summaries.push(ModeSummary {
+            mode: mode.name(),
+            resident_experts: resident.map(|(n, _)| n),
+            depth: (!mode.target_only()).then_some(opts.case.depth),
+            mean_tpot_ms: mean(&tpots),
+            median_tpot_ms: median(&tpots),
+            mean_ttft_ms: mean(&ttfts),
+            peak_vram_bytes: session.cuda().map(|g| g.vram_peak_bytes()).transpose()?,
+            agreement: agree as f64 / tpots.len().max(1) as f64,
+        });
+    }
+    Ok(BenchReport {
+        bundle: path.display().to_string(),
+        backend: match opts.backend {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        },
+        device,
+        case: opts.case,
+        prompts: opts.prompts.len(),
+        new_tokens: opts.new_tokens,
+        repeats: opts.repeats,
+        modes: summaries,
+        runs,
+    })
+}
+
+fn run_one(
+    session: &Session,
+    prompt: &[u32],
+    gen: &GenerateOptions,
+    auto: bool,
+) -> Result<GenerateOutput> {
+    let started = Instant::now();
+    let out = match &session.model {
+        SessionModel::Cpu(m) => {
+            if auto {
+                let mut quiet = NoHook;
+                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, gen.depth);
+                generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
+            } else {
+                generate(m.as_ref(), prompt, gen, &mut NoHook, &mut |_| {})?
+            }
+        }
+        SessionModel::Cuda(m) => {
+            let gpu = m.backend();
+            if gen.mode == Mode::Specter && gpu.offload_slots()?.is_some() {
+                let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
+                let out = if auto {
+                    let mut ctl = AutoDepth::new(&mut prefetcher, gen.depth, gen.depth);
+                    generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
+                } else {
+                    generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut |_| {})?
+                };
+                if let Some(e) = prefetcher.take_error() {
+                    return Err(e);
+                }
+                out
+            } else if auto {
+                let mut quiet = NoHook;
+                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, gen.depth);
+                generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
+            } else {
+                generate(m.as_ref(), prompt, gen, &mut NoHook, &mut |_| {})?
+            }
+        }
+    };
+    tracing::debug!(
+        "bench run in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(out)
+}
+
+/// A markdown table of the modes.
+pub fn render_markdown(r: &BenchReport) -> String {
+    let reference = r
+        .modes
+        .iter()
+        .find(|m| m.mode == "lru")
+        .or_else(|| r.modes.first())
+        .map_or(0.0, |m| m.mean_tpot_ms);
+    let mut s = format!(
+        "case {} ({} backend{}), {} prompts x {} repeats, {} new tokens\n\n\
+         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | peak VRAM GB | agreement |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+        r.case.name,
+        r.backend,
+        if r.device.is_empty() { String::new() } else { format!(", {}", r.device) },
+        r.prompts,
+        r.repeats,
+        r.new_tokens,
+        if r.modes.iter().any(|m| m.mode == "lru") { "lru" } else { "the first mode" },
+    );
+    for m in &r.modes {
+        s += &format!(
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {:.0}% |\n",
+            m.mode,
+            m.resident_experts
+                .map_or("all".to_string(), |n| n.to_string()),
+            m.depth.map_or("-".to_string(), |d| d.to_string()),
+            m.mean_tpot_ms,
+            m.median_tpot_ms,
+            m.mean_ttft_ms,
+            if m.mean_tpot_ms > 0.0 {
+                reference / m.mean_tpot_ms
+            } else {
+                0.0
+            },
+            m.peak_vram_bytes
+                .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / 1e9)),
+            100.0 * m.agreement,
+        );
+    }
+    s
+}
+
+/// An SVG bar chart of mean TPOT per mode.
+pub fn render_svg(r: &BenchReport) -> String {
+    let (w, bar_h, gap, left, top) = (640.0, 28.0, 10.0, 110.0, 40.0);
+    let max = r
+        .modes
+        .iter()
+        .map(|m| m.mean_tpot_ms)
+        .fold(0.0, f64::max)
+        .max(1e-9);
+    let h = top + r.modes.len() as f64 * (bar_h + gap) + 20.0;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"13\">\n\
+         <text x=\"10\" y=\"22\" font-size=\"15\">{} - mean TPOT per mode (ms, lower is better)</text>\n",
+        r.case.name
+    );
+    for (i, m) in r.modes.iter().enumerate() {
+        let y = top + i as f64 * (bar_h + gap);
+        let len = (w - left - 80.0) * m.mean_tpot_ms / max;
+        s += &format!(
+            "<text x=\"10\" y=\"{:.0}\">{}</text>\n<rect x=\"{left}\" y=\"{y:.0}\" width=\"{len:.1}\" height=\"{bar_h}\" fill=\"{}\"/>\n<text x=\"{:.1}\" y=\"{:.0}\">{:.2}</text>\n",
+            y + bar_h * 0.7,
+            m.mode,
+            if m.mode == "specter" || m.mode == "auto" { "#c0392b" } else { "#7f8c8d" },
+            left + len + 6.0,
+            y + bar_h * 0.7,
+            m.mean_tpot_ms,
+        );
+    }
+    s + "</svg>\n"
+}
