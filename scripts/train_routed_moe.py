@@ -22,9 +22,9 @@ Time: --minutes (default 4.5) is the wall-clock budget from the start of the scr
 training, so reading the corpus (96 MB), training the tokenizer (on 32 MB), encoding, building the
 model and choosing the experts implementation come out of it (estimated at under a minute on 16
 cores; the log prints each stage's time); held-out evaluation and saving come after it (estimated
-at tens of seconds). Memory with the defaults (4 layers, about 1.8 B parameters): float32
-master weights, gradients and AdamW state about 29 GB of VRAM plus activations; the float16
-checkpoint is about 3.6 GB.
+at tens of seconds). Memory with the defaults (4 layers, 1.87 B parameters): float32
+master weights, gradients and AdamW state 28 GiB of VRAM plus activations; the float16
+checkpoint is 3.7 GB.
 
 Routing is trained with a Switch-style load-balancing loss computed from the routers' logits
 (transformers' DeepseekV2 returns no router logits or auxiliary loss, so forward hooks on every
