@@ -589,3 +589,83 @@ fn a_depth_profile_is_measured_used_and_refused_for_another_bundle() {
     ]);
     assert_clean_failure(&run, &["profile", "another bundle"]);
 }
+
+#[test]
+fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = converted().bundle.display().to_string();
+    let out = |name: &str| dir.path().join(name).display().to_string();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "5,6,7,8\n\n9 10 11\n").unwrap();
+    let bench = |extra: &[&str]| {
+        let mut all = vec!["bench".to_string(), bundle.clone()];
+        all.extend(extra.iter().map(|s| s.to_string()));
+        cli::run(env!("CARGO_BIN_EXE_specter-run"), &all)
+    };
+    let run = bench(&[
+        "--case",
+        "ds_high",
+        "--backend",
+        "cpu",
+        "--modes",
+        "resident,specter,auto",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--new-tokens",
+        "12",
+        "--repeats",
+        "2",
+        "--json",
+        &out("b.json"),
+        "--markdown",
+        &out("b.md"),
+        "--plot",
+        &out("b.svg"),
+    ]);
+    assert!(run.ok(), "{run:?}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out("b.json")).unwrap()).unwrap();
+    assert_eq!(report["prompts"], 2);
+    assert_eq!(report["runs"].as_array().unwrap().len(), 3 * 2 * 2);
+    for m in report["modes"].as_array().unwrap() {
+        assert_eq!(m["agreement"], 1.0, "{m}");
+        assert!(m["mean_tpot_ms"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    assert_eq!(report["modes"][1]["depth"], 16);
+    let table = std::fs::read_to_string(out("b.md")).unwrap();
+    assert!(
+        table.contains("| specter |") && table.contains("| auto |"),
+        "{table}"
+    );
+    assert!(run.stdout.contains("| resident |"), "{run:?}");
+    assert!(std::fs::read_to_string(out("b.svg"))
+        .unwrap()
+        .starts_with("<svg"));
+
+    // Modes that copy experts need the GPU; SpecMoEOff needs a second model; a target-only
+    // reference is required; custom cases need their numbers.
+    let run = bench(&[
+        "--case",
+        "ds_low",
+        "--backend",
+        "cpu",
+        "--modes",
+        "resident,lru",
+    ]);
+    assert_clean_failure(&run, &["lru", "--backend cuda"]);
+    let run = bench(&[
+        "--case",
+        "ds_low",
+        "--backend",
+        "cpu",
+        "--modes",
+        "resident,specmoeoff",
+    ]);
+    assert_clean_failure(&run, &["specmoeoff", "not part of this version"]);
+    let run = bench(&["--case", "ds_low", "--backend", "cpu", "--modes", "specter"]);
+    assert_clean_failure(&run, &["target-only mode"]);
+    let run = bench(&["--case", "custom", "--backend", "cpu", "--depth", "4"]);
+    assert_clean_failure(&run, &["--case custom", "--resident-experts"]);
+    let run = bench(&["--case", "nope", "--backend", "cpu"]);
+    assert_clean_failure(&run, &["nope", "ds_high"]);
+}
