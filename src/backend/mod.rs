@@ -223,3 +223,107 @@ pub trait Backend: Send + Sync {
     /// Index of each row's maximum (the first one on ties).
     fn argmax(&self, x: &Self::Act) -> Result<Vec<u32>>;
 }
+
+/// Shape checks every backend makes before an op, so that both refuse the same calls with the
+/// same words. Shapes are `(rows, cols)`; the error is the detail after the op's name.
+pub(crate) mod check {
+    use super::{AttentionSpec, RopeSpec};
+
+    pub fn split(widths: &[usize], cols: usize) -> Result<(), String> {
+        if widths.iter().sum::<usize>() != cols {
+            return Err(format!("widths {widths:?} do not add up to {cols}"));
+        }
+        Ok(())
+    }
+
+    pub fn same(x: (usize, usize), y: (usize, usize)) -> Result<(), String> {
+        if x != y {
+            return Err(format!("[{}, {}] += [{}, {}]", x.0, x.1, y.0, y.1));
+        }
+        Ok(())
+    }
+
+    pub fn sigmoid_gated(
+        x: (usize, usize),
+        y: (usize, usize),
+        gate: (usize, usize),
+    ) -> Result<(), String> {
+        if x != y || gate.0 != x.0 || gate.1 != 1 {
+            return Err(format!(
+                "x [{}, {}], gate [{}, {}]",
+                x.0, x.1, gate.0, gate.1
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn rope(
+        spec: &RopeSpec,
+        x: (usize, usize),
+        inv_freq: usize,
+        positions: usize,
+        scales: usize,
+    ) -> Result<(), String> {
+        if !spec.rot_dim.is_multiple_of(2)
+            || inv_freq != spec.rot_dim / 2
+            || positions != x.0
+            || scales != x.0
+            || spec.heads * spec.head_stride != x.1
+            || spec.offset + spec.rot_dim > spec.head_stride
+        {
+            return Err(format!("{spec:?} does not fit [{}, {}]", x.0, x.1));
+        }
+        Ok(())
+    }
+
+    pub fn write_rows(dst: (usize, usize), row: usize, src: (usize, usize)) -> Result<(), String> {
+        if src.1 != dst.1 || row + src.0 > dst.0 {
+            return Err(format!(
+                "[{}, {}] at row {row} into [{}, {}]",
+                src.0, src.1, dst.0, dst.1
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn mla_expand(
+        kv: (usize, usize),
+        k_pe: (usize, usize),
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+    ) -> Result<(), String> {
+        if kv.1 != heads * (nope + v_dim) || kv.0 != k_pe.0 {
+            return Err(format!(
+                "kv [{}, {}], k_pe [{}, {}]",
+                kv.0, kv.1, k_pe.0, k_pe.1
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn attention(
+        spec: &AttentionSpec,
+        q: (usize, usize),
+        k: (usize, usize),
+        v: (usize, usize),
+        kv_len: usize,
+    ) -> Result<(), String> {
+        if spec.kv_heads == 0
+            || spec.heads == 0
+            || !spec.heads.is_multiple_of(spec.kv_heads)
+            || q.1 != spec.heads * spec.qk_dim
+            || k.1 != spec.kv_heads * spec.qk_dim
+            || v.1 != spec.kv_heads * spec.v_dim
+            || kv_len > k.0
+            || kv_len > v.0
+            || spec.start + q.0 > kv_len
+        {
+            return Err(format!(
+                "{spec:?}: q [{}, {}], k [{}, {}], v [{}, {}], kv_len {kv_len}",
+                q.0, q.1, k.0, k.1, v.0, v.1
+            ));
+        }
+        Ok(())
+    }
+}

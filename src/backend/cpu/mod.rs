@@ -11,7 +11,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
+use super::{check, AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
 use crate::arch::RopeStyle;
 use crate::{Error, Result};
 
@@ -399,12 +399,7 @@ impl Backend for Cpu {
     }
 
     fn split_cols(&self, x: &Mat, widths: &[usize]) -> Result<Vec<Mat>> {
-        if widths.iter().sum::<usize>() != x.cols {
-            return Err(shape_err(
-                "split_cols",
-                format!("widths {widths:?} do not add up to {}", x.cols),
-            ));
-        }
+        check::split(widths, x.cols).map_err(|d| shape_err("split_cols", d))?;
         let mut outs: Vec<Mat> = widths
             .iter()
             .map(|&w| Mat {
@@ -430,26 +425,14 @@ impl Backend for Cpu {
     }
 
     fn add_assign(&self, x: &mut Mat, y: &Mat) -> Result<()> {
-        if (x.rows, x.cols) != (y.rows, y.cols) {
-            return Err(shape_err(
-                "add",
-                format!("[{}, {}] += [{}, {}]", x.rows, x.cols, y.rows, y.cols),
-            ));
-        }
+        check::same((x.rows, x.cols), (y.rows, y.cols)).map_err(|d| shape_err("add", d))?;
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
         Ok(())
     }
 
     fn add_sigmoid_gated(&self, x: &mut Mat, y: &Mat, gate: &Mat) -> Result<()> {
-        if (x.rows, x.cols) != (y.rows, y.cols) || gate.rows != x.rows || gate.cols != 1 {
-            return Err(shape_err(
-                "add_sigmoid_gated",
-                format!(
-                    "x [{}, {}], gate [{}, {}]",
-                    x.rows, x.cols, gate.rows, gate.cols
-                ),
-            ));
-        }
+        check::sigmoid_gated((x.rows, x.cols), (y.rows, y.cols), (gate.rows, gate.cols))
+            .map_err(|d| shape_err("add_sigmoid_gated", d))?;
         for r in 0..x.rows {
             let g = sigmoid(gate.data[r]);
             let yr = &y.data[r * y.cols..(r + 1) * y.cols];
@@ -470,18 +453,14 @@ impl Backend for Cpu {
         scales: &[f32],
     ) -> Result<()> {
         let half = spec.rot_dim / 2;
-        if !spec.rot_dim.is_multiple_of(2)
-            || inv_freq.len() != half
-            || positions.len() != x.rows
-            || scales.len() != x.rows
-            || spec.heads * spec.head_stride != x.cols
-            || spec.offset + spec.rot_dim > spec.head_stride
-        {
-            return Err(shape_err(
-                "rope",
-                format!("{spec:?} does not fit [{}, {}]", x.rows, x.cols),
-            ));
-        }
+        check::rope(
+            &spec,
+            (x.rows, x.cols),
+            inv_freq.len(),
+            positions.len(),
+            scales.len(),
+        )
+        .map_err(|d| shape_err("rope", d))?;
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
         for r in 0..x.rows {
@@ -518,15 +497,8 @@ impl Backend for Cpu {
     }
 
     fn write_rows(&self, dst: &mut Mat, row: usize, src: &Mat) -> Result<()> {
-        if src.cols != dst.cols || row + src.rows > dst.rows {
-            return Err(shape_err(
-                "write_rows",
-                format!(
-                    "[{}, {}] at row {row} into [{}, {}]",
-                    src.rows, src.cols, dst.rows, dst.cols
-                ),
-            ));
-        }
+        check::write_rows((dst.rows, dst.cols), row, (src.rows, src.cols))
+            .map_err(|d| shape_err("write_rows", d))?;
         dst.data[row * dst.cols..(row + src.rows) * dst.cols].copy_from_slice(&src.data);
         Ok(())
     }
@@ -551,15 +523,14 @@ impl Backend for Cpu {
         v_dim: usize,
     ) -> Result<(Mat, Mat)> {
         let rope = k_pe.cols;
-        if kv.cols != heads * (nope + v_dim) || kv.rows != k_pe.rows {
-            return Err(shape_err(
-                "mla_expand_kv",
-                format!(
-                    "kv [{}, {}], k_pe [{}, {rope}]",
-                    kv.rows, kv.cols, k_pe.rows
-                ),
-            ));
-        }
+        check::mla_expand(
+            (kv.rows, kv.cols),
+            (k_pe.rows, k_pe.cols),
+            heads,
+            nope,
+            v_dim,
+        )
+        .map_err(|d| shape_err("mla_expand_kv", d))?;
         let len = kv.rows;
         let kw = heads * (nope + rope);
         let mut k = Mat {
@@ -601,23 +572,14 @@ impl Backend for Cpu {
             start,
             window,
         } = spec;
-        if kv_heads == 0
-            || !heads.is_multiple_of(kv_heads)
-            || q.cols != heads * qk_dim
-            || k.cols != kv_heads * qk_dim
-            || v.cols != kv_heads * v_dim
-            || kv_len > k.rows
-            || kv_len > v.rows
-            || start + q.rows > kv_len
-        {
-            return Err(shape_err(
-                "attention",
-                format!(
-                    "{spec:?}: q [{}, {}], k [{}, {}], v [{}, {}], kv_len {kv_len}",
-                    q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
-                ),
-            ));
-        }
+        check::attention(
+            &spec,
+            (q.rows, q.cols),
+            (k.rows, k.cols),
+            (v.rows, v.cols),
+            kv_len,
+        )
+        .map_err(|d| shape_err("attention", d))?;
         let group = heads / kv_heads;
         let mut out = vec![0.0f32; q.rows * heads * v_dim];
         // One task per (row, head): each computes its scores, softmax and weighted sum in key order.

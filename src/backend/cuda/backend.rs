@@ -23,7 +23,7 @@ use super::offload::{ExpertOffload, OffloadConfig, OffloadStats};
 use super::CudaDevice;
 use crate::arch::RopeStyle;
 use crate::backend::cpu::{Cpu, Mat};
-use crate::backend::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
+use crate::backend::{check, AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
 use crate::{Error, Result};
 
 /// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
@@ -861,12 +861,7 @@ impl Backend for CudaBackend {
     }
 
     fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
-        if widths.iter().sum::<usize>() != x.cols {
-            return Err(shape_err(
-                "split_cols",
-                format!("widths {widths:?} do not add up to {}", x.cols),
-            ));
-        }
+        check::split(widths, x.cols).map_err(|d| shape_err("split_cols", d))?;
         let mut col0 = 0;
         let mut outs = Vec::with_capacity(widths.len());
         for &w in widths {
@@ -911,12 +906,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut GpuAct, y: &GpuAct) -> Result<()> {
-        if (x.rows, x.cols) != (y.rows, y.cols) {
-            return Err(shape_err(
-                "add",
-                format!("[{}, {}] += [{}, {}]", x.rows, x.cols, y.rows, y.cols),
-            ));
-        }
+        check::same((x.rows, x.cols), (y.rows, y.cols)).map_err(|d| shape_err("add", d))?;
         let n = x.rows * x.cols;
         if n > 0 {
             let s = &self.stream;
@@ -933,15 +923,8 @@ impl Backend for CudaBackend {
     }
 
     fn add_sigmoid_gated(&self, x: &mut GpuAct, y: &GpuAct, gate: &GpuAct) -> Result<()> {
-        if (x.rows, x.cols) != (y.rows, y.cols) || gate.rows != x.rows || gate.cols != 1 {
-            return Err(shape_err(
-                "add_sigmoid_gated",
-                format!(
-                    "x [{}, {}], gate [{}, {}]",
-                    x.rows, x.cols, gate.rows, gate.cols
-                ),
-            ));
-        }
+        check::sigmoid_gated((x.rows, x.cols), (y.rows, y.cols), (gate.rows, gate.cols))
+            .map_err(|d| shape_err("add_sigmoid_gated", d))?;
         let n = x.rows * x.cols;
         if n > 0 {
             let s = &self.stream;
@@ -972,18 +955,14 @@ impl Backend for CudaBackend {
         scales: &[f32],
     ) -> Result<()> {
         let half = spec.rot_dim / 2;
-        if !spec.rot_dim.is_multiple_of(2)
-            || inv_freq.len() != half
-            || positions.len() != x.rows
-            || scales.len() != x.rows
-            || spec.heads * spec.head_stride != x.cols
-            || spec.offset + spec.rot_dim > spec.head_stride
-        {
-            return Err(shape_err(
-                "rope",
-                format!("{spec:?} does not fit [{}, {}]", x.rows, x.cols),
-            ));
-        }
+        check::rope(
+            &spec,
+            (x.rows, x.cols),
+            inv_freq.len(),
+            positions.len(),
+            scales.len(),
+        )
+        .map_err(|d| shape_err("rope", d))?;
         if x.rows == 0 || half == 0 {
             return Ok(());
         }
@@ -1013,15 +992,8 @@ impl Backend for CudaBackend {
     }
 
     fn write_rows(&self, dst: &mut GpuAct, row: usize, src: &GpuAct) -> Result<()> {
-        if src.cols != dst.cols || row + src.rows > dst.rows {
-            return Err(shape_err(
-                "write_rows",
-                format!(
-                    "[{}, {}] at row {row} into [{}, {}]",
-                    src.rows, src.cols, dst.rows, dst.cols
-                ),
-            ));
-        }
+        check::write_rows((dst.rows, dst.cols), row, (src.rows, src.cols))
+            .map_err(|d| shape_err("write_rows", d))?;
         let n = src.rows * src.cols;
         if n > 0 {
             let from = ptr(&src.buf, &self.stream);
@@ -1064,15 +1036,14 @@ impl Backend for CudaBackend {
         v_dim: usize,
     ) -> Result<(GpuAct, GpuAct)> {
         let rope = k_pe.cols;
-        if kv.cols != heads * (nope + v_dim) || kv.rows != k_pe.rows {
-            return Err(shape_err(
-                "mla_expand_kv",
-                format!(
-                    "kv [{}, {}], k_pe [{}, {rope}]",
-                    kv.rows, kv.cols, k_pe.rows
-                ),
-            ));
-        }
+        check::mla_expand(
+            (kv.rows, kv.cols),
+            (k_pe.rows, k_pe.cols),
+            heads,
+            nope,
+            v_dim,
+        )
+        .map_err(|d| shape_err("mla_expand_kv", d))?;
         let keys = self.alloc(kv.rows, heads * (nope + rope))?;
         let values = self.alloc(kv.rows, heads * v_dim)?;
         if kv.rows > 0 {
@@ -1115,24 +1086,14 @@ impl Backend for CudaBackend {
             start,
             window,
         } = spec;
-        if kv_heads == 0
-            || heads == 0
-            || !heads.is_multiple_of(kv_heads)
-            || q.cols != heads * qk_dim
-            || k.cols != kv_heads * qk_dim
-            || v.cols != kv_heads * v_dim
-            || kv_len > k.rows
-            || kv_len > v.rows
-            || start + q.rows > kv_len
-        {
-            return Err(shape_err(
-                "attention",
-                format!(
-                    "{spec:?}: q [{}, {}], k [{}, {}], v [{}, {}], kv_len {kv_len}",
-                    q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
-                ),
-            ));
-        }
+        check::attention(
+            &spec,
+            (q.rows, q.cols),
+            (k.rows, k.cols),
+            (v.rows, v.cols),
+            kv_len,
+        )
+        .map_err(|d| shape_err("attention", d))?;
         let out = self.alloc(q.rows, heads * v_dim)?;
         if q.rows == 0 {
             return Ok(out);
