@@ -1280,59 +1280,26 @@ impl Backend for CudaBackend {
             }
             _ => {
                 let mut groups = Vec::with_capacity(plan.hit.len());
+                let int4 = matches!(first.gate_up, GpuWeight::Int4 { .. });
                 for (g, &e) in plan.hit.iter().enumerate() {
-                    let mlp = &experts[e as usize];
-                    let (first, count) = plan.range(g);
-                    groups.push(match (&mlp.gate_up, &mlp.down) {
-                        (GpuWeight::F16 { buf: gu, .. }, GpuWeight::F16 { buf: dn, .. }) => {
-                            ExpertGroup {
-                                gate_up: ptr(gu, s),
-                                gate_up_scales: 0,
-                                down: ptr(dn, s),
-                                down_scales: 0,
-                                first,
-                                count,
-                            }
-                        }
-                        (
-                            GpuWeight::Int4 {
-                                qweight: gq,
-                                scales: gs,
-                                ..
-                            },
-                            GpuWeight::Int4 {
-                                qweight: dq,
-                                scales: ds,
-                                ..
-                            },
-                        ) => ExpertGroup {
-                            gate_up: ptr(gq, s),
-                            gate_up_scales: ptr(gs, s),
-                            down: ptr(dq, s),
-                            down_scales: ptr(ds, s),
-                            first,
-                            count,
-                        },
-                        (a, b) => {
-                            return Err(shape_err(
-                                "moe_experts",
-                                format!(
-                                    "expert {e}: {} / {} mix kinds",
-                                    a.describe(),
-                                    b.describe()
-                                ),
-                            ))
-                        }
-                    });
+                    let (mut group, q) = expert_pointers(&experts[e as usize], e as usize, s)?;
+                    if q != int4 {
+                        return Err(shape_err(
+                            "moe_experts",
+                            format!(
+                                "expert {e} is not of the same kind (FP16 or INT4) as expert {}",
+                                plan.hit[0]
+                            ),
+                        ));
+                    }
+                    (group.first, group.count) = plan.range(g);
+                    groups.push(group);
                 }
                 let d_groups = self.upload_groups(&groups)?;
                 launch.groups = ptr(&d_groups, s);
                 launch.num_groups = groups.len();
                 launch.max_count = plan.max_count();
-                match &first.gate_up {
-                    GpuWeight::Int4 { .. } => self.launch_moe_int4(&launch)?,
-                    _ => self.launch_moe_f16(&launch)?,
-                }
+                self.launch_moe(&launch, int4)?;
                 // The uploaded group table must outlive the kernels that read it.
                 self.defer_free(d_groups);
             }
@@ -1521,10 +1488,15 @@ impl CudaBackend {
         let hidden = x.cols;
         let n_experts = experts.len();
         let mut templates = Vec::with_capacity(n_experts);
-        let mut int4 = false;
+        let int4 = matches!(experts[0].gate_up, GpuWeight::Int4 { .. });
         for (e, mlp) in experts.iter().enumerate() {
             let (t, q) = expert_pointers(mlp, e, s)?;
-            int4 |= q;
+            if q != int4 {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("expert {e} is not of the same kind (FP16 or INT4) as expert 0"),
+                ));
+            }
             templates.push(t);
         }
         let inter = match &experts[0].gate_up {
