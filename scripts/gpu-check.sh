@@ -14,6 +14,7 @@
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
+#   kprofile  per-kernel GPU time of all-resident decode steps (Nsight Compute) on the bench model
 #
 # bench: $ONLY (a regular expression) picks variants by name, $REPEATS sets the repeats (3).
 # Work files go to $BENCH_DIR (default /dev/shm/specter-gpu); logs to $OUT when set.
@@ -100,6 +101,27 @@ EOF
     cat "$out/bench.tsv"
 }
 
+# Per-kernel durations of all-resident decode steps under Nsight Compute (it serialises launches,
+# so only the per-kernel split means anything there), and the host issue/wait split without it.
+# Steps are counted by embedding launches (one per forward pass).
+kprofile() {
+    local dir=$1 out=$2 layers=${LAYERS:-27}
+    local pack="$CARRY/specter-pack" run="$CARRY/specter-run"
+    if [ ! -f "$dir/dsv2.specter" ]; then
+        "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$dir/hf" > "$out/synth.txt"
+        "$pack" convert "$dir/hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
+        rm -rf "$dir/hf"
+    fi
+    local gen=(generate "$dir/dsv2.specter" --prompt-ids 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
+        --ignore-eos --json --backend cuda --mode target)
+    "$run" "${gen[@]}" --max-new-tokens 64 > "$out/kprofile-gen.json"
+    python3 "$ROOT/scripts/kprofile.py" gen "$out/kprofile-gen.json"
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip "${KSKIP:-3000}" \
+        --launch-count "${KCOUNT:-3000}" "$run" "${gen[@]}" --max-new-tokens 40 \
+        > "$out/ncu.csv" 2> "$out/ncu.err" || { tail -5 "$out/ncu.err"; return 1; }
+    python3 "$ROOT/scripts/kprofile.py" ncu "$out/ncu.csv"
+}
+
 run() {
     cd "$ROOT"
     local dir="${BENCH_DIR:-/dev/shm/specter-gpu}" out="${OUT:-$(mktemp -d)}"
@@ -122,6 +144,7 @@ run() {
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;
             bench) bench "$dir" "$out" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
+            kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
             *) echo "unknown check $w" >&2; status=2 ;;
         esac
     done
