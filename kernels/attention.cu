@@ -22,14 +22,16 @@ __device__ __forceinline__ float att_warp_max(float v) {
 // q: [rows, heads * qk_dim]; k: [>= kv_len, kv_heads * qk_dim]; v: [>= kv_len, kv_heads * v_dim];
 // out: [rows, heads * v_dim]; scratch: [rows * heads, score_stride] f32.
 // Query row r sits at position start + r and sees keys lo..=start + r, lo = 0 or the window's start.
+// With `start_at` non-null the start is read from start_at[0] (a recorded pass replayed at a new
+// position); score_stride then bounds every row's key count, not equals it.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ out, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
-    float scale, int start, int window, int score_stride) {
+    float scale, int start, int window, int score_stride, const unsigned* __restrict__ start_at) {
     __shared__ float red[ATT_THREADS / 32];
     const int r = blockIdx.x / heads, h = blockIdx.x % heads;
     const int kh = h / (heads / kv_heads);
-    const int pos = start + r;
+    const int pos = (start_at ? (int)start_at[0] : start) + r;
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
     const int n = pos + 1 - lo;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -88,6 +88,15 @@ extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, in
     }
 }
 
+// dst[row_at[0] + r] = src[r] for `rows` rows of `cols` columns: the KV-cache append of a recorded
+// forward pass, whose position is read on the device at replay. Grid: (ceil(cols / 256), rows).
+extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* __restrict__ dst, int cols,
+                                        const unsigned* __restrict__ row_at) {
+    const size_t r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < cols) dst[((size_t)row_at[0] + r) * cols + c] = src[r * cols + c];
+}
+
 extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigned long long n) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -278,6 +287,58 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
             ids[(size_t)blockIdx.x * top_k + j] = (unsigned)chosen[j];
             weights[(size_t)blockIdx.x * top_k + j] = w;
         }
+    }
+}
+
+// PhiMoE's SparseMixer top-2 at inference, as the CPU reference: each pick is the arg-max (first
+// index on ties) of the logits not yet picked, weighted by a softmax over the candidates that lie
+// within the jitter threshold of it, evaluated at the pick. One warp per row; ids/weights [rows, 2].
+extern "C" __global__ void route_sparse_mixer(const float* __restrict__ logits, int experts, float jitter_eps,
+                                              unsigned* __restrict__ ids, float* __restrict__ weights) {
+    const int lane = threadIdx.x;
+    const float* row = logits + (size_t)blockIdx.x * experts;
+    const float neg_inf = -__int_as_float(0x7f800000);
+    int first = -1;
+    for (int j = 0; j < 2; ++j) {
+        float best = neg_inf;
+        int best_e = experts;
+        for (int e = lane; e < experts; e += 32) {
+            if (e == first) continue;
+            const float v = row[e];
+            if (v > best || (v == best && e < best_e)) {
+                best = v;
+                best_e = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) {
+                best = ob;
+                best_e = oe;
+            }
+        }
+        const float threshold = row[best_e];
+        float m = neg_inf;
+        for (int e = lane; e < experts; e += 32) {
+            const float s = row[e];
+            const float c = e == first ? neg_inf : s;
+            m = fmaxf(m, (threshold - s) / fmaxf(fabsf(s), threshold) > 2.0f * jitter_eps ? neg_inf : c);
+        }
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float total = 0.0f;
+        for (int e = lane; e < experts; e += 32) {
+            const float s = row[e];
+            const float c = e == first ? neg_inf : s;
+            const float kept = (threshold - s) / fmaxf(fabsf(s), threshold) > 2.0f * jitter_eps ? neg_inf : c;
+            total += expf(kept - m);
+        }
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        if (lane == 0) {
+            ids[(size_t)blockIdx.x * 2 + j] = (unsigned)best_e;
+            weights[(size_t)blockIdx.x * 2 + j] = expf(threshold - m) / total;
+        }
+        first = best_e;
     }
 }
 

@@ -1,6 +1,7 @@
 //! End to end on the GPU: every fixture model, converted into a bundle by the real pipeline, gives
-//! the CPU reference's greedy tokens on the CUDA backend (all experts resident, and offloaded
-//! under every slot policy and host path), and speculative decoding on the GPU gives exactly the
+//! the CPU reference's greedy tokens on the CUDA backend (all experts resident, with forward
+//! passes recorded as CUDA graphs and replayed, or run op by op; and offloaded under every slot
+//! policy and host path), and speculative decoding on the GPU gives exactly the
 //! GPU's target-only tokens.
 //!
 //! These need a CUDA GPU, so they are ignored here; `scripts/gpu-check.sh` runs them on the
@@ -67,7 +68,10 @@ fn every_fixture_every_residency(speculative: bool) {
         let bundle = Arc::new(Bundle::open(&path).expect("open"));
         let cpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), Cpu).unwrap();
         let experts = fixture.cfg.moe.num_experts;
-        let mut variants: Vec<(String, Option<OffloadConfig>)> = vec![("resident".into(), None)];
+        let mut variants: Vec<(String, Option<OffloadConfig>)> = vec![
+            ("resident, recorded passes".into(), None),
+            ("resident, op by op".into(), None),
+        ];
         for (policy, slots, host_path) in [
             (SlotPolicy::Lru, 2, HostPath::Auto),
             (SlotPolicy::OnDemand, experts / 2, HostPath::Auto),
@@ -85,7 +89,9 @@ fn every_fixture_every_residency(speculative: bool) {
             ));
         }
         for (label, offload) in variants {
+            let recorded = label.contains("recorded");
             let backend = CudaBackend::with_device(device.clone(), offload).expect("backend");
+            backend.set_step_graphs(recorded).unwrap();
             let gpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), backend).unwrap();
             for prompt in fixture.prompts().iter().take(2) {
                 let want = greedy(&cpu, prompt, Mode::Target, 1);
@@ -125,6 +131,17 @@ fn every_fixture_every_residency(speculative: bool) {
                         );
                     }
                 }
+            }
+            let graphs = gpu.backend().step_graph_stats().unwrap();
+            eprintln!("{name} {label}: {graphs:?}");
+            assert_eq!(graphs.failures, 0, "{name} ({label}): a capture failed");
+            if recorded {
+                assert!(
+                    graphs.captures > 0 && graphs.replays > graphs.captures,
+                    "{name} ({label}): decode steps were not replayed: {graphs:?}"
+                );
+            } else {
+                assert_eq!(graphs.replays, 0, "{name} ({label}): replayed while off");
             }
             if let Some(stats) = gpu.backend().offload_stats().unwrap() {
                 eprintln!(

@@ -353,13 +353,27 @@ fn every_op_matches_the_cpu_reference() {
             &oc,
         );
         // Routing, work list and experts all on the device (no host round trip).
-        for (renormalize, scale) in [(true, 1.0f32), (false, 2.5)] {
+        let mut specs: Vec<(String, RouteSpec)> = [(true, 1.0f32), (false, 2.5)]
+            .into_iter()
+            .map(|(renormalize, scale)| {
+                (
+                    format!("top{top_k} renorm {renormalize}"),
+                    RouteSpec::SoftmaxTopK {
+                        top_k,
+                        renormalize,
+                        scale,
+                    },
+                )
+            })
+            .collect();
+        if top_k == 2 {
+            specs.push((
+                "sparse mixer".into(),
+                RouteSpec::SparseMixer { jitter_eps: 0.01 },
+            ));
+        }
+        for (label, spec) in specs {
             let (lc, lg, _) = p.act(rows, experts);
-            let spec = RouteSpec::SoftmaxTopK {
-                top_k,
-                renormalize,
-                scale,
-            };
             let rc = Cpu.route(&lc, spec).unwrap();
             let oc = Cpu.moe_experts(&xc, &rc, &cpu_experts).unwrap();
             let (og, host) = p
@@ -371,7 +385,7 @@ fn every_op_matches_the_cpu_reference() {
                 "the device path keeps the routing on the device"
             );
             p.check(
-                &format!("routed_moe on device {rows}x{hidden} top{top_k} renorm {renormalize}"),
+                &format!("routed_moe on device {rows}x{hidden} {label}"),
                 &og,
                 &oc,
             );

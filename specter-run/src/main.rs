@@ -535,6 +535,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 "residency": g.residency_description()?,
                 "vram_peak_bytes": g.vram_peak_bytes()?,
                 "host_timing": g.host_timing()?,
+                "graphs": g.step_graph_stats()?,
                 "offload": g.offload_stats()?.map(|o| json!({
                     "policy": o.policy, "path": o.path, "slots_per_layer": o.slots_per_layer,
                     "slot_vram_bytes": o.slot_vram_bytes, "hits": o.hits, "misses": o.misses,

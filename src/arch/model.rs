@@ -12,7 +12,9 @@ use super::tensors::{
     shared_expert_gate_name, shared_expert_prefix,
 };
 use super::{Proj, TensorSpec};
-use crate::backend::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec};
+use crate::backend::{
+    AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, StepEnd, StepRequest, StepStart,
+};
 use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
 use crate::weights::WeightStore;
 use crate::{Error, Result};
@@ -117,6 +119,8 @@ pub struct MoeKv<B: Backend> {
     len: usize,
     capacity: usize,
     layers: Vec<LayerKv<B>>,
+    /// Names the cache's storage (see [`Backend::storage_id`]), part of a recorded pass's key.
+    storage: u64,
 }
 
 impl<B: Backend> MoeKv<B> {
@@ -666,10 +670,18 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let storage = layers
+            .iter()
+            .flat_map(|l| match l {
+                LayerKv::Standard { k, v } => [k, v],
+                LayerKv::Mla { keys, values } => [keys, values],
+            })
+            .fold(capacity as u64, |h, a| mix(h, be.storage_id(a)));
         Ok(MoeKv {
             len: 0,
             capacity,
             layers,
+            storage,
         })
     }
 
@@ -712,13 +724,66 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
                 )));
             }
         }
-        let be = &self.backend;
         let positions: Vec<usize> = (start..end).collect();
         let scales: Vec<f32> = positions.iter().map(|&p| self.rope.scale_at(p)).collect();
+        let be = &self.backend;
+        if hook.wants_routes() || hook.wants_moe_input() {
+            let logits = self.pass(variant, tokens, kv, hook, &positions, &scales)?;
+            kv.len = end;
+            return be.to_host(&logits);
+        }
+        // A pass the hook does not look inside may be recorded once and replayed.
+        let step = StepRequest {
+            key: mix(
+                mix(kv.storage, tokens.len() as u64),
+                (variant == Variant::Draft) as u64,
+            ),
+            tokens,
+            start,
+            inv_freq: &self.rope.inv_freq,
+            scales: &scales,
+        };
+        loop {
+            if let StepStart::Replayed(logits) = be.begin_step(&step)? {
+                kv.len = end;
+                return be.to_host(&logits);
+            }
+            let logits = self.pass(variant, tokens, kv, hook, &positions, &scales);
+            match be.end_step(logits.as_ref().ok())? {
+                StepEnd::Rerun => continue,
+                StepEnd::Done => {
+                    let logits = logits?;
+                    kv.len = end;
+                    return be.to_host(&logits);
+                }
+            }
+        }
+    }
+}
+
+/// One step of a 64-bit hash (FNV-style multiply, then xor-shift), for keys.
+fn mix(h: u64, v: u64) -> u64 {
+    let h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+    h ^ (h >> 29)
+}
+
+impl<B: Backend> MoeModel<B> {
+    /// The layers and the head over `tokens` at `positions`: the logits, on the device.
+    fn pass(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<B::Act> {
+        let be = &self.backend;
+        let start = kv.len;
         let mut x = be.embedding(&self.embed, tokens)?;
         for (l, (layer, layer_kv)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             let h = self.norm(&x, &layer.input_norm)?;
-            let a = self.attention(&layer.attention, &h, layer_kv, start, &positions, &scales)?;
+            let a = self.attention(&layer.attention, &h, layer_kv, start, positions, scales)?;
             be.add_assign(&mut x, &a)?;
             let h = self.norm(&x, &layer.post_attention_norm)?;
             let m = match &layer.mlp {
@@ -729,9 +794,7 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         }
         let x = self.norm(&x, &self.final_norm)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let logits = be.linear(&x, head, self.lm_head_bias.as_ref())?;
-        kv.len = end;
-        be.to_host(&logits)
+        be.linear(&x, head, self.lm_head_bias.as_ref())
     }
 }
 

@@ -68,6 +68,36 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
+/// One forward pass as a backend may record it once and replay it (CUDA graphs): everything the
+/// pass's device work depends on, other than its tokens and their positions, is named by `key`.
+pub struct StepRequest<'a> {
+    /// The variant, the row count and the KV cache's storage (see [`Backend::storage_id`]).
+    pub key: u64,
+    pub tokens: &'a [u32],
+    /// Position of the first token.
+    pub start: usize,
+    /// The model's rope frequencies and each row's cos/sin scale, as [`Backend::rope`] gets them.
+    pub inv_freq: &'a [f32],
+    pub scales: &'a [f32],
+}
+
+/// What the caller of [`Backend::begin_step`] does next.
+pub enum StepStart<A> {
+    /// Run the pass's ops, then call [`Backend::end_step`].
+    Run,
+    /// The pass was replayed: these are its logits.
+    Replayed(A),
+}
+
+/// What the caller of [`Backend::end_step`] does next.
+pub enum StepEnd {
+    /// The pass ran; its result stands.
+    Done,
+    /// The ops were only recorded, and recording failed: run the pass again (it will not be
+    /// recorded a second time).
+    Rerun,
+}
+
 /// A gated (SwiGLU) MLP: `down(silu(gate(x)) * up(x))`, gate and up fused into one
 /// `[2 * inter, in]` weight (gate rows first).
 pub struct GatedMlp<B: Backend + ?Sized> {
@@ -222,6 +252,28 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Act>;
     /// Index of each row's maximum (the first one on ties).
     fn argmax(&self, x: &Self::Act) -> Result<Vec<u32>>;
+
+    /// Starts a forward pass that a backend may record and replay (only passes whose caller
+    /// needs no routing on the host come here). The default runs every pass op by op.
+    fn begin_step(&self, step: &StepRequest) -> Result<StepStart<Self::Act>> {
+        let _ = step;
+        Ok(StepStart::Run)
+    }
+
+    /// Ends the pass [`Self::begin_step`] started; `logits` is its output, or `None` when an op
+    /// failed.
+    fn end_step(&self, logits: Option<&Self::Act>) -> Result<StepEnd> {
+        let _ = logits;
+        Ok(StepEnd::Done)
+    }
+
+    /// A number naming an activation's storage, equal for two activations only when they share
+    /// it (a recorded pass is valid for the KV cache it was recorded on); 0 when the backend
+    /// records nothing.
+    fn storage_id(&self, x: &Self::Act) -> u64 {
+        let _ = x;
+        0
+    }
 }
 
 /// Shape checks every backend makes before an op, so that both refuse the same calls with the

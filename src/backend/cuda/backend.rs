@@ -24,7 +24,12 @@ use super::CudaDevice;
 use crate::arch::RopeStyle;
 use crate::backend::cpu::{Cpu, Mat};
 use crate::backend::{check, AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
+use crate::backend::{StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
+
+#[path = "graphs.rs"]
+mod graphs;
+pub use graphs::StepGraphStats;
 
 /// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
 const ROW_THREADS: u32 = 256;
@@ -127,6 +132,17 @@ pub struct GpuAct {
     cols: usize,
 }
 
+impl GpuAct {
+    /// Another handle on the same buffer.
+    fn share(&self) -> GpuAct {
+        GpuAct {
+            buf: self.buf.clone(),
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
 /// A weight in device memory, or a routed expert that lives in host memory until a pass needs it.
 pub enum GpuWeight {
     F16 {
@@ -163,6 +179,7 @@ struct Kernels {
     rms_norm: CudaFunction,
     layer_norm: CudaFunction,
     copy_cols: CudaFunction,
+    copy_rows_at: CudaFunction,
     clamp: CudaFunction,
     add: CudaFunction,
     add_sigmoid_gated: CudaFunction,
@@ -172,6 +189,7 @@ struct Kernels {
     argmax: CudaFunction,
     moe_combine: CudaFunction,
     route_topk: CudaFunction,
+    route_sparse_mixer: CudaFunction,
     moe_plan: CudaFunction,
     linear: CudaFunction,
     moe_gate_up: CudaFunction,
@@ -188,6 +206,7 @@ impl Kernels {
             rms_norm: ops("rms_norm")?,
             layer_norm: ops("layer_norm")?,
             copy_cols: ops("copy_cols")?,
+            copy_rows_at: ops("copy_rows_at")?,
             clamp: ops("clamp_f32")?,
             add: ops("add_f32")?,
             add_sigmoid_gated: ops("add_sigmoid_gated")?,
@@ -197,6 +216,7 @@ impl Kernels {
             argmax: ops("argmax_rows")?,
             moe_combine: ops("moe_combine")?,
             route_topk: ops("route_softmax_topk")?,
+            route_sparse_mixer: ops("route_sparse_mixer")?,
             moe_plan: ops("moe_plan")?,
             linear: gemv("linear_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
@@ -233,6 +253,10 @@ pub struct CudaBackend {
     expert_tables: Mutex<std::collections::HashMap<usize, ExpertTable>>,
     offload: Option<Mutex<ExpertOffload>>,
     buffers: Arc<BufferPool>,
+    /// Recorded forward passes (src/backend/cuda/graphs.rs).
+    steps: Mutex<graphs::StepGraphs>,
+    /// Allocates buffers while the compute stream is being captured, outside the recording.
+    side_stream: Arc<CudaStream>,
     timing: Mutex<(HostTiming, Option<std::time::Instant>)>,
 }
 
@@ -241,6 +265,22 @@ pub struct CudaBackend {
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
     p
+}
+
+/// Row-major `[positions, inv_freq]` cos and sin, scaled per row: as the CPU reference, the angle
+/// rounded to f32, then cos/sin in f64.
+fn rope_cos_sin(inv_freq: &[f32], positions: &[usize], scales: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let mut cos = vec![0.0f32; positions.len() * half];
+    let mut sin = vec![0.0f32; positions.len() * half];
+    for (r, (&p, &s)) in positions.iter().zip(scales).enumerate() {
+        for i in 0..half {
+            let a = (inv_freq[i] * p as f32) as f64;
+            cos[r * half + i] = (a.cos() as f32) * s;
+            sin[r * half + i] = (a.sin() as f32) * s;
+        }
+    }
+    (cos, sin)
 }
 
 /// A device's default memory pool handle.
@@ -330,6 +370,11 @@ impl CudaBackend {
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;
+        let side_stream = guarded("cannot create a CUDA stream", || dev.context().new_stream())?;
+        let params = guarded("cuda: cannot allocate the step buffer", || {
+            stream.alloc_zeros::<u32>(graphs::PARAM_WORDS)
+        })?;
+        let graphs_on = std::env::var("SPECTER_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             dev,
             stream,
@@ -340,6 +385,8 @@ impl CudaBackend {
             expert_tables: Mutex::new(std::collections::HashMap::new()),
             offload,
             buffers: Arc::new(BufferPool::default()),
+            steps: Mutex::new(graphs::StepGraphs::new(params, graphs_on)),
+            side_stream,
             timing: Mutex::new((HostTiming::default(), None)),
         })
     }
@@ -422,6 +469,7 @@ impl CudaBackend {
 
     /// Waits for all work issued so far.
     pub fn synchronize(&self) -> Result<()> {
+        self.note_host_sync()?;
         let issued = std::time::Instant::now();
         guarded("cuStreamSynchronize", || self.stream.synchronize())?;
         let done = std::time::Instant::now();
@@ -468,15 +516,30 @@ impl CudaBackend {
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<GpuAct> {
         let n = bucket((rows * cols).max(1));
+        let what =
+            || format!("cuda: cannot allocate a [{rows}, {cols}] f32 activation (out of VRAM?)");
+        let capturing = self.capturing()?;
         let slice = match self.buffers.take(n) {
             Some(s) => s,
-            None => guarded(
-                &format!("cuda: cannot allocate a [{rows}, {cols}] f32 activation (out of VRAM?)"),
+            // An allocation on a capturing stream would belong to the graph: make it on the side
+            // stream, complete before any recorded kernel can run.
+            None if capturing => guarded(&what(), || {
                 // SAFETY: every caller writes all `rows * cols` elements before they are read.
+                let s = unsafe { self.side_stream.alloc::<f32>(n) }?;
+                self.side_stream.synchronize()?;
+                Ok(s)
+            })?,
+            None => guarded(
+                &what(),
+                // SAFETY: as above.
                 || unsafe { self.stream.alloc::<f32>(n) },
             )?,
         };
-        Ok(self.wrap(slice, rows, cols))
+        let act = self.wrap(slice, rows, cols);
+        if capturing {
+            self.keep_while_recorded(&act.buf)?;
+        }
+        Ok(act)
     }
 
     fn wrap(&self, slice: CudaSlice<f32>, rows: usize, cols: usize) -> GpuAct {
@@ -566,17 +629,7 @@ impl CudaBackend {
             t.inv_freq == inv_freq && t.positions == positions && t.scales == scales
         });
         if !fresh {
-            let half = inv_freq.len();
-            let mut cos = vec![0.0f32; positions.len() * half];
-            let mut sin = vec![0.0f32; positions.len() * half];
-            for (r, (&p, &s)) in positions.iter().zip(scales).enumerate() {
-                for i in 0..half {
-                    // As the CPU reference: the angle rounded to f32, then cos/sin in f64.
-                    let a = (inv_freq[i] * p as f32) as f64;
-                    cos[r * half + i] = (a.cos() as f32) * s;
-                    sin[r * half + i] = (a.sin() as f32) * s;
-                }
-            }
+            let (cos, sin) = rope_cos_sin(inv_freq, positions, scales);
             let up = |v: &[f32]| {
                 let v = if v.is_empty() { &[0.0f32][..] } else { v };
                 guarded("cuda rope: host-to-device copy failed", || {
@@ -741,7 +794,15 @@ impl Backend for CudaBackend {
         if ids.is_empty() {
             return Ok(y);
         }
-        let d_ids = self.upload_u32(ids)?;
+        // In a recorded pass the ids come from the step buffer, rewritten at every replay.
+        let step_ids = match self.step_args()? {
+            Some(a) if self.step_tokens_match(ids)? => Some(a.ids),
+            _ => None,
+        };
+        let d_ids = match step_ids {
+            Some(_) => None,
+            None => Some(self.upload_u32(ids)?),
+        };
         let s = &self.stream;
         self.launch(
             &self.k.embedding,
@@ -750,7 +811,11 @@ impl Backend for CudaBackend {
             ROW_THREADS,
             &[
                 ptr(buf, s),
-                ptr(&d_ids, s),
+                match (&d_ids, step_ids) {
+                    (Some(d), _) => ptr(d, s),
+                    (None, Some(p)) => p,
+                    (None, None) => unreachable!("ids are uploaded when not in the step buffer"),
+                },
                 int(hidden, "hidden")?,
                 ptr(&y.buf, s),
             ],
@@ -966,15 +1031,22 @@ impl Backend for CudaBackend {
         if x.rows == 0 || half == 0 {
             return Ok(());
         }
-        let table = self.rope_table(inv_freq, positions, scales)?;
-        let t = table
-            .as_ref()
-            .ok_or_else(|| shape_err("rope", "no table".into()))?;
         let s = &self.stream;
+        // In a recorded pass cos/sin come from the step buffer, rewritten at every replay.
+        let (cos, sin) = match self.step_args()? {
+            Some(a) if self.step_rope_matches(inv_freq, positions, scales)? => (a.cos, a.sin),
+            _ => {
+                let table = self.rope_table(inv_freq, positions, scales)?;
+                let t = table
+                    .as_ref()
+                    .ok_or_else(|| shape_err("rope", "no table".into()))?;
+                (ptr(&t.cos, s), ptr(&t.sin, s))
+            }
+        };
         let args = [
             ptr(&x.buf, s),
-            ptr(&t.cos, s),
-            ptr(&t.sin, s),
+            cos,
+            sin,
             int(x.cols, "cols")?,
             int(spec.heads, "heads")?,
             int(spec.head_stride, "head_stride")?,
@@ -995,6 +1067,28 @@ impl Backend for CudaBackend {
         check::write_rows((dst.rows, dst.cols), row, (src.rows, src.cols))
             .map_err(|d| shape_err("write_rows", d))?;
         let n = src.rows * src.cols;
+        if let Some(a) = self
+            .step_args()?
+            .filter(|a| a.start == row && a.rows == src.rows)
+        {
+            // A recorded pass appends at the position the step buffer holds at replay.
+            if n == 0 {
+                return Ok(());
+            }
+            let s = &self.stream;
+            return self.launch(
+                &self.k.copy_rows_at,
+                "write_rows",
+                (grid_for(src.cols, 256), src.rows as u32, 1),
+                256,
+                &[
+                    ptr(&src.buf, s),
+                    ptr(&dst.buf, s),
+                    int(src.cols, "cols")?,
+                    a.positions,
+                ],
+            );
+        }
         if n > 0 {
             let from = ptr(&src.buf, &self.stream);
             let to = ptr(&dst.buf, &self.stream) + (4 * row * dst.cols) as u64;
@@ -1099,7 +1193,16 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let blocks = q.rows * heads;
-        let scratch = self.alloc(blocks, kv_len.max(1))?;
+        // A recorded pass reads its start on the device and may be replayed at any length the
+        // cache holds: its score rows are sized for the whole cache.
+        let step = self
+            .step_args()?
+            .filter(|a| a.start == start && a.rows == q.rows);
+        let stride = match step {
+            Some(_) => k.rows.min(v.rows).max(1),
+            None => kv_len.max(1),
+        };
+        let scratch = self.alloc(blocks, stride)?;
         let s = &self.stream;
         let args = [
             ptr(&q.buf, s),
@@ -1114,7 +1217,8 @@ impl Backend for CudaBackend {
             float(scale),
             int(start, "start")?,
             int(window.unwrap_or(0), "window")?,
-            int(kv_len.max(1), "kv_len")?,
+            int(stride, "kv_len")?,
+            step.map_or(0, |a| a.positions),
         ];
         let grid =
             u32::try_from(blocks).map_err(|_| shape_err("attention", "too many rows".into()))?;
@@ -1153,25 +1257,22 @@ impl Backend for CudaBackend {
         let resident = experts
             .iter()
             .all(|m| !matches!(m.gate_up, GpuWeight::Offloaded { .. }));
-        if let RouteSpec::SoftmaxTopK {
-            top_k,
-            renormalize,
-            scale,
-        } = spec
+        let top_k = match spec {
+            RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
+            RouteSpec::SparseMixer { .. } => 2,
+        };
+        let fits = (1..=16).contains(&top_k) && top_k <= experts.len() && experts.len() <= 1024;
+        if !host_routing
+            && resident
+            && fits
+            && logits.cols == experts.len()
+            && x.rows == logits.rows
+            && x.rows > 0
         {
-            let fits = (1..=16).contains(&top_k) && top_k <= experts.len() && experts.len() <= 1024;
-            if !host_routing
-                && resident
-                && fits
-                && logits.cols == experts.len()
-                && x.rows == logits.rows
-                && x.rows > 0
-            {
-                return Ok((
-                    self.routed_moe_on_device(x, logits, top_k, renormalize, scale, experts)?,
-                    None,
-                ));
-            }
+            return Ok((
+                self.routed_moe_on_device(x, logits, spec, top_k, experts)?,
+                None,
+            ));
         }
         let routing = self.route(logits, spec)?;
         let out = self.moe_experts(x, &routing, experts)?;
@@ -1352,6 +1453,26 @@ impl Backend for CudaBackend {
         guarded("cuStreamSynchronize", || self.stream.synchronize())?;
         Ok(host)
     }
+
+    fn begin_step(&self, step: &StepRequest) -> Result<StepStart<GpuAct>> {
+        self.begin_step_impl(step)
+    }
+
+    fn end_step(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {
+        self.end_step_impl(logits)
+    }
+
+    fn storage_id(&self, x: &GpuAct) -> u64 {
+        ptr(&x.buf, &self.stream)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Buffers allocated on the side stream are freed on it: let the compute stream's work
+        // that may still use them finish first. Errors cannot be reported from here.
+        let _ = self.stream.synchronize();
+    }
 }
 
 /// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
@@ -1478,9 +1599,8 @@ impl CudaBackend {
         &self,
         x: &GpuAct,
         logits: &GpuAct,
+        spec: RouteSpec,
         top_k: usize,
-        renormalize: bool,
-        scale: f32,
         experts: &[GatedMlp<Self>],
     ) -> Result<GpuAct> {
         let s = &self.stream;
@@ -1536,21 +1656,38 @@ impl CudaBackend {
         let item_weight = alloc_u32(n_items)?;
         let row_items = alloc_u32(n_items)?;
         let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
-        self.launch(
-            &self.k.route_topk,
-            "route top-k",
-            (rows as u32, 1, 1),
-            32,
-            &[
-                ptr(&logits.buf, s),
-                int(n_experts, "experts")?,
-                int(top_k, "top_k")?,
-                u64::from(renormalize),
-                float(scale),
-                ptr(&ids, s),
-                ptr(&weights, s),
-            ],
-        )?;
+        match spec {
+            RouteSpec::SoftmaxTopK {
+                renormalize, scale, ..
+            } => self.launch(
+                &self.k.route_topk,
+                "route top-k",
+                (rows as u32, 1, 1),
+                32,
+                &[
+                    ptr(&logits.buf, s),
+                    int(n_experts, "experts")?,
+                    int(top_k, "top_k")?,
+                    u64::from(renormalize),
+                    float(scale),
+                    ptr(&ids, s),
+                    ptr(&weights, s),
+                ],
+            )?,
+            RouteSpec::SparseMixer { jitter_eps } => self.launch(
+                &self.k.route_sparse_mixer,
+                "route sparse mixer",
+                (rows as u32, 1, 1),
+                32,
+                &[
+                    ptr(&logits.buf, s),
+                    int(n_experts, "experts")?,
+                    float(jitter_eps),
+                    ptr(&ids, s),
+                    ptr(&weights, s),
+                ],
+            )?,
+        }
         self.launch(
             &self.k.moe_plan,
             "moe plan",

@@ -17,7 +17,7 @@ mod nvrtc;
 mod offload;
 mod prefetch;
 
-pub use backend::{CudaBackend, GpuAct, GpuWeight};
+pub use backend::{CudaBackend, GpuAct, GpuWeight, StepGraphStats};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
 pub use host::{PinnedBuffer, RegisteredHost};
 pub use moe_int4::{check_int4_launch, MoeInt4Kernels};
