@@ -342,6 +342,12 @@ extern "C" __global__ void route_sparse_mixer(const float* __restrict__ logits, 
     }
 }
 
+// counts[ids[i]] += 1 for i < n: the draft's routing counted on the device for the prefetch plan.
+// Integer adds, so their order does not matter. One block.
+extern "C" __global__ void count_routes(const unsigned* __restrict__ ids, int n, unsigned* __restrict__ counts) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&counts[ids[i]], 1u);
+}
+
 #define PLAN_MAX_EXPERTS 1024
 
 // The grouped-MoE work list from device routing (src/backend/cuda/experts.rs): items grouped by

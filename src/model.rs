@@ -36,6 +36,15 @@ pub trait RouteHook {
         true
     }
 
+    /// Whether `variant`'s routing may stay on the device, counted there per MoE layer and expert
+    /// (a backend that keeps such counts, such as the CUDA backend's, hands them to whoever asked
+    /// for them) instead of reported through [`RouteHook::on_route`]: that saves a host round trip
+    /// per MoE layer. [`RouteHook::on_route`] is then not called for that variant's passes.
+    fn counts_routes_on_device(&self, variant: Variant) -> bool {
+        let _ = variant;
+        false
+    }
+
     /// Whether [`RouteHook::on_moe_input`] wants the hidden states: copying them to the host costs
     /// a transfer per MoE layer, so the forward pass makes it only when asked.
     fn wants_moe_input(&self) -> bool {

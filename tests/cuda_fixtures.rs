@@ -89,9 +89,12 @@ fn every_fixture_every_residency(speculative: bool) {
             ));
         }
         for (label, offload) in variants {
+            // With an expert cache only the draft's passes are recordable (the target's route on
+            // the host); they are recorded there too.
             let recorded = label.contains("recorded");
+            let op_by_op = label.contains("op by op");
             let backend = CudaBackend::with_device(device.clone(), offload).expect("backend");
-            backend.set_step_graphs(recorded).unwrap();
+            backend.set_step_graphs(!op_by_op).unwrap();
             let gpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), backend).unwrap();
             for prompt in fixture.prompts().iter().take(2) {
                 let want = greedy(&cpu, prompt, Mode::Target, 1);
@@ -140,7 +143,7 @@ fn every_fixture_every_residency(speculative: bool) {
                     graphs.captures > 0 && graphs.replays > graphs.captures,
                     "{name} ({label}): decode steps were not replayed: {graphs:?}"
                 );
-            } else {
+            } else if op_by_op {
                 assert_eq!(graphs.replays, 0, "{name} ({label}): replayed while off");
             }
             if let Some(stats) = gpu.backend().offload_stats().unwrap() {

@@ -376,10 +376,18 @@ fn every_op_matches_the_cpu_reference() {
             let (lc, lg, _) = p.act(rows, experts);
             let rc = Cpu.route(&lc, spec).unwrap();
             let oc = Cpu.moe_experts(&xc, &rc, &cpu_experts).unwrap();
+            // Routing counted on the device as MoE layer 1 of 2 (the draft's prefetch counts).
+            p.gpu.enable_route_counts(2, experts).unwrap();
             let (og, host) = p
                 .gpu
-                .routed_moe(&xg, &lg, spec, &gpu_experts, false)
+                .routed_moe(&xg, &lg, spec, &gpu_experts, false, Some(1))
                 .unwrap();
+            let counts = p.gpu.route_counts().unwrap();
+            let mut want = vec![0u32; 2 * experts];
+            for &e in &rc.ids {
+                want[experts + e as usize] += 1;
+            }
+            assert_eq!(counts, want, "routing counts on the device ({label})");
             assert!(
                 host.is_none(),
                 "the device path keeps the routing on the device"

@@ -607,7 +607,8 @@ impl<B: Backend> MoeModel<B> {
             },
             RouterKind::SparseMixer { jitter_eps } => RouteSpec::SparseMixer { jitter_eps },
         };
-        let mut out = if hook.wants_routes() || hook.wants_moe_input() {
+        let on_device = hook.counts_routes_on_device(variant);
+        let mut out = if (hook.wants_routes() && !on_device) || hook.wants_moe_input() {
             let routing = be.route(&logits, spec)?;
             hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
             if hook.wants_moe_input() {
@@ -616,7 +617,8 @@ impl<B: Backend> MoeModel<B> {
             }
             be.moe_experts(h, &routing, experts)?
         } else {
-            be.routed_moe(h, &logits, spec, experts, false)?.0
+            let count_as = on_device.then_some(block.moe_index);
+            be.routed_moe(h, &logits, spec, experts, false, count_as)?.0
         };
         if let Some(shared) = &block.shared {
             let s = be.gated_mlp(h, shared)?;
@@ -727,7 +729,8 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         let positions: Vec<usize> = (start..end).collect();
         let scales: Vec<f32> = positions.iter().map(|&p| self.rope.scale_at(p)).collect();
         let be = &self.backend;
-        if hook.wants_routes() || hook.wants_moe_input() {
+        if (hook.wants_routes() && !hook.counts_routes_on_device(variant)) || hook.wants_moe_input()
+        {
             let logits = self.pass(variant, tokens, kv, hook, &positions, &scales)?;
             kv.len = end;
             return be.to_host(&logits);

@@ -222,6 +222,9 @@ pub trait Backend: Send + Sync {
     /// Routes `logits` and runs the routed experts over `x` in one step: [`Self::route`] then
     /// [`Self::moe_experts`], returning the routing too. With `host_routing` false the caller
     /// does not need the routing, and a backend may keep it on the device (returning `None`).
+    /// `count_as`: a backend that counts routings on the device (see
+    /// [`crate::model::RouteHook::counts_routes_on_device`]) adds this call's to MoE layer
+    /// `count_as`'s counts; others ignore it.
     fn routed_moe(
         &self,
         x: &Self::Act,
@@ -229,11 +232,12 @@ pub trait Backend: Send + Sync {
         spec: RouteSpec,
         experts: &[GatedMlp<Self>],
         host_routing: bool,
+        count_as: Option<usize>,
     ) -> Result<(Self::Act, Option<Routing>)>
     where
         Self: Sized,
     {
-        let _ = host_routing;
+        let _ = (host_routing, count_as);
         let routing = self.route(logits, spec)?;
         let out = self.moe_experts(x, &routing, experts)?;
         Ok((out, Some(routing)))

@@ -145,6 +145,10 @@ impl RouteHook for AutoDepth<'_> {
         self.inner.wants_routes()
     }
 
+    fn counts_routes_on_device(&self, variant: Variant) -> bool {
+        self.inner.counts_routes_on_device(variant)
+    }
+
     fn wants_moe_input(&self) -> bool {
         self.inner.wants_moe_input()
     }

@@ -110,6 +110,10 @@ impl RouteHook for HookOnly<'_> {
         self.0.wants_routes()
     }
 
+    fn counts_routes_on_device(&self, variant: Variant) -> bool {
+        self.0.counts_routes_on_device(variant)
+    }
+
     fn wants_moe_input(&self) -> bool {
         self.0.wants_moe_input()
     }

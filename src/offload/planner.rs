@@ -77,6 +77,16 @@ impl Planner {
         true
     }
 
+    /// Replaces the window's counts with `counts` (`[moe layers, experts]`, as counted on a
+    /// device). Returns false, changing nothing, when the length does not match.
+    pub fn set_counts(&mut self, counts: &[u32]) -> bool {
+        if counts.len() != self.counts.len() {
+            return false;
+        }
+        self.counts.copy_from_slice(counts);
+        true
+    }
+
     /// How often the current window's draft routed `moe_layer` to `expert`.
     pub fn count(&self, moe_layer: usize, expert: u32) -> u32 {
         if moe_layer >= self.num_moe_layers || expert as usize >= self.num_experts {

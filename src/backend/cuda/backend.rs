@@ -190,6 +190,7 @@ struct Kernels {
     moe_combine: CudaFunction,
     route_topk: CudaFunction,
     route_sparse_mixer: CudaFunction,
+    count_routes: CudaFunction,
     moe_plan: CudaFunction,
     linear: CudaFunction,
     moe_gate_up: CudaFunction,
@@ -217,6 +218,7 @@ impl Kernels {
             moe_combine: ops("moe_combine")?,
             route_topk: ops("route_softmax_topk")?,
             route_sparse_mixer: ops("route_sparse_mixer")?,
+            count_routes: ops("count_routes")?,
             moe_plan: ops("moe_plan")?,
             linear: gemv("linear_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
@@ -236,6 +238,13 @@ struct RopeTableGpu {
     sin: CudaSlice<f32>,
 }
 
+/// Device routing counts (see [`CudaBackend::enable_route_counts`]).
+struct RouteCounts {
+    counts: CudaSlice<u32>,
+    moe_layers: usize,
+    experts: usize,
+}
+
 /// The host copy of an expert pointer table and its device upload.
 type ExpertTable = (Vec<ExpertGroup>, CudaSlice<u32>);
 
@@ -253,6 +262,8 @@ pub struct CudaBackend {
     expert_tables: Mutex<std::collections::HashMap<usize, ExpertTable>>,
     offload: Option<Mutex<ExpertOffload>>,
     buffers: Arc<BufferPool>,
+    /// Routing counts `[moe layers, experts]` of passes whose hook counts them on the device.
+    route_counts: Mutex<Option<RouteCounts>>,
     /// Recorded forward passes (src/backend/cuda/graphs.rs).
     steps: Mutex<graphs::StepGraphs>,
     /// Allocates buffers while the compute stream is being captured, outside the recording.
@@ -385,6 +396,7 @@ impl CudaBackend {
             expert_tables: Mutex::new(std::collections::HashMap::new()),
             offload,
             buffers: Arc::new(BufferPool::default()),
+            route_counts: Mutex::new(None),
             steps: Mutex::new(graphs::StepGraphs::new(params, graphs_on)),
             side_stream,
             timing: Mutex::new((HostTiming::default(), None)),
@@ -1253,6 +1265,7 @@ impl Backend for CudaBackend {
         spec: RouteSpec,
         experts: &[GatedMlp<Self>],
         host_routing: bool,
+        count_as: Option<usize>,
     ) -> Result<(GpuAct, Option<Routing>)> {
         let resident = experts
             .iter()
@@ -1270,11 +1283,15 @@ impl Backend for CudaBackend {
             && x.rows > 0
         {
             return Ok((
-                self.routed_moe_on_device(x, logits, spec, top_k, experts)?,
+                self.routed_moe_on_device(x, logits, spec, top_k, experts, count_as)?,
                 None,
             ));
         }
         let routing = self.route(logits, spec)?;
+        if let Some(layer) = count_as {
+            let ids = self.upload_u32(&routing.ids)?;
+            self.count_routes(ptr(&ids, &self.stream), routing.ids.len(), layer)?;
+        }
         let out = self.moe_experts(x, &routing, experts)?;
         Ok((out, Some(routing)))
     }
@@ -1602,6 +1619,7 @@ impl CudaBackend {
         spec: RouteSpec,
         top_k: usize,
         experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
     ) -> Result<GpuAct> {
         let s = &self.stream;
         let rows = x.rows;
@@ -1688,6 +1706,9 @@ impl CudaBackend {
                 ],
             )?,
         }
+        if let Some(layer) = count_as {
+            self.count_routes(ptr(&ids, s), n_items, layer)?;
+        }
         self.launch(
             &self.k.moe_plan,
             "moe plan",
@@ -1738,6 +1759,72 @@ impl CudaBackend {
             ],
         )?;
         Ok(y)
+    }
+
+    /// Adds `n` expert ids at device address `ids` to MoE layer `layer`'s routing counts, when
+    /// counting is on.
+    fn count_routes(&self, ids: u64, n: usize, layer: usize) -> Result<()> {
+        let counts = self.lock(&self.route_counts)?;
+        let Some(c) = counts.as_ref() else {
+            return Ok(());
+        };
+        if layer >= c.moe_layers || n == 0 {
+            return Ok(());
+        }
+        let row = ptr(&c.counts, &self.stream) + (4 * layer * c.experts) as u64;
+        self.launch(
+            &self.k.count_routes,
+            "count routes",
+            (1, 1, 1),
+            128,
+            &[ids, int(n, "items")?, row],
+        )
+    }
+
+    /// Starts counting, per MoE layer and expert, the routings of passes whose hook asks for
+    /// device counts (from zero).
+    pub fn enable_route_counts(&self, moe_layers: usize, experts: usize) -> Result<()> {
+        let counts = guarded("cuda: cannot allocate routing counts", || {
+            self.stream
+                .alloc_zeros::<u32>((moe_layers * experts).max(1))
+        })?;
+        *self.lock(&self.route_counts)? = Some(RouteCounts {
+            counts,
+            moe_layers,
+            experts,
+        });
+        Ok(())
+    }
+
+    /// Sets every routing count to zero (ordered after the passes already issued).
+    pub fn reset_route_counts(&self) -> Result<()> {
+        let mut counts = self.lock(&self.route_counts)?;
+        if let Some(c) = counts.as_mut() {
+            guarded("cuda: cannot reset routing counts", || {
+                self.stream.memset_zeros(&mut c.counts)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The routing counts `[moe layers, experts]` so far (waits for the passes issued).
+    pub fn route_counts(&self) -> Result<Vec<u32>> {
+        self.synchronize()?;
+        let counts = self.lock(&self.route_counts)?;
+        let Some(c) = counts.as_ref() else {
+            return Err(Error::Request(
+                "routing counts were never enabled on this backend".into(),
+            ));
+        };
+        let mut host = vec![0u32; c.moe_layers * c.experts];
+        if !host.is_empty() {
+            let view = c.counts.slice(..host.len());
+            guarded("cuda: routing counts device-to-host copy failed", || {
+                self.stream.memcpy_dtoh(&view, &mut host)
+            })?;
+            guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        }
+        Ok(host)
     }
 
     pub(crate) fn upload_groups(&self, groups: &[ExpertGroup]) -> Result<CudaSlice<u32>> {

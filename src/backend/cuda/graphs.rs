@@ -12,7 +12,10 @@
 //!
 //! A key runs once op by op before it is captured (lazily built tables, such as the device expert
 //! lists, are made outside the capture), and a capture that fails is run again op by op and never
-//! retried. Passes with an expert cache are never recorded: its copies are decided on the host.
+//! retried. A pass that waits for the device midway (host routing, which the expert cache's
+//! target passes need to decide their copies) is never captured: its first run notes the wait.
+//! With an expert cache, the draft's passes (resident INT4 experts, routing counted on the
+//! device) are recorded and the target's are not.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -210,7 +213,6 @@ impl CudaBackend {
         g.active = None;
         let rows = step.tokens.len();
         if !g.enabled
-            || self.offload.is_some()
             || rows == 0
             || rows > MAX_ROWS
             || step.inv_freq.len() > MAX_HALF

@@ -2,7 +2,9 @@
 //! routing into copies of the FP16 experts the verify pass will need, issued on the copy stream
 //! while the draft keeps running.
 //!
-//! Per draft window: routing counts per MoE layer accumulate as draft steps run; at each chunk
+//! Per draft window: routing counts per MoE layer accumulate on the GPU as draft steps run (the
+//! draft's routing never comes to the host, so a draft pass has no host round trip and can be
+//! replayed as a recorded graph); at each chunk
 //! boundary of the [`Planner`] (the first after about a fifth of the window, the next once the
 //! draft has run long enough to hide the bytes just issued, from the measured draft step time and
 //! copy bandwidth) the top experts per layer are prefetched and protected from eviction until the
@@ -43,6 +45,7 @@ impl<'a> CudaPrefetcher<'a> {
                     .into(),
             )
         })?;
+        backend.enable_route_counts(info.moe_layers.len(), info.num_experts)?;
         // A first guess of the draft step time; replaced by measurements after one step.
         let draft_step_s = 2e-3;
         Ok(CudaPrefetcher {
@@ -71,6 +74,13 @@ impl<'a> CudaPrefetcher<'a> {
     }
 
     fn issue(&mut self, steps_done: usize) -> Result<()> {
+        let counts = self.backend.route_counts()?;
+        if !self.planner.set_counts(&counts) {
+            return Err(crate::Error::Backend(format!(
+                "prefetch: {} routing counts from the device, the planner expects another shape",
+                counts.len()
+            )));
+        }
         let plan = self.planner.plan(self.slots);
         let mut bytes = 0;
         for (moe_layer, experts) in plan.iter().enumerate() {
@@ -92,15 +102,25 @@ impl RouteHook for CudaPrefetcher<'_> {
         _top_k: usize,
         topk: &[u32],
     ) {
+        // Draft routing arrives here only where a wrapper hides `counts_routes_on_device`.
         if variant == Variant::Draft {
             self.planner.record(moe_layer, topk);
         }
+    }
+
+    /// The draft's routing is counted on the device; the target's is not needed here.
+    fn counts_routes_on_device(&self, variant: Variant) -> bool {
+        variant == Variant::Draft
     }
 }
 
 impl DecodeObserver for CudaPrefetcher<'_> {
     fn on_draft_window(&mut self, depth: usize) {
-        if let Err(e) = self.backend.clear_plans() {
+        if let Err(e) = self
+            .backend
+            .clear_plans()
+            .and_then(|_| self.backend.reset_route_counts())
+        {
             self.error.get_or_insert(e);
         }
         self.planner.begin_window(depth);
