@@ -15,6 +15,11 @@
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #   kprofile  per-kernel GPU time of all-resident decode steps (Nsight Compute) on the bench model
+#   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
+#             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
+#             lossless check on 10 prompts (specter against target-only, all resident)
+#   trained   trains a DeepSeek-V2-Lite-width MoE (scripts/train_routed_moe.py, $TRAIN_MINUTES),
+#             converts it and runs both cases on it, with text prompts
 #
 # bench: $ONLY (a regular expression) picks variants by name, $REPEATS sets the repeats (3).
 # Work files go to $BENCH_DIR (default /dev/shm/specter-gpu); logs to $OUT when set.
@@ -53,14 +58,22 @@ run_test() {
     SPECTER_ROOT="$ROOT" "$CARRY/test-$name" --ignored --nocapture --test-threads 1 "$@" 2>&1 | tee "$log"
 }
 
-bench() {
+# The DeepSeek-V2-Lite-shaped random model ($LAYERS layers) as $dir/dsv2.specter, made once.
+# With KEEP_HF=1 the Hugging Face checkpoint stays in $dir/hf (for the transformers peer).
+bench_model() {
     local dir=$1 out=$2 layers=${LAYERS:-27}
-    local pack="$CARRY/specter-pack" run="$CARRY/specter-run"
+    local pack="$CARRY/specter-pack"
     if [ ! -f "$dir/dsv2.specter" ]; then
         "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$dir/hf" > "$out/synth.txt"
         "$pack" convert "$dir/hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
-        rm -rf "$dir/hf"
+        [ "${KEEP_HF:-0}" = 1 ] || rm -rf "$dir/hf"
     fi
+}
+
+bench() {
+    local dir=$1 out=$2 layers=${LAYERS:-27}
+    local run="$CARRY/specter-run"
+    bench_model "$dir" "$out"
     local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
     local common=(generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos --json --backend cuda)
     : > "$out/bench.tsv"
@@ -105,13 +118,9 @@ EOF
 # so only the per-kernel split means anything there), and the host issue/wait split without it.
 # Steps are counted by embedding launches (one per forward pass).
 kprofile() {
-    local dir=$1 out=$2 layers=${LAYERS:-27}
-    local pack="$CARRY/specter-pack" run="$CARRY/specter-run"
-    if [ ! -f "$dir/dsv2.specter" ]; then
-        "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$dir/hf" > "$out/synth.txt"
-        "$pack" convert "$dir/hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
-        rm -rf "$dir/hf"
-    fi
+    local dir=$1 out=$2
+    local run="$CARRY/specter-run"
+    bench_model "$dir" "$out"
     local gen=(generate "$dir/dsv2.specter" --prompt-ids 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
         --ignore-eos --json --backend cuda --mode target)
     "$run" "${gen[@]}" --max-new-tokens 64 > "$out/kprofile-gen.json"
@@ -120,6 +129,55 @@ kprofile() {
         --launch-count "${KCOUNT:-3000}" "$run" "${gen[@]}" --max-new-tokens 40 \
         > "$out/ncu.csv" 2> "$out/ncu.err" || { tail -5 "$out/ncu.err"; return 1; }
     python3 "$ROOT/scripts/kprofile.py" ncu "$out/ncu.csv"
+}
+
+# `specter-run bench` for ds_high and ds_low on one bundle; JSON, markdown and SVG to $out.
+bench_cases() {
+    local bundle=$1 out=$2 tag=$3
+    shift 3
+    local run="$CARRY/specter-run"
+    for c in ds_high ds_low; do
+        "$run" bench "$bundle" --case "$c" --modes "${MODES:-lru,ondemand,specter,auto}" "$@" \
+            --repeats 1 --json "$out/$tag-$c.json" --markdown "$out/$tag-$c.md" \
+            --plot "$out/$tag-$c.svg" 2> "$out/$tag-$c.err" || { tail -3 "$out/$tag-$c.err"; return 1; }
+        cat "$out/$tag-$c.md"
+    done
+}
+
+cases() {
+    local dir=$1 out=$2
+    local run="$CARRY/specter-run"
+    bench_model "$dir" "$out"
+    echo "== lossless: specter (depth 16) against target-only, all resident, 10 prompts"
+    "$run" bench "$dir/dsv2.specter" --case custom --depth 16 --resident-experts 64 \
+        --matched-experts 64 --modes resident,specter --num-prompts 10 --repeats 1 \
+        --json "$out/lossless10.json" 2> "$out/lossless10.err" | tail -4
+    bench_cases "$dir/dsv2.specter" "$out" random --num-prompts "${PROMPTS:-2}"
+}
+
+trained() {
+    local dir=$1 out=$2
+    local pack="$CARRY/specter-pack"
+    if [ ! -f "$dir/routed.specter" ]; then
+        python3 "$ROOT/scripts/train_routed_moe.py" --out "$dir/routed" \
+            --minutes "${TRAIN_MINUTES:-4.5}" > "$out/train.log" 2>&1 || { tail -5 "$out/train.log"; return 1; }
+        tail -25 "$out/train.log"
+        cp "$dir/routed/train_report.json" "$out/" 2>/dev/null || true
+        "$pack" convert "$dir/routed" -o "$dir/routed.specter" > "$out/convert-routed.txt"
+    fi
+    # Prompts: the first lines of standard-library modules (Python source, as the training text;
+    # the training corpus is the installed packages' sources, not the standard library).
+    python3 - "$out/prompts.txt" <<'PY'
+import json, os, sys, sysconfig
+stdlib = sysconfig.get_paths()["stdlib"]
+lines = []
+for name in ["json/decoder.py", "csv.py", "argparse.py", "textwrap.py", "heapq.py", "fractions.py"]:
+    with open(os.path.join(stdlib, name)) as f:
+        text = " ".join(l.strip() for l in f.read().splitlines()[20:60] if l.strip())
+    lines.append(text[:400])
+open(sys.argv[1], "w").write("\n".join(lines) + "\n")
+PY
+    bench_cases "$dir/routed.specter" "$out" trained --prompts "$out/prompts.txt"
 }
 
 run() {
@@ -145,6 +203,8 @@ run() {
             bench) bench "$dir" "$out" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
+            cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
+            trained) trained "$dir" "$out" 2>&1 | tee "$out/trained.log" || status=1 ;;
             *) echo "unknown check $w" >&2; status=2 ;;
         esac
     done
