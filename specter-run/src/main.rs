@@ -159,6 +159,10 @@ struct GenerateArgs {
     /// the page cache), or per-tensor (one synchronous copy per tensor, the unbatched path).
     #[arg(long, default_value = "read")]
     load_io: String,
+    /// CUDA with offloaded experts: wait for the host registration of the expert sections before
+    /// the first token, instead of copying through pinned staging until it finishes.
+    #[arg(long)]
+    wait_registration: bool,
     /// Host-to-device bandwidth the CPU simulation of expert copies assumes (GB/s); on CUDA, the
     /// first estimate the prefetch schedule uses.
     #[arg(long, default_value_t = 55.0)]
@@ -380,6 +384,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
     }
     let session = Session::open_with(&args.bundle, &session_opts)?;
     if let Some(gpu) = session.cuda() {
+        if args.wait_registration {
+            gpu.wait_host_registration()?;
+        }
         eprintln!("cuda: {}", gpu.residency_description()?);
     }
     let prompt = match (&args.prompt, &args.prompt_ids) {
