@@ -39,6 +39,7 @@ def row_of(tool, path):
         "note": f"transformers {d['transformers']}",
         "wall_ms": wall,
         "token": d["token"],
+        "after_import_ms": d["first_token_after_import_s"] * 1e3,
     }
 
 
@@ -54,18 +55,22 @@ def main():
             continue
         tool, variant, cache, path = parts
         groups.setdefault((tool, variant, cache), []).append(row_of(tool, path))
-    peer_warm = None
+    peer_warm = peer_load = None
     for (tool, _, cache), rows in groups.items():
         if tool == "transformers" and cache == "warm":
             peer_warm = statistics.median(r["first_token_ms"] for r in rows)
-    print("time to first token from process start (ms; median of n runs)")
-    print("tool\tvariant\tcache\tn\tfirst_token\tweights\tdevice\tvs_peer_warm\ttoken\tload\tnote")
+            peer_load = statistics.median(r["after_import_ms"] for r in rows)
+    print("time to first token from process start (ms; median of n runs); vs_peer: transformers warm "
+          "from process start / this, and its from_pretrained + first token alone / this")
+    print("tool\tvariant\tcache\tn\tfirst_token\tweights\tdevice\tvs_peer\tvs_peer_load\ttoken\tload\tnote")
     for (tool, variant, cache), rows in groups.items():
         med = statistics.median(r["first_token_ms"] for r in rows)
         mid = min(rows, key=lambda r: abs(r["first_token_ms"] - med))
         ratio = f"{peer_warm / med:.1f}x" if peer_warm else "-"
+        ratio_load = f"{peer_load / med:.1f}x" if peer_load else "-"
         print("\t".join(str(x) for x in [tool, variant, cache, len(rows), fmt(med), fmt(mid["weights_ms"]),
-                                         fmt(mid["device_ms"]), ratio, mid["token"], mid["load"], mid["note"]]))
+                                         fmt(mid["device_ms"]), ratio, ratio_load, mid["token"], mid["load"],
+                                         mid["note"]]))
 
 
 if __name__ == "__main__":
