@@ -9,7 +9,8 @@
 #             tests/cuda_doctor.rs)
 #   ops       every CUDA op against the CPU reference on random inputs (tests/cuda_ops.rs)
 #   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
-#   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency
+#   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; and every
+#             load I/O method gives the per-tensor upload's weights (tests/cuda_load.rs)
 #   lossless  every fixture model: speculative decoding on the GPU equals target-only
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
@@ -20,9 +21,14 @@
 #             lossless check on 10 prompts (specter against target-only, all resident)
 #   trained   trains a DeepSeek-V2-Lite-width MoE (scripts/train_routed_moe.py, $TRAIN_MINUTES),
 #             converts it and runs both cases on it, with text prompts
+#   ttft      time to first token from process start, page cache warm and cold, all resident and
+#             with 16 resident experts (lru), beside transformers' from_pretrained + first token on
+#             the same checkpoint (scripts/peer_ttft.py); also the load I/O methods compared
 #
 # bench: $ONLY (a regular expression) picks variants by name, $REPEATS sets the repeats (3).
 # Work files go to $BENCH_DIR (default /dev/shm/specter-gpu); logs to $OUT when set.
+# ttft: work files go to $TTFT_DIR (default .ttft in the repository; on disk, not tmpfs, for the
+# cold runs); $TTFT_REPEATS (3) warm repeats; TTFT_SKIP_COLD=1 / TTFT_SKIP_PEER=1 skip parts.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CARRY=.carry/gpu
@@ -32,7 +38,7 @@ build() {
     cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
-    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures)
+    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures cuda_load)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -180,6 +186,131 @@ PY
     bench_cases "$dir/routed.specter" "$out" trained --prompts "$out/prompts.txt"
 }
 
+# Evicts FILES... from the page cache: drop_caches when /proc/sys allows it (root, not a
+# read-only /proc), else posix_fadvise(DONTNEED) on every file. Prints what worked; where
+# util-linux's fincore exists, stderr says how much stayed cached.
+evict() {
+    sync
+    local how
+    if (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then
+        how=drop_caches
+    else
+        how=$(python3 - "$@" <<'PY'
+import os, sys
+for top in sys.argv[1:]:
+    paths = [top] if os.path.isfile(top) else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+print("posix_fadvise-DONTNEED")
+PY
+)
+    fi
+    if command -v fincore > /dev/null; then
+        local cached
+        cached=$(find "$@" -type f -print0 | xargs -0 fincore -b -n -o RES 2>/dev/null | awk '{s += $1} END {print s + 0}')
+        how="$how,$((cached / 1000000))MB-still-cached"
+    fi
+    echo "$how"
+}
+
+# One specter-run process, target-only, one new token: its JSON into $1, its wall ms into $1.wall_ms.
+ttft_specter() {
+    local json=$1
+    shift
+    local t0 t1
+    t0=$(date +%s%N)
+    "$CARRY/specter-run" generate "$TTFT_BUNDLE" --prompt-ids 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20 \
+        --max-new-tokens 1 --ignore-eos --json --backend cuda --mode target "$@" > "$json"
+    t1=$(date +%s%N)
+    echo "$(( (t1 - t0) / 1000000 ))" > "$json.wall_ms"
+}
+
+ttft() {
+    local out=$1 layers=${LAYERS:-27} reps=${TTFT_REPEATS:-3}
+    local pack="$CARRY/specter-pack"
+    local dir="${TTFT_DIR:-$ROOT/.ttft}" shm=/dev/shm/specter-ttft-hf
+    mkdir -p "$dir"
+    echo "ttft: work dir $dir ($(stat -f -c %T "$dir"), $(df -B1G --output=avail "$dir" | tail -1 | tr -d ' ') GB free)"
+    TTFT_BUNDLE="$dir/dsv2.specter"
+    # The 31 GB checkpoint and the ~37 GB bundle may not both fit on the disk: then the checkpoint
+    # waits in /dev/shm until the bundle's runs are done, and replaces the bundle on disk for the
+    # peer's runs (cold runs need files on disk: tmpfs pages cannot be evicted).
+    local hf="$dir/hf"
+    [ -d "$shm" ] && hf="$shm"
+    if [ ! -f "$TTFT_BUNDLE" ] || [ ! -f "$hf/config.json" ]; then
+        rm -rf "$dir/hf" "$shm" "$TTFT_BUNDLE"
+        local free
+        free=$(df -B1G --output=avail "$dir" | tail -1 | tr -d ' ')
+        if [ "$free" -ge 75 ]; then hf="$dir/hf"; else hf="$shm"; fi
+        local t0=$SECONDS
+        "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$hf" > "$out/ttft-synth.txt"
+        "$pack" convert "$hf" -o "$TTFT_BUNDLE" > "$out/ttft-convert.txt"
+        echo "ttft: synth + convert $((SECONDS - t0)) s; checkpoint in $hf, bundle $TTFT_BUNDLE"
+    fi
+    : > "$out/ttft.tsv"
+    # Warm: one untimed run fills the page cache (and the PTX and driver caches), then $reps runs
+    # each (the median is reported).
+    # lru16-registered waits for the expert sections' registration before the first token (the
+    # default copies through pinned staging until the background registration finishes).
+    local variants=("resident|" "lru16|--resident-experts 16 --policy lru"
+        "lru16-registered|--resident-experts 16 --policy lru --wait-registration"
+        "resident-mmap|--load-io mmap" "resident-per-tensor|--load-io per-tensor")
+    ttft_specter "$out/ttft-prime.json" || return 1
+    for v in "${variants[@]}"; do
+        local name=${v%%|*} args=${v#*|}
+        [[ "$name" =~ ${ONLY:-.} ]] || continue
+        local n=$reps
+        # The comparisons of I/O methods run once each, to keep the step well inside 10 minutes.
+        [[ "$name" =~ ^resident-(per-tensor|mmap)$ ]] && n=1
+        for rep in $(seq "$n"); do
+            # shellcheck disable=SC2086
+            ttft_specter "$out/ttft-$name-warm-$rep.json" $args || return 1
+            echo -e "specter\t$name\twarm\t$out/ttft-$name-warm-$rep.json" >> "$out/ttft.tsv"
+        done
+    done
+    if [ -z "${TTFT_SKIP_COLD:-}" ]; then
+        for v in "resident|" "resident-direct|--load-io direct" "lru16|--resident-experts 16 --policy lru" \
+            "lru16-registered|--resident-experts 16 --policy lru --wait-registration"; do
+            local name=${v%%|*} args=${v#*|}
+            [[ "$name" =~ ${ONLY:-.} ]] || continue
+            local how
+            how=$(evict "$TTFT_BUNDLE")
+            # shellcheck disable=SC2086
+            ttft_specter "$out/ttft-$name-cold.json" $args || return 1
+            echo -e "specter\t$name\tcold:$how\t$out/ttft-$name-cold.json" >> "$out/ttft.tsv"
+        done
+    fi
+    if [ -z "${TTFT_SKIP_PEER:-}" ]; then
+        if [ "$hf" = "$shm" ]; then
+            rm -f "$TTFT_BUNDLE"
+            local t0=$SECONDS
+            rm -rf "$dir/hf" && cp -r "$shm" "$dir/hf" && rm -rf "$shm"
+            hf="$dir/hf"
+            echo "ttft: bundle removed, checkpoint moved to $hf for the peer ($((SECONDS - t0)) s)"
+        fi
+        # The first run warms the page cache (and torch's own caches); the second is reported.
+        for rep in 0 1; do
+            python3 "$ROOT/scripts/peer_ttft.py" "$hf" > "$out/ttft-peer-warm-$rep.json" 2> "$out/ttft-peer-warm-$rep.err" ||
+                { tail -5 "$out/ttft-peer-warm-$rep.err"; return 1; }
+        done
+        echo -e "transformers\tfrom_pretrained\twarm\t$out/ttft-peer-warm-1.json" >> "$out/ttft.tsv"
+        if [ -z "${TTFT_SKIP_COLD:-}" ]; then
+            local how
+            how=$(evict "$hf")
+            python3 "$ROOT/scripts/peer_ttft.py" "$hf" > "$out/ttft-peer-cold.json" 2> "$out/ttft-peer-cold.err" ||
+                { tail -5 "$out/ttft-peer-cold.err"; return 1; }
+            echo -e "transformers\tfrom_pretrained\tcold:$how\t$out/ttft-peer-cold.json" >> "$out/ttft.tsv"
+        fi
+    fi
+    python3 "$ROOT/scripts/ttft_table.py" "$out/ttft.tsv" | tee "$out/ttft-table.txt"
+}
+
 run() {
     cd "$ROOT"
     local dir="${BENCH_DIR:-/dev/shm/specter-gpu}" out="${OUT:-$(mktemp -d)}"
@@ -197,7 +328,8 @@ run() {
                 done ;;
             ops) run_test cuda_ops "$out/ops.log" || status=1 ;;
             int4) SPECTER_ROOT="$ROOT" "$CARRY/test-cuda_moe_int4" --nocapture --test-threads 1 2>&1 | tee "$out/int4.log" || status=1 ;;
-            fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1 ;;
+            fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1
+                run_test cuda_load "$out/load.log" || status=1 ;;
             lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;
             bench) bench "$dir" "$out" || status=1 ;;
@@ -205,6 +337,7 @@ run() {
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
             trained) trained "$dir" "$out" 2>&1 | tee "$out/trained.log" || status=1 ;;
+            ttft) ttft "$out" 2>&1 | tee "$out/ttft.log" || status=1 ;;
             *) echo "unknown check $w" >&2; status=2 ;;
         esac
     done
@@ -215,5 +348,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|fixtures|lossless|errors|bench|w4a16]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|fixtures|lossless|errors|bench|w4a16|kprofile|ttft]..." >&2; exit 2 ;;
 esac

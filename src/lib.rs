@@ -22,6 +22,7 @@ pub mod pack;
 pub mod probe;
 pub mod quant;
 pub mod session;
+pub mod startup;
 pub mod synth;
 pub mod verify_mode;
 pub mod weights;

@@ -10,8 +10,9 @@ use tokenizers::Tokenizer;
 
 use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::{CudaBackend, CudaDevice, HostPath, OffloadConfig, SlotPolicy};
+use crate::backend::cuda::{CudaBackend, CudaDevice, HostPath, LoadIo, OffloadConfig, SlotPolicy};
 use crate::model::LanguageModel;
+use crate::startup::{since_start_ms, StartupTimes};
 use crate::verify_mode::{self, VerifyMode};
 use crate::{Error, Result};
 
@@ -35,6 +36,8 @@ pub struct SessionOptions {
     pub host_path: HostPath,
     /// How much of the bundle is checked before the model runs.
     pub verify: VerifyMode,
+    /// CUDA only: how weights are read from the bundle at load time.
+    pub load_io: LoadIo,
 }
 
 impl SessionOptions {
@@ -45,6 +48,7 @@ impl SessionOptions {
             offload: None,
             host_path: HostPath::Auto,
             verify: VerifyMode::Manifest,
+            load_io: LoadIo::default(),
         }
     }
 }
@@ -79,6 +83,8 @@ pub struct Session {
     pub config: ArchConfig,
     pub model: SessionModel,
     pub tokenizer: Option<Tokenizer>,
+    /// When each stage of opening finished.
+    pub startup: StartupTimes,
 }
 
 impl Session {
@@ -96,30 +102,64 @@ impl Session {
             ));
         }
         let bundle = Arc::new(verify_mode::open_bundle(path, opts.verify)?);
+        let bundle_opened_ms = since_start_ms();
         let config = ArchConfig::from_config_json(bundle.hyperparameters_json())
             .map_err(|e| Error::Model(format!("{}: hyper-parameters: {e}", path.display())))?;
         let in_file = |e: Error| Error::Model(format!("{}: {e}", path.display()));
+        // The GPU's context, kernel modules and expert slots are set up on another thread while
+        // this one parses the tokenizer.
+        let device_setup = match opts.backend {
+            BackendKind::Cpu => None,
+            BackendKind::Cuda => {
+                // As many slots as experts is plain all-resident.
+                let offload = opts
+                    .offload
+                    .filter(|&(slots, _)| slots != config.moe.num_experts)
+                    .map(|(slots, policy)| OffloadConfig {
+                        bundle: bundle.clone(),
+                        config: config.clone(),
+                        slots_per_layer: slots,
+                        policy,
+                        host_path: opts.host_path,
+                    });
+                let load_io = opts.load_io;
+                Some(
+                    std::thread::Builder::new()
+                        .name("specter-device".into())
+                        .spawn(move || -> Result<(CudaBackend, f64)> {
+                            let device = Arc::new(CudaDevice::open(0)?);
+                            let mut backend = CudaBackend::with_device(device, offload)?;
+                            backend.set_load_io(load_io);
+                            Ok((backend, since_start_ms()))
+                        })
+                        .map_err(|e| {
+                            Error::Backend(format!("cannot start the device thread: {e}"))
+                        })?,
+                )
+            }
+        };
+        let tokenizer = match bundle.tokenizer_bytes() {
+            Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
+                Error::Model(format!(
+                    "{}: the bundle's tokenizer.json does not load: {e}",
+                    path.display()
+                ))
+            })?),
+            None => None,
+        };
+        let mut device_ready_ms = None;
         // With --verify full, every section is hashed on another thread while the model loads.
         let model = verify_mode::while_verifying(&bundle, path, opts.verify, || {
-            Ok(match opts.backend {
-                BackendKind::Cpu => SessionModel::Cpu(Box::new(
+            Ok(match device_setup {
+                None => SessionModel::Cpu(Box::new(
                     MoeModel::load_with(config.clone(), bundle.as_ref(), Cpu, opts.with_draft)
                         .map_err(in_file)?,
                 )),
-                BackendKind::Cuda => {
-                    let device = Arc::new(CudaDevice::open(0)?);
-                    // As many slots as experts is plain all-resident.
-                    let offload = opts
-                        .offload
-                        .filter(|&(slots, _)| slots != config.moe.num_experts)
-                        .map(|(slots, policy)| OffloadConfig {
-                            bundle: bundle.clone(),
-                            config: config.clone(),
-                            slots_per_layer: slots,
-                            policy,
-                            host_path: opts.host_path,
-                        });
-                    let backend = CudaBackend::with_device(device, offload)?;
+                Some(handle) => {
+                    let (backend, ready) = handle.join().map_err(|_| {
+                        Error::Backend("the device set-up thread panicked".into())
+                    })??;
+                    device_ready_ms = Some(ready);
                     SessionModel::Cuda(Box::new(
                         MoeModel::load_with(
                             config.clone(),
@@ -132,14 +172,10 @@ impl Session {
                 }
             })
         })?;
-        let tokenizer = match bundle.tokenizer_bytes() {
-            Some(bytes) => Some(Tokenizer::from_bytes(bytes).map_err(|e| {
-                Error::Model(format!(
-                    "{}: the bundle's tokenizer.json does not load: {e}",
-                    path.display()
-                ))
-            })?),
-            None => None,
+        let startup = StartupTimes {
+            bundle_opened_ms,
+            device_ready_ms,
+            weights_resident_ms: since_start_ms(),
         };
         Ok(Session {
             path: path.to_path_buf(),
@@ -147,6 +183,7 @@ impl Session {
             config,
             model,
             tokenizer,
+            startup,
         })
     }
 

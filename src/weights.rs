@@ -26,6 +26,19 @@ pub trait WeightStore: Send + Sync {
     fn f16(&self, name: &str) -> Result<Tensor<'_, f16>>;
     /// A packed u32 tensor (the draft's Marlin-tiled INT4 weights).
     fn u32(&self, name: &str) -> Result<Tensor<'_, u32>>;
+    /// The bytes that borrowed tensors point into, and the file behind them, when the store is a
+    /// file mapping: a backend can then read tensors with large file reads instead of page faults.
+    fn backing(&self) -> Option<Backing<'_>> {
+        None
+    }
+}
+
+/// Where a store's borrowed tensors live: a tensor whose slice lies inside `bytes` at offset `o`
+/// is the file's bytes at offset `o`.
+#[derive(Clone, Copy)]
+pub struct Backing<'a> {
+    pub bytes: &'a [u8],
+    pub file: Option<(&'a std::fs::File, &'a std::path::Path)>,
 }
 
 /// A bundle lends its tensors straight from the mapping: no copy, no conversion.
@@ -47,6 +60,13 @@ impl WeightStore for specter_format::Bundle {
         Ok(Tensor {
             shape: view.shape.clone(),
             data: Cow::Borrowed(view.as_u32()?),
+        })
+    }
+
+    fn backing(&self) -> Option<Backing<'_>> {
+        Some(Backing {
+            bytes: self.as_bytes(),
+            file: self.file(),
         })
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use rkyv::util::AlignedVec;
@@ -21,14 +21,20 @@ use crate::{
 const MEMORY_ALIGN: usize = PAGE as usize;
 
 enum Storage {
-    Mapped(Mmap),
+    /// The mapping, with the open file and its path kept for readers that prefer large `read`
+    /// calls (or O_DIRECT) to page faults on the mapping.
+    Mapped {
+        map: Mmap,
+        file: File,
+        path: PathBuf,
+    },
     Memory(AlignedVec<MEMORY_ALIGN>),
 }
 
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
-            Storage::Mapped(map) => map,
+            Storage::Mapped { map, .. } => map,
             Storage::Memory(vec) => vec,
         }
     }
@@ -144,7 +150,12 @@ impl Bundle {
         // place (writers create a new file and rename it), and this is documented above.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| FormatError::io(format!("mapping {}", path.display()), e))?;
-        Bundle::check(Storage::Mapped(map), checksums).map_err(|e| e.in_file(path))
+        let storage = Storage::Mapped {
+            map,
+            file,
+            path: path.to_path_buf(),
+        };
+        Bundle::check(storage, checksums).map_err(|e| e.in_file(path))
     }
 
     /// The same checks as [`Bundle::open`] over bytes already in memory.
@@ -354,6 +365,15 @@ impl Bundle {
     /// The whole file (for registering the mapping with a DMA engine, for example).
     pub fn as_bytes(&self) -> &[u8] {
         self.storage.bytes()
+    }
+
+    /// The file behind the mapping and the path it was opened by; `None` for in-memory bundles.
+    /// Reading it gives the same bytes as [`Self::as_bytes`] (bundles are never modified in place).
+    pub fn file(&self) -> Option<(&File, &Path)> {
+        match &self.storage {
+            Storage::Mapped { file, path, .. } => Some((file, path)),
+            Storage::Memory(_) => None,
+        }
     }
 
     pub fn file_len(&self) -> u64 {

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
-use specter::backend::cuda::{CudaPrefetcher, HostPath, SlotPolicy};
+use specter::backend::cuda::{CudaPrefetcher, HostPath, LoadIo, SlotPolicy};
 use specter::decode::{self, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
@@ -154,6 +154,15 @@ struct GenerateArgs {
     /// mapping can be registered for direct DMA.
     #[arg(long)]
     pinned_staging: bool,
+    /// CUDA: how weights are read from the bundle at load time: read (large pread calls into
+    /// pinned buffers), mmap (copies out of a mapping: page faults), direct (O_DIRECT, bypassing
+    /// the page cache), or per-tensor (one synchronous copy per tensor, the unbatched path).
+    #[arg(long, default_value = "read")]
+    load_io: String,
+    /// CUDA with offloaded experts: wait for the host registration of the expert sections before
+    /// the first token, instead of copying through pinned staging until it finishes.
+    #[arg(long)]
+    wait_registration: bool,
     /// Host-to-device bandwidth the CPU simulation of expert copies assumes (GB/s); on CUDA, the
     /// first estimate the prefetch schedule uses.
     #[arg(long, default_value_t = 55.0)]
@@ -295,6 +304,8 @@ enum BackendArg {
 }
 
 fn main() -> ExitCode {
+    // Start-up times in --json are measured from here.
+    specter::startup::mark_process_start();
     // Die quietly on a closed pipe (`specter-pack inspect B | head`), as command-line tools do,
     // instead of panicking in println!.
     // SAFETY: restoring the default disposition of SIGPIPE before any other thread exists.
@@ -367,11 +378,15 @@ fn generate(args: GenerateArgs) -> Result<()> {
         if args.pinned_staging {
             session_opts.host_path = HostPath::PinnedStaging;
         }
+        session_opts.load_io = LoadIo::parse(&args.load_io)?;
     } else if args.vram_budget.is_some() || args.pinned_staging {
         bail!("--vram-budget and --pinned-staging need --backend cuda");
     }
     let session = Session::open_with(&args.bundle, &session_opts)?;
     if let Some(gpu) = session.cuda() {
+        if args.wait_registration {
+            gpu.wait_host_registration()?;
+        }
         eprintln!("cuda: {}", gpu.residency_description()?);
     }
     let prompt = match (&args.prompt, &args.prompt_ids) {
@@ -405,7 +420,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
             *printed = text;
         }
     };
+    let mut first_token_ms = None;
     let mut on_token = |t: u32| {
+        if first_token_ms.is_none() {
+            first_token_ms = Some(specter::startup::since_start_ms());
+        }
         committed.push(t);
         if stream {
             if let Ok(text) = session.decode(&committed) {
@@ -536,6 +555,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 "vram_peak_bytes": g.vram_peak_bytes()?,
                 "host_timing": g.host_timing()?,
                 "graphs": g.step_graph_stats()?,
+                "load": g.load_report()?,
                 "offload": g.offload_stats()?.map(|o| json!({
                     "policy": o.policy, "path": o.path, "slots_per_layer": o.slots_per_layer,
                     "slot_vram_bytes": o.slot_vram_bytes, "hits": o.hits, "misses": o.misses,
@@ -545,6 +565,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     "prefetch_precision": o.prefetch_precision(), "prefetch_recall": o.prefetch_recall(),
                     "prefetch_bytes": o.prefetch_bytes, "prefetch_copy_seconds": o.prefetch_copy_seconds,
                     "draft_step_ms": draft_step_ms,
+                    "registration_seconds": o.registration_seconds,
                 })),
             }),
         };
@@ -555,6 +576,12 @@ fn generate(args: GenerateArgs) -> Result<()> {
             "gpu": gpu,
             "auto_depth": auto_report,
             "mode": format!("{:?}", opts.mode).to_lowercase(),
+            "startup": {
+                "bundle_opened_ms": session.startup.bundle_opened_ms,
+                "device_ready_ms": session.startup.device_ready_ms,
+                "weights_resident_ms": session.startup.weights_resident_ms,
+                "first_token_ms": first_token_ms,
+            },
             "depth": opts.depth,
             "prompt_tokens": prompt,
             "tokens": output.tokens,

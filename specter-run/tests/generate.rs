@@ -669,3 +669,48 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
     let run = bench(&["--case", "nope", "--backend", "cpu"]);
     assert_clean_failure(&run, &["nope", "ds_high"]);
 }
+
+#[test]
+fn json_reports_the_start_up_times_in_order() {
+    let record = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "2",
+        "--mode",
+        "target",
+    ]);
+    let s = &record["startup"];
+    let ms = |key: &str| {
+        s[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no startup.{key} in {record}"))
+    };
+    let (opened, resident, first) = (
+        ms("bundle_opened_ms"),
+        ms("weights_resident_ms"),
+        ms("first_token_ms"),
+    );
+    assert!(
+        0.0 <= opened && opened <= resident && resident <= first,
+        "{s}"
+    );
+    // No GPU on the CPU backend.
+    assert!(s["device_ready_ms"].is_null(), "{s}");
+    // The fields that were there before are unchanged.
+    assert!(record["stats"]["ttft_ms"].as_f64().is_some());
+}
+
+#[test]
+fn an_unknown_load_io_method_is_a_clean_error() {
+    let run = generate(&[
+        "--prompt-ids",
+        "5",
+        "--backend",
+        "cuda",
+        "--load-io",
+        "fast",
+    ]);
+    // Checked before any device is opened, so with or without a GPU.
+    assert_clean_failure(&run, &["unknown load I/O method", "fast"]);
+}

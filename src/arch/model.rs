@@ -148,7 +148,9 @@ struct Loader<'a, B: Backend> {
 }
 
 impl<B: Backend> Loader<'_, B> {
-    fn raw(&self, name: &str) -> Result<(Vec<usize>, Vec<f16>)> {
+    /// A tensor checked against its expected shape, borrowed from the store when it can be (a
+    /// bundle's mapping): the backend may then upload it straight from the file.
+    fn tensor(&self, name: &str) -> Result<crate::weights::Tensor<'_, f16>> {
         if !self.store.contains(name) {
             return Err(Error::Model(format!("weights: missing tensor {name}")));
         }
@@ -161,12 +163,12 @@ impl<B: Backend> Loader<'_, B> {
                 )));
             }
         }
-        Ok((t.shape, t.data.into_owned()))
+        Ok(t)
     }
 
     fn weight(&self, name: &str) -> Result<B::Weight> {
-        let (shape, data) = self.raw(name)?;
-        self.backend.weight_f16(name, &shape, &data)
+        let t = self.tensor(name)?;
+        self.backend.weight_f16(name, &t.shape, &t.data)
     }
 
     fn opt(&self, name: &str, present: bool) -> Result<Option<B::Weight>> {
@@ -189,17 +191,21 @@ impl<B: Backend> Loader<'_, B> {
 
     /// A gated MLP from separate gate/up/down tensors, gate and up fused.
     fn gated(&self, gate: &str, up: &str, down: &str) -> Result<GatedMlp<B>> {
-        let (gs, mut g) = self.raw(gate)?;
-        let (us, u) = self.raw(up)?;
+        let g = self.tensor(gate)?;
+        let u = self.tensor(up)?;
+        let (gs, us) = (&g.shape, &u.shape);
         if gs != us || gs.len() != 2 {
             return Err(Error::Model(format!(
                 "weights: {gate} {gs:?} and {up} {us:?} differ"
             )));
         }
-        g.extend_from_slice(&u);
         let fused = format!("{gate}+{up}");
         Ok(GatedMlp {
-            gate_up: self.backend.weight_f16(&fused, &[2 * gs[0], gs[1]], &g)?,
+            gate_up: self.backend.weight_f16_parts(
+                &fused,
+                &[2 * gs[0], gs[1]],
+                &[&g.data, &u.data],
+            )?,
             down: self.weight(down)?,
         })
     }
@@ -231,6 +237,21 @@ impl<B: Backend> MoeModel<B> {
     /// As [`Self::load`]; with `with_draft` false the draft's INT4 experts are not loaded even when
     /// the store has them (target-only runs then keep that memory for FP16 experts).
     pub fn load_with(
+        cfg: ArchConfig,
+        store: &dyn WeightStore,
+        backend: B,
+        with_draft: bool,
+    ) -> Result<Self> {
+        // Weights may be uploaded in one batch at the end (large reads instead of a copy per
+        // tensor); the store outlives both calls.
+        backend.begin_load(store.backing())?;
+        // On failure the backend, with whatever it deferred, is dropped with the weights.
+        let model = Self::load_tensors(cfg, store, backend, with_draft)?;
+        model.backend.finish_load()?;
+        Ok(model)
+    }
+
+    fn load_tensors(
         cfg: ArchConfig,
         store: &dyn WeightStore,
         backend: B,

@@ -115,6 +115,34 @@ pub trait Backend: Send + Sync {
 
     /// An FP16 weight (matrix `[out, in]` or vector).
     fn weight_f16(&self, name: &str, shape: &[usize], data: &[f16]) -> Result<Self::Weight>;
+    /// An FP16 weight made of `parts` laid end to end (a fused gate/up matrix).
+    fn weight_f16_parts(
+        &self,
+        name: &str,
+        shape: &[usize],
+        parts: &[&[f16]],
+    ) -> Result<Self::Weight> {
+        let joined: Vec<f16> = parts.concat();
+        self.weight_f16(name, shape, &joined)
+    }
+
+    /// Starts loading a model from a store backed by `backing`. Until [`Self::finish_load`], a
+    /// backend may hand out weights whose bytes (borrowed from `backing`) are not uploaded yet,
+    /// and upload them all at once, with large reads, in `finish_load`. Callers keep the store
+    /// alive until then.
+    fn begin_load(&self, backing: Option<crate::weights::Backing<'_>>) -> Result<()> {
+        let _ = backing;
+        Ok(())
+    }
+
+    /// Uploads everything deferred since [`Self::begin_load`]; the weights are usable after it.
+    fn finish_load(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Drops every deferred upload (the load failed and its weights are being dropped).
+    fn cancel_load(&self) {}
+
     /// An INT4 Marlin-tiled weight used as `[n, k]`: `k` inputs, `n` outputs.
     fn weight_int4(
         &self,

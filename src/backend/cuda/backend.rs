@@ -18,6 +18,7 @@ use half::f16;
 
 use super::device::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
+use super::load::{LoadIo, LoadReport, PendingLoad};
 use super::moe_int4::MoeInt4Kernels;
 use super::offload::{ExpertOffload, OffloadConfig, OffloadStats};
 use super::CudaDevice;
@@ -269,6 +270,11 @@ pub struct CudaBackend {
     /// Allocates buffers while the compute stream is being captured, outside the recording.
     side_stream: Arc<CudaStream>,
     timing: Mutex<(HostTiming, Option<std::time::Instant>)>,
+    /// How weights are read at load time, the uploads deferred until `finish_load`, and what the
+    /// last batched upload did.
+    load_io: LoadIo,
+    pending: Mutex<Option<PendingLoad>>,
+    load_report: Mutex<Option<LoadReport>>,
 }
 
 /// A kernel argument: every argument travels as one 8-byte slot (the driver reads as many bytes as
@@ -400,7 +406,59 @@ impl CudaBackend {
             steps: Mutex::new(graphs::StepGraphs::new(params, graphs_on)),
             side_stream,
             timing: Mutex::new((HostTiming::default(), None)),
+            load_io: LoadIo::default(),
+            pending: Mutex::new(None),
+            load_report: Mutex::new(None),
         })
+    }
+
+    /// How the next model load reads its weights (see [`LoadIo`]).
+    pub fn set_load_io(&mut self, io: LoadIo) {
+        self.load_io = io;
+    }
+
+    /// What the last batched weight upload did (`None` when weights went one by one).
+    pub fn load_report(&self) -> Result<Option<LoadReport>> {
+        Ok(self.lock(&self.load_report)?.clone())
+    }
+
+    /// Allocates `n` uninitialised elements for a weight whose bytes (`data`, borrowed from the
+    /// store being loaded) are copied in by `finish_load`; `None` when `data` is not from the
+    /// store's file, or no batched load is in progress.
+    fn deferred_alloc<T: cudarc::driver::DeviceRepr>(
+        &self,
+        name: &str,
+        parts: &[&[T]],
+    ) -> Result<Option<CudaSlice<T>>> {
+        let mut pending = self.lock(&self.pending)?;
+        let Some(p) = pending.as_mut() else {
+            return Ok(None);
+        };
+        let Some(offsets) = parts
+            .iter()
+            .map(|d| p.offset_of(d))
+            .collect::<Option<Vec<u64>>>()
+        else {
+            return Ok(None);
+        };
+        let n: usize = parts.iter().map(|d| d.len()).sum();
+        let buf = guarded(
+            &format!(
+                "cuda: cannot allocate {name} ({} bytes; out of VRAM?)",
+                n * std::mem::size_of::<T>()
+            ),
+            // SAFETY: the contents are written by `finish_load` before any kernel reads them
+            // (it synchronises the copies before the model is returned).
+            || unsafe { self.stream.alloc::<T>(n.max(1)) },
+        )?;
+        let base = ptr(&buf, &self.stream);
+        let mut at = 0u64;
+        for (d, off) in parts.iter().zip(offsets) {
+            let len = std::mem::size_of_val(*d);
+            p.push(off, len, base + at);
+            at += len as u64;
+        }
+        Ok(Some(buf))
     }
 
     pub fn device(&self) -> &Arc<CudaDevice> {
@@ -422,6 +480,15 @@ impl CudaBackend {
             None => Ok(0),
             Some(o) => self.lock(o)?.prefetch(layer, experts),
         }
+    }
+
+    /// Waits until the offloaded experts' host registration (made in the background at load)
+    /// has finished, so that copies go straight from the mapping from now on.
+    pub fn wait_host_registration(&self) -> Result<()> {
+        if let Some(o) = &self.offload {
+            self.lock(o)?.poll_registration(true);
+        }
+        Ok(())
     }
 
     /// Ends the current prefetch plan.
@@ -679,15 +746,71 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let buf = guarded(
-            &format!("cuda: cannot upload {name} ({} bytes; out of VRAM?)", 2 * n),
-            || self.stream.clone_htod(data),
-        )?;
+        let buf = match self.deferred_alloc(name, &[data])? {
+            Some(buf) => buf,
+            None => guarded(
+                &format!("cuda: cannot upload {name} ({} bytes; out of VRAM?)", 2 * n),
+                || self.stream.clone_htod(data),
+            )?,
+        };
         Ok(GpuWeight::F16 {
             name: name.to_string(),
             shape: shape.to_vec(),
             buf,
         })
+    }
+
+    fn weight_f16_parts(&self, name: &str, shape: &[usize], parts: &[&[f16]]) -> Result<GpuWeight> {
+        let n: usize = shape.iter().product();
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if n != total || shape.is_empty() || shape.len() > 2 || n == 0 {
+            return Err(shape_err(
+                "weight",
+                format!("{name}: shape {shape:?} does not hold {total} values"),
+            ));
+        }
+        match self.deferred_alloc(name, parts)? {
+            Some(buf) => Ok(GpuWeight::F16 {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                buf,
+            }),
+            None => self.weight_f16(name, shape, &parts.concat()),
+        }
+    }
+
+    fn begin_load(&self, backing: Option<crate::weights::Backing<'_>>) -> Result<()> {
+        let pending = match (self.load_io, backing) {
+            (LoadIo::PerTensor, _) | (_, None) => None,
+            (_, Some(b)) => match b.file {
+                Some((file, path)) => Some(PendingLoad::new(b.bytes, file, path)?),
+                None => None,
+            },
+        };
+        *self.lock(&self.pending)? = pending;
+        Ok(())
+    }
+
+    fn finish_load(&self) -> Result<()> {
+        let Some(pending) = self.lock(&self.pending)?.take() else {
+            return Ok(());
+        };
+        if pending.is_empty() {
+            return Ok(());
+        }
+        // The weights' allocations were queued on the compute stream; the copies run on other
+        // streams.
+        guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        let report = super::load::upload(self.dev.context(), pending, self.load_io)?;
+        tracing::info!(
+            "uploaded {:.2} GB of weights in {:.3} s ({} I/O, {} threads)",
+            report.bytes as f64 / 1e9,
+            report.seconds,
+            report.io,
+            report.threads
+        );
+        *self.lock(&self.load_report)? = Some(report);
+        Ok(())
     }
 
     fn weight_int4(
@@ -710,15 +833,30 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let up = guarded(
-            &format!("cuda: cannot upload {name} (out of VRAM?)"),
-            || {
-                Ok((
-                    self.stream.clone_htod(qweight)?,
-                    self.stream.clone_htod(scales)?,
-                ))
+        let deferred = match self.deferred_alloc(name, &[qweight])? {
+            Some(q) => match self.deferred_alloc(&format!("{name} scales"), &[scales])? {
+                Some(s) => Some((q, s)),
+                // A load that fails is dropped with its backend, so `q`'s queued copy never runs.
+                None => {
+                    return Err(Error::Backend(format!(
+                        "{name}: the weights and their scales do not come from the same file"
+                    )))
+                }
             },
-        )?;
+            None => None,
+        };
+        let up = match deferred {
+            Some(up) => up,
+            None => guarded(
+                &format!("cuda: cannot upload {name} (out of VRAM?)"),
+                || {
+                    Ok((
+                        self.stream.clone_htod(qweight)?,
+                        self.stream.clone_htod(scales)?,
+                    ))
+                },
+            )?,
+        };
         Ok(GpuWeight::Int4 {
             name: name.to_string(),
             k,

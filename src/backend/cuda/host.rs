@@ -256,6 +256,28 @@ impl PinnedBuffer {
         unsafe { copy_htod_async(src, dst, stream, &self.last_use) }
     }
 
+    /// As [`Self::copy_to_device`], into raw device memory.
+    ///
+    /// # Safety
+    /// `dst` must address at least `range.len()` bytes of device memory whose allocation has
+    /// completed and that stays allocated until the copy has (the stream is synchronised).
+    pub(crate) unsafe fn copy_to_device_ptr(
+        &self,
+        range: Range<usize>,
+        dst: sys::CUdeviceptr,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        checked_range(&range, self.len, "pinned buffer")?;
+        let src = &self.as_slice()[range];
+        // SAFETY: `src` lies in this pinned allocation, and `as_mut_slice` and Drop wait on
+        // `last_use` (recorded after the copy) before the bytes change or are freed; the caller
+        // vouches for `dst`.
+        guarded("cuMemcpyHtoDAsync", || unsafe {
+            drv::memcpy_htod_async(dst, src, stream.cu_stream())
+        })?;
+        guarded("cuEventRecord", || self.last_use.record(stream))
+    }
+
     /// Waits until every copy issued through [`Self::copy_to_device`] has finished.
     pub fn wait(&self) -> Result<()> {
         guarded("cuEventSynchronize", || self.last_use.synchronize())

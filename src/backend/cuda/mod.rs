@@ -12,6 +12,7 @@ mod backend;
 mod device;
 pub mod experts;
 mod host;
+pub mod load;
 mod moe_int4;
 mod nvrtc;
 mod offload;
@@ -20,6 +21,7 @@ mod prefetch;
 pub use backend::{CudaBackend, GpuAct, GpuWeight, StepGraphStats};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
 pub use host::{PinnedBuffer, RegisteredHost};
+pub use load::{LoadIo, LoadReport};
 pub use moe_int4::{check_int4_launch, MoeInt4Kernels};
 pub use nvrtc::{
     cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,

@@ -87,6 +87,9 @@ pub struct OffloadStats {
     pub prefetch_bytes: u64,
     /// Copy-stream time of the prefetches, seconds (hidden behind drafting when the plan was early).
     pub prefetch_copy_seconds: f64,
+    /// Seconds the background registration of the expert sections took (0 until it is done, and
+    /// without registration); copies go through staging until then.
+    pub registration_seconds: f64,
 }
 
 impl OffloadStats {
@@ -153,9 +156,14 @@ struct LayerSlots {
     unused_prefetch: Vec<bool>,
 }
 
+/// The expert sections' registrations, made on a background thread, and how long they took.
+type Registered = std::result::Result<(Vec<RegisteredHost<'static>>, f64), String>;
+
 pub struct ExpertOffload {
     // Registrations refer to `bundle`'s mapping, so they are declared (and dropped) first.
     registrations: Vec<RegisteredHost<'static>>,
+    /// The background registration, until it reports.
+    registering: Option<std::sync::mpsc::Receiver<Registered>>,
     staging: Vec<PinnedBuffer>,
     next_staging: usize,
     bundle: Arc<Bundle>,
@@ -276,41 +284,59 @@ impl ExpertOffload {
                 unused_prefetch: vec![false; cfg.slots_per_layer],
             });
         }
-        let mut registrations = Vec::new();
-        let mut path = "pinned-staging";
-        if cfg.host_path == HostPath::Auto {
-            let bytes = cfg.bundle.as_bytes();
-            let mut ok = true;
-            for &(lo, hi) in &sections {
-                // Registration works on whole pages; sections start on one.
-                let lo = lo & !4095;
-                // SAFETY: the slice borrows `cfg.bundle`'s mapping, which the Arc stored in the
-                // same struct keeps alive; `registrations` is declared before `bundle`, so every
-                // registration is dropped (and unregistered) before the mapping can go.
-                let slice: &'static [u8] =
-                    unsafe { std::mem::transmute::<&[u8], &'static [u8]>(&bytes[lo..hi]) };
-                match dev.register_read_only(slice) {
-                    Ok(r) => registrations.push(r),
-                    Err(err) => {
-                        tracing::warn!(
-                            "expert offload: {err}; copying through pinned staging buffers"
-                        );
-                        ok = false;
-                        break;
+        // Registering tens of GB pins (and, from a cold cache, reads) every page: seconds. It
+        // runs on another thread so the first token does not wait for it; copies go through the
+        // pinned staging buffers until it reports (see `poll_registration`).
+        let registering = if cfg.host_path == HostPath::Auto {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let bundle = cfg.bundle.clone();
+            let ctx = dev.context().clone();
+            std::thread::Builder::new()
+                .name("specter-register".into())
+                .spawn(move || {
+                    let started = std::time::Instant::now();
+                    let mut regs = Vec::new();
+                    let mut failure = None;
+                    for &(lo, hi) in &sections {
+                        // Registration works on whole pages; sections start on one.
+                        let lo = lo & !4095;
+                        let bytes = bundle.as_bytes();
+                        // SAFETY: the slice borrows `bundle`'s mapping. This thread holds an Arc
+                        // to it until the registrations are either dropped here (before `bundle`,
+                        // declared earlier) or handed to the ExpertOffload, which keeps its own Arc
+                        // and drops its registrations first.
+                        let slice: &'static [u8] =
+                            unsafe { std::mem::transmute::<&[u8], &'static [u8]>(&bytes[lo..hi]) };
+                        match RegisteredHost::register_read_only(&ctx, slice) {
+                            Ok(r) => regs.push(r),
+                            Err(err) => {
+                                failure = Some(err.to_string());
+                                break;
+                            }
+                        }
                     }
-                }
-            }
-            if ok {
-                path = "registered-mmap";
-            } else {
-                registrations.clear();
-            }
-        }
-        let staging = if path == "pinned-staging" {
-            vec![dev.alloc_pinned(slot_bytes)?, dev.alloc_pinned(slot_bytes)?]
+                    let outcome = match failure {
+                        None => Ok((regs, started.elapsed().as_secs_f64())),
+                        Some(e) => {
+                            drop(regs);
+                            Err(e)
+                        }
+                    };
+                    // The receiver is gone when the offload was dropped first: the
+                    // registrations are then undone here.
+                    let _ = tx.send(outcome);
+                    drop(bundle);
+                })
+                .map_err(|e| {
+                    Error::Backend(format!("cannot start the registration thread: {e}"))
+                })?;
+            Some(rx)
         } else {
-            Vec::new()
+            None
         };
+        let registrations = Vec::new();
+        let path = "pinned-staging";
+        let staging = vec![dev.alloc_pinned(slot_bytes)?, dev.alloc_pinned(slot_bytes)?];
         let stats = OffloadStats {
             policy: cfg.policy.name().to_string(),
             path: path.to_string(),
@@ -321,6 +347,7 @@ impl ExpertOffload {
         };
         Ok(ExpertOffload {
             registrations,
+            registering,
             staging,
             next_staging: 0,
             bundle: cfg.bundle,
@@ -384,6 +411,7 @@ impl ExpertOffload {
             slots_per_layer: self.stats.slots_per_layer,
             slot_bytes: self.stats.slot_bytes,
             slot_vram_bytes: self.stats.slot_vram_bytes,
+            registration_seconds: self.stats.registration_seconds,
             ..Default::default()
         };
         self.stats = keep;
@@ -663,6 +691,38 @@ impl ExpertOffload {
         Ok(())
     }
 
+    /// Switches to direct copies from the registered mapping once the background registration
+    /// has finished (or stays on staging if it failed); with `block`, waits for it first.
+    pub(crate) fn poll_registration(&mut self, block: bool) {
+        let Some(rx) = &self.registering else {
+            return;
+        };
+        let outcome = if block {
+            rx.recv().map_err(|_| ())
+        } else {
+            match rx.try_recv() {
+                Ok(outcome) => Ok(outcome),
+                Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(()),
+            }
+        };
+        self.registering = None;
+        match outcome {
+            Ok(Ok((regs, seconds))) => {
+                tracing::info!("expert sections registered in {seconds:.3} s; copying from them");
+                self.registrations = regs;
+                self.stats.path = "registered-mmap".to_string();
+                self.stats.registration_seconds = seconds;
+            }
+            Ok(Err(err)) => {
+                tracing::warn!("expert offload: {err}; copying through pinned staging buffers");
+            }
+            Err(()) => tracing::warn!(
+                "expert offload: the registration thread ended without a result; copying through pinned staging buffers"
+            ),
+        }
+    }
+
     /// One host-to-device copy of `len` bytes at file offset `src` into slot `slot` + `dst`.
     fn copy_run(
         &mut self,
@@ -672,6 +732,7 @@ impl ExpertOffload {
         dst: usize,
         len: usize,
     ) -> Result<()> {
+        self.poll_registration(false);
         let copy = self.copy_stream.clone();
         let slot_bytes = self.slot_bytes;
         let at = slot * slot_bytes + dst;
