@@ -564,6 +564,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     "prefetched": o.prefetched, "prefetch_used": o.prefetch_used,
                     "prefetch_precision": o.prefetch_precision(), "prefetch_recall": o.prefetch_recall(),
                     "prefetch_bytes": o.prefetch_bytes, "prefetch_copy_seconds": o.prefetch_copy_seconds,
+                    "prefetch_hidden_seconds": o.prefetch_hidden_seconds,
                     "draft_step_ms": draft_step_ms,
                     "registration_seconds": o.registration_seconds,
                 })),

@@ -482,6 +482,15 @@ impl CudaBackend {
         }
     }
 
+    /// Marks the start of a verify pass, for the share of prefetch copy time hidden behind
+    /// drafting ([`OffloadStats::prefetch_hidden_seconds`]).
+    pub fn mark_verify(&self) -> Result<()> {
+        match &self.offload {
+            None => Ok(()),
+            Some(o) => self.lock(o)?.mark_verify(&self.stream),
+        }
+    }
+
     /// Waits until the offloaded experts' host registration (made in the background at load)
     /// has finished, so that copies go straight from the mapping from now on.
     pub fn wait_host_registration(&self) -> Result<()> {

@@ -85,8 +85,11 @@ pub struct OffloadStats {
     pub target_planned: u64,
     /// Bytes copied by prefetches (the rest of `bytes_copied` were demand loads).
     pub prefetch_bytes: u64,
-    /// Copy-stream time of the prefetches, seconds (hidden behind drafting when the plan was early).
+    /// Copy-stream time of the prefetches, seconds.
     pub prefetch_copy_seconds: f64,
+    /// Of that, the time before the verify pass that followed started on the compute stream:
+    /// copy time hidden behind drafting (device events; needs [`ExpertOffload::mark_verify`]).
+    pub prefetch_hidden_seconds: f64,
     /// Seconds the background registration of the expert sections took (0 until it is done, and
     /// without registration); copies go through staging until then.
     pub registration_seconds: f64,
@@ -180,6 +183,10 @@ pub struct ExpertOffload {
     released: CudaEvent,
     /// Copy batches to time: start, end, and whether it was a prefetch.
     timings: Vec<(CudaEvent, CudaEvent, bool)>,
+    /// Per prefetch timing (by index into `timings`), the start of the verify pass after it.
+    verify_marks: Vec<(usize, Arc<CudaEvent>)>,
+    /// Prefetch timings not yet followed by a verify mark.
+    unmarked: Vec<usize>,
     stats: OffloadStats,
     tick: u64,
 }
@@ -361,6 +368,8 @@ impl ExpertOffload {
             ready: event(false)?,
             released: event(false)?,
             timings: Vec::new(),
+            verify_marks: Vec::new(),
+            unmarked: Vec::new(),
             stats,
             tick: 0,
         })
@@ -405,6 +414,8 @@ impl ExpertOffload {
             l.unused_prefetch.iter_mut().for_each(|p| *p = false);
         }
         self.timings.clear();
+        self.verify_marks.clear();
+        self.unmarked.clear();
         let keep = OffloadStats {
             policy: self.stats.policy.clone(),
             path: self.stats.path.clone(),
@@ -419,14 +430,40 @@ impl ExpertOffload {
     }
 
     pub(crate) fn stats(&mut self) -> Result<OffloadStats> {
-        for (start, end, prefetch) in self.timings.drain(..) {
+        let marks: std::collections::HashMap<usize, Arc<CudaEvent>> =
+            self.verify_marks.drain(..).collect();
+        for (i, (start, end, prefetch)) in self.timings.drain(..).enumerate() {
             let ms = guarded("cuEventElapsedTime", || start.elapsed_ms(&end))?;
             self.stats.copy_seconds += ms as f64 / 1e3;
             if prefetch {
                 self.stats.prefetch_copy_seconds += ms as f64 / 1e3;
+                if let Some(verify) = marks.get(&i) {
+                    // The part of the copy before the verify pass began: [0, copy time].
+                    let before = guarded("cuEventElapsedTime", || start.elapsed_ms(verify))?;
+                    self.stats.prefetch_hidden_seconds += before.clamp(0.0, ms) as f64 / 1e3;
+                }
             }
         }
+        self.unmarked.clear();
         Ok(self.stats.clone())
+    }
+
+    /// Marks the start of a verify pass on `compute`: the prefetches issued since the last mark
+    /// count as hidden up to this point.
+    pub(crate) fn mark_verify(&mut self, compute: &CudaStream) -> Result<()> {
+        if self.unmarked.is_empty() {
+            return Ok(());
+        }
+        let ctx = compute.context().clone();
+        let event = guarded("cuEventCreate", || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        })?;
+        guarded("cuEventRecord", || event.record(compute))?;
+        let event = Arc::new(event);
+        for i in self.unmarked.drain(..) {
+            self.verify_marks.push((i, event.clone()));
+        }
+        Ok(())
     }
 
     /// Runs the routed experts of one layer: resident ones first, then the missing ones once
@@ -586,6 +623,7 @@ impl ExpertOffload {
             self.stats.prefetched += 1;
         }
         guarded("cuEventRecord", || end.record(&copy))?;
+        self.unmarked.push(self.timings.len());
         self.timings.push((start, end, true));
         Ok(chosen.len() * 3 * mb)
     }

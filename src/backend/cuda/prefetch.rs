@@ -115,6 +115,12 @@ impl RouteHook for CudaPrefetcher<'_> {
 }
 
 impl DecodeObserver for CudaPrefetcher<'_> {
+    fn on_target_pass(&mut self, _rows: usize) {
+        if let Err(e) = self.backend.mark_verify() {
+            self.error.get_or_insert(e);
+        }
+    }
+
     fn on_draft_window(&mut self, depth: usize) {
         if let Err(e) = self
             .backend
