@@ -114,6 +114,12 @@ fn every_op_matches_the_cpu_reference() {
         (17, 136, 40),
         (3, 100, 33),
         (9, 2048, 4096),
+        // Decode and window rows through each row-group width of linear_f16 (1, 2, 4, 8), odd
+        // feature counts (a warp with one feature), and more rows than one group.
+        (1, 2048, 577),
+        (2, 512, 4096),
+        (4, 136, 41),
+        (13, 2048, 7),
     ] {
         let (xc, xg, _) = p.act(rows, k);
         let (wc, wg) = p.weight("w", &[n, k], 0.05);
@@ -304,6 +310,9 @@ fn every_op_matches_the_cpu_reference() {
         (128, 128, 8, 5, 2),
         (2048, 1408, 8, 17, 6),
         (96, 40, 4, 3, 2),
+        // Decode (one row) and a 4-row window through the narrow row groups.
+        (256, 176, 16, 1, 6),
+        (512, 88, 8, 4, 3),
     ] {
         let (xc, xg, _) = p.act(rows, hidden);
         let mut cpu_experts = Vec::new();
@@ -324,6 +333,29 @@ fn every_op_matches_the_cpu_reference() {
             &format!("gated_mlp {rows}x{hidden} inter {inter}"),
             &p.gpu.gated_mlp(&xg, &gpu_experts[0]).unwrap(),
             &Cpu.gated_mlp(&xc, &cpu_experts[0]).unwrap(),
+        );
+        // The last row alone gives the same bits as inside the batch.
+        let all = p
+            .gpu
+            .to_host(&p.gpu.gated_mlp(&xg, &gpu_experts[0]).unwrap())
+            .unwrap();
+        let last = p
+            .gpu
+            .upload(
+                1,
+                hidden,
+                &p.gpu.to_host(&xg).unwrap()[(rows - 1) * hidden..],
+            )
+            .unwrap();
+        let one = p
+            .gpu
+            .to_host(&p.gpu.gated_mlp(&last, &gpu_experts[0]).unwrap())
+            .unwrap();
+        assert!(
+            one.iter()
+                .zip(&all[(rows - 1) * hidden..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "gated_mlp: the last row alone differs from the batch"
         );
         let mut ids = Vec::new();
         let mut weights = Vec::new();

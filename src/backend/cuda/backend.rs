@@ -28,8 +28,10 @@ use crate::{Error, Result};
 
 /// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
 const ROW_THREADS: u32 = 256;
-/// Output features per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
-const GEMV_WARPS: usize = 8;
+/// Warps per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
+const GEMV_WARPS: usize = 4;
+/// Output features per warp of `linear_f16` and `moe_f16_down` (kernels/gemv_f16.cu).
+const GEMV_FEATURES: usize = 2;
 /// Threads per block of kernels/attention.cu.
 const ATT_THREADS: u32 = 128;
 
@@ -168,12 +170,12 @@ struct Kernels {
     add_sigmoid_gated: CudaFunction,
     rope: CudaFunction,
     mla_expand_kv: CudaFunction,
-    silu_mul: CudaFunction,
     argmax: CudaFunction,
     moe_combine: CudaFunction,
     route_topk: CudaFunction,
     moe_plan: CudaFunction,
     linear: CudaFunction,
+    gate_up_silu: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     attention: CudaFunction,
@@ -193,12 +195,12 @@ impl Kernels {
             add_sigmoid_gated: ops("add_sigmoid_gated")?,
             rope: ops("rope")?,
             mla_expand_kv: ops("mla_expand_kv")?,
-            silu_mul: ops("silu_mul")?,
             argmax: ops("argmax_rows")?,
             moe_combine: ops("moe_combine")?,
             route_topk: ops("route_softmax_topk")?,
             moe_plan: ops("moe_plan")?,
             linear: gemv("linear_f16")?,
+            gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
             moe_down: gemv("moe_f16_down")?,
             attention: dev.function("attention", "attention")?,
@@ -549,7 +551,11 @@ impl CudaBackend {
         self.launch(
             &self.k.moe_down,
             "moe down",
-            (grid_for(l.hidden, GEMV_WARPS as u32), gy, 1),
+            (
+                grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32),
+                gy,
+                1,
+            ),
             32 * GEMV_WARPS as u32,
             &[l.h, h, i, l.groups, l.item_weight, l.out],
         )
@@ -844,7 +850,7 @@ impl Backend for CudaBackend {
             self.launch(
                 &self.k.linear,
                 "linear",
-                (grid_for(out, GEMV_WARPS as u32), 1, 1),
+                (grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32), 1, 1),
                 32 * GEMV_WARPS as u32,
                 &[
                     ptr(&x.buf, s),
@@ -1179,24 +1185,36 @@ impl Backend for CudaBackend {
     }
 
     fn gated_mlp(&self, x: &GpuAct, mlp: &GatedMlp<Self>) -> Result<GpuAct> {
-        let (_, two_inter, _) = self.f16_matrix(&mlp.gate_up, "gated_mlp")?;
-        let gu = self.linear(x, &mlp.gate_up, None)?;
+        let (wb, two_inter, inp) = self.f16_matrix(&mlp.gate_up, "gated_mlp")?;
+        if inp != x.cols || two_inter % 2 != 0 {
+            return Err(shape_err(
+                "gated_mlp",
+                format!(
+                    "{} is not a gate/up pair for an input of {} columns",
+                    mlp.gate_up.describe(),
+                    x.cols
+                ),
+            ));
+        }
         let inter = two_inter / 2;
         let h = self.alloc(x.rows, inter)?;
-        let n = x.rows * inter;
-        if n > 0 {
+        if x.rows > 0 && inter > 0 {
+            // Gate/up product and silu(gate) * up in one kernel: the same bits as `linear`
+            // followed by `silu_mul`.
             let s = &self.stream;
             let args = [
-                ptr(&gu.buf, s),
+                ptr(&x.buf, s),
+                int(x.rows, "rows")?,
+                int(inp, "in")?,
+                ptr(wb, s),
                 int(inter, "inter")?,
-                n as u64,
                 ptr(&h.buf, s),
             ];
             self.launch(
-                &self.k.silu_mul,
-                "silu_mul",
-                Self::elementwise_grid(n),
-                256,
+                &self.k.gate_up_silu,
+                "gate/up silu",
+                (grid_for(inter, GEMV_WARPS as u32), 1, 1),
+                32 * GEMV_WARPS as u32,
                 &args,
             )?;
         }
