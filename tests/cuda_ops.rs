@@ -236,6 +236,12 @@ fn every_op_matches_the_cpu_reference() {
         (4, 2, 32, 32, None, 40, 7),
         (8, 8, 64, 64, Some(16), 50, 1),
         (16, 16, 192, 128, None, 144, 17),
+        // MLA decode; more keys than fit the kernel's shared-memory scores (global scratch);
+        // widths off the 16-byte path; values wider than one 128-channel tile.
+        (16, 16, 192, 128, None, 60, 1),
+        (2, 1, 64, 64, None, 4500, 5),
+        (4, 4, 30, 18, Some(7), 23, 5),
+        (2, 2, 64, 160, None, 33, 3),
     ] {
         let (qc, qg, qv) = p.act(rows, heads * qk);
         let (kc, kg, _) = p.act(len + 3, kv_heads * qk);

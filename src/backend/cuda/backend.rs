@@ -33,7 +33,7 @@ const GEMV_WARPS: usize = 4;
 /// Output features per warp of `linear_f16` and `moe_f16_down` (kernels/gemv_f16.cu).
 const GEMV_FEATURES: usize = 2;
 /// Threads per block of kernels/attention.cu.
-const ATT_THREADS: u32 = 128;
+const ATT_THREADS: u32 = 256;
 
 /// Bytes of freed activation buffers kept for reuse at most.
 const POOL_LIMIT_BYTES: usize = 2 << 30;
@@ -1121,6 +1121,9 @@ impl Backend for CudaBackend {
             int(start, "start")?,
             int(window.unwrap_or(0), "window")?,
             int(kv_len.max(1), "kv_len")?,
+            // start_at: none, the query start is `start` (a device pointer here would let a
+            // captured graph replay at later positions).
+            0,
         ];
         let grid =
             u32::try_from(blocks).map_err(|_| shape_err("attention", "too many rows".into()))?;
