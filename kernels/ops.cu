@@ -40,12 +40,62 @@ extern "C" __global__ void embedding(const __half* __restrict__ table, const uns
     }
 }
 
+#define RMS_CACHE 4
+
 // RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
+// Groups of a multiple of 4 columns (16-byte aligned) go through float4 loads, the first
+// RMS_CACHE * ROW_THREADS * 4 columns kept in registers between the two passes. The sum of squares
+// runs in an order fixed by `group` alone.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
                                     int group, float* __restrict__ y) {
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * group;
+    const bool vec = (group & 3) == 0 && ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
+                     (reinterpret_cast<size_t>(w) & 7) == 0;
     float ss = 0.0f;
+    if (vec) {
+        const int n4 = group >> 2;
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        float4* y4 = reinterpret_cast<float4*>(y + base);
+        const __half2* w2 = reinterpret_cast<const __half2*>(w);
+        float4 cache[RMS_CACHE];
+#pragma unroll
+        for (int i = 0; i < RMS_CACHE; ++i) {
+            const int c = threadIdx.x + i * ROW_THREADS;
+            if (c < n4) {
+                const float4 v = x4[c];
+                cache[i] = v;
+                ss = fmaf(v.x, v.x, ss);
+                ss = fmaf(v.y, v.y, ss);
+                ss = fmaf(v.z, v.z, ss);
+                ss = fmaf(v.w, v.w, ss);
+            }
+        }
+        for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
+            const float4 v = x4[c];
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+            ss = fmaf(v.z, v.z, ss);
+            ss = fmaf(v.w, v.w, ss);
+        }
+        ss = block_sum(ss, shared);
+        const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#pragma unroll
+        for (int i = 0; i < RMS_CACHE; ++i) {
+            const int c = threadIdx.x + i * ROW_THREADS;
+            if (c < n4) {
+                const float4 v = cache[i];
+                const float2 wa = __half22float2(w2[2 * c]), wb = __half22float2(w2[2 * c + 1]);
+                y4[c] = make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
+            }
+        }
+        for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
+            const float4 v = x4[c];
+            const float2 wa = __half22float2(w2[2 * c]), wb = __half22float2(w2[2 * c + 1]);
+            y4[c] = make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
+        }
+        return;
+    }
     for (int c = threadIdx.x; c < group; c += ROW_THREADS) {
         const float v = x[base + c];
         ss = fmaf(v, v, ss);
@@ -143,19 +193,18 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
 
 // MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and
 // values [len, heads * v_dim] from kv [len, heads * (nope + v_dim)] and k_pe [len, rope].
+// Grid: (len, heads); block: any.
 extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const float* __restrict__ k_pe,
                                          int heads, int nope, int rope, int v_dim,
                                          float* __restrict__ keys, float* __restrict__ values) {
     const size_t r = blockIdx.x;
+    const int h = blockIdx.y;
     const int kw = nope + rope, in_w = nope + v_dim;
-    for (int t = threadIdx.x; t < heads * kw; t += blockDim.x) {
-        const int h = t / kw, c = t % kw;
-        keys[r * heads * kw + t] = c < nope ? kv[r * heads * in_w + h * in_w + c] : k_pe[r * rope + (c - nope)];
-    }
-    for (int t = threadIdx.x; t < heads * v_dim; t += blockDim.x) {
-        const int h = t / v_dim, c = t % v_dim;
-        values[r * heads * v_dim + t] = kv[r * heads * in_w + h * in_w + nope + c];
-    }
+    const float* src = kv + (r * heads + h) * in_w;
+    float* kd = keys + (r * heads + h) * kw;
+    float* vd = values + (r * heads + h) * v_dim;
+    for (int c = threadIdx.x; c < kw; c += blockDim.x) kd[c] = c < nope ? src[c] : k_pe[r * rope + (c - nope)];
+    for (int c = threadIdx.x; c < v_dim; c += blockDim.x) vd[c] = src[nope + c];
 }
 
 // h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
@@ -202,16 +251,17 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
 
 // The routed-expert combine: y[r] = sum over j < top_k of out[row_items[r * top_k + j]], items
 // listed in ascending expert id, added in that order (as the CPU reference adds them).
+// Grid: (rows, ceil(hidden / blockDim.x)); one thread per output element.
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsigned* __restrict__ row_items,
                                        int top_k, int hidden, float* __restrict__ y) {
     const size_t r = blockIdx.x;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < top_k; ++j) {
-            acc += out[(size_t)row_items[r * top_k + j] * hidden + c];
-        }
-        y[r * hidden + c] = acc;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    float acc = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        acc += out[(size_t)row_items[r * top_k + j] * hidden + c];
     }
+    y[r * hidden + c] = acc;
 }
 
 struct ExpertGroup {

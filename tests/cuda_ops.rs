@@ -163,6 +163,21 @@ fn every_op_matches_the_cpu_reference() {
         &p.gpu.rms_norm(&xg, &wg, 1e-6, 192).unwrap(),
         &Cpu.rms_norm(&xc, &wc, 1e-6, 192).unwrap(),
     );
+    // Vector path of one row (decode), a width past the register cache, and a scalar width.
+    for &(rows, width, group) in &[
+        (1, 2048, 2048),
+        (2, 8192, 8192),
+        (3, 8192, 2048),
+        (3, 102, 102),
+    ] {
+        let (xc, xg, _) = p.act(rows, width);
+        let (wc, wg) = p.weight("norm", &[group], 1.0);
+        p.check(
+            &format!("rms_norm {rows}x{width} per group of {group}"),
+            &p.gpu.rms_norm(&xg, &wg, 1e-6, group).unwrap(),
+            &Cpu.rms_norm(&xc, &wc, 1e-6, group).unwrap(),
+        );
+    }
     let (wc2, wg2) = p.weight("norm32", &[32], 1.0);
     p.check(
         "rms_norm 6x192 per group of 32",
@@ -230,6 +245,12 @@ fn every_op_matches_the_cpu_reference() {
     let (kg, vg) = p.gpu.mla_expand_kv(&kvg, &peg, 4, 32, 32).unwrap();
     p.check("mla_expand_kv keys", &kg, &kc);
     p.check("mla_expand_kv values", &vg, &vc);
+    let (kvc, kvg, _) = p.act(2, 16 * (128 + 128));
+    let (pec, peg, _) = p.act(2, 64);
+    let (kc, vc) = Cpu.mla_expand_kv(&kvc, &pec, 16, 128, 128).unwrap();
+    let (kg, vg) = p.gpu.mla_expand_kv(&kvg, &peg, 16, 128, 128).unwrap();
+    p.check("mla_expand_kv keys (DeepSeek-V2-Lite widths)", &kg, &kc);
+    p.check("mla_expand_kv values (DeepSeek-V2-Lite widths)", &vg, &vc);
 
     // Attention: GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.
     for &(heads, kv_heads, qk, vd, window, len, rows) in &[

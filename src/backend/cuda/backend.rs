@@ -34,6 +34,8 @@ const GEMV_WARPS: usize = 4;
 const GEMV_FEATURES: usize = 2;
 /// Threads per block of kernels/attention.cu.
 const ATT_THREADS: u32 = 256;
+/// Threads per block of `mla_expand_kv` (one block per row and head).
+const MLA_THREADS: u32 = 128;
 
 /// Bytes of freed activation buffers kept for reuse at most.
 const POOL_LIMIT_BYTES: usize = 2 << 30;
@@ -1064,11 +1066,13 @@ impl Backend for CudaBackend {
                 ptr(&keys.buf, s),
                 ptr(&values.buf, s),
             ];
+            let h = u32::try_from(heads)
+                .map_err(|_| shape_err("mla_expand_kv", "too many heads".into()))?;
             self.launch(
                 &self.k.mla_expand_kv,
                 "mla_expand_kv",
-                (kv.rows as u32, 1, 1),
-                ROW_THREADS,
+                (kv.rows as u32, h, 1),
+                MLA_THREADS,
                 &args,
             )?;
         }
@@ -1336,7 +1340,7 @@ impl Backend for CudaBackend {
         self.launch(
             &self.k.moe_combine,
             "moe combine",
-            (x.rows as u32, 1, 1),
+            (x.rows as u32, grid_for(hidden, ROW_THREADS), 1),
             ROW_THREADS,
             &args,
         )?;
@@ -1611,7 +1615,7 @@ impl CudaBackend {
         self.launch(
             &self.k.moe_combine,
             "moe combine",
-            (rows as u32, 1, 1),
+            (rows as u32, grid_for(hidden, ROW_THREADS), 1),
             ROW_THREADS,
             &[
                 launch.out,
