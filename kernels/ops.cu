@@ -275,16 +275,13 @@ struct ExpertGroup {
 
 #define MAX_TOP_K 16
 
-// Router softmax and top-k on the device (largest probability first, ties to the lower id), then
-// optional renormalisation over the chosen k and scaling; as the CPU reference's SoftmaxTopK.
-// One warp per row. ids/weights: [rows, top_k].
-extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int experts, int top_k,
-                                              int renormalize, float scale, unsigned* __restrict__ ids,
-                                              float* __restrict__ weights) {
-    __shared__ int chosen[MAX_TOP_K];
-    __shared__ float chosen_p[MAX_TOP_K];
-    const int lane = threadIdx.x;
-    const float* row = logits + (size_t)blockIdx.x * experts;
+// Router softmax and top-k of one row by one warp (largest probability first, ties to the lower
+// id), then optional renormalisation over the chosen k and scaling; as the CPU reference's
+// SoftmaxTopK. `chosen`/`chosen_p`: the warp's own MAX_TOP_K shared slots.
+__device__ __forceinline__ void route_row(const float* __restrict__ row, int experts, int top_k, int renormalize,
+                                          float scale, int* chosen, float* chosen_p, unsigned* __restrict__ ids,
+                                          float* __restrict__ weights) {
+    const int lane = threadIdx.x & 31;
     float m = -__int_as_float(0x7f800000);
     for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -325,10 +322,22 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
             float w = chosen_p[j];
             if (renormalize) w /= s;
             if (scale != 1.0f) w *= scale;
-            ids[(size_t)blockIdx.x * top_k + j] = (unsigned)chosen[j];
-            weights[(size_t)blockIdx.x * top_k + j] = w;
+            ids[j] = (unsigned)chosen[j];
+            weights[j] = w;
         }
     }
+    __syncwarp();
+}
+
+// Router softmax and top-k on the device, one warp per row. ids/weights: [rows, top_k].
+extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int experts, int top_k,
+                                              int renormalize, float scale, unsigned* __restrict__ ids,
+                                              float* __restrict__ weights) {
+    __shared__ int chosen[MAX_TOP_K];
+    __shared__ float chosen_p[MAX_TOP_K];
+    const size_t r = blockIdx.x;
+    route_row(logits + r * experts, experts, top_k, renormalize, scale, chosen, chosen_p, ids + r * top_k,
+              weights + r * top_k);
 }
 
 #define PLAN_MAX_EXPERTS 1024
@@ -336,14 +345,12 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
 // The grouped-MoE work list from device routing (src/backend/cuda/experts.rs): items grouped by
 // ascending expert id, each expert's in ascending (row, slot) order, exactly as the host builds it.
 // `table[e]` holds expert e's weight pointers. Groups past the number of experts hit get count 0,
-// so kernels launched over `max_groups` groups do nothing there. One thread: the lists are short.
-extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const float* __restrict__ weights,
-                                    int rows, int top_k, int experts, const ExpertGroup* __restrict__ table,
-                                    int max_groups, ExpertGroup* __restrict__ groups,
-                                    unsigned* __restrict__ item_row, float* __restrict__ item_weight,
-                                    unsigned* __restrict__ row_items) {
-    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+// so kernels launched over `max_groups` groups do nothing there. Run by one thread: the lists are
+// short. `cursor`: PLAN_MAX_EXPERTS shared words.
+__device__ void plan_list(const unsigned* __restrict__ ids, const float* __restrict__ weights, int rows, int top_k,
+                          int experts, const ExpertGroup* __restrict__ table, int max_groups,
+                          ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
+                          float* __restrict__ item_weight, unsigned* __restrict__ row_items, unsigned* cursor) {
     const int n = rows * top_k;
     for (int e = 0; e < experts; ++e) cursor[e] = 0;
     for (int i = 0; i < n; ++i) cursor[ids[i]] += 1;
@@ -385,4 +392,41 @@ extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const floa
             list[b + 1] = v;
         }
     }
+}
+
+// The work list after route_softmax_topk. Grid: 1; block: any (thread 0 works).
+extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const float* __restrict__ weights,
+                                    int rows, int top_k, int experts, const ExpertGroup* __restrict__ table,
+                                    int max_groups, ExpertGroup* __restrict__ groups,
+                                    unsigned* __restrict__ item_row, float* __restrict__ item_weight,
+                                    unsigned* __restrict__ row_items) {
+    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    plan_list(ids, weights, rows, top_k, experts, table, max_groups, groups, item_row, item_weight, row_items,
+              cursor);
+}
+
+#define ROUTE_PLAN_WARPS 8
+
+// route_softmax_topk and moe_plan in one launch, for few rows (decode, verification windows):
+// warp w routes rows w, w + ROUTE_PLAN_WARPS, ... (the same per-row code as route_softmax_topk),
+// then, after the block barrier makes ids/weights visible, thread 0 builds the work list as
+// moe_plan does. Grid: 1; block: 32 * ROUTE_PLAN_WARPS.
+extern "C" __global__ void __launch_bounds__(32 * ROUTE_PLAN_WARPS) route_plan(
+    const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
+    unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
+    int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
+    float* __restrict__ item_weight, unsigned* __restrict__ row_items) {
+    __shared__ int chosen[ROUTE_PLAN_WARPS][MAX_TOP_K];
+    __shared__ float chosen_p[ROUTE_PLAN_WARPS][MAX_TOP_K];
+    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
+    const int warp = threadIdx.x >> 5;
+    for (int r = warp; r < rows; r += ROUTE_PLAN_WARPS) {
+        route_row(logits + (size_t)r * experts, experts, top_k, renormalize, scale, chosen[warp], chosen_p[warp],
+                  ids + (size_t)r * top_k, weights + (size_t)r * top_k);
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    plan_list(ids, weights, rows, top_k, experts, table, max_groups, groups, item_row, item_weight, row_items,
+              cursor);
 }

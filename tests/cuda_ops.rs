@@ -340,6 +340,8 @@ fn every_op_matches_the_cpu_reference() {
         // Decode (one row) and a 4-row window through the narrow row groups.
         (256, 176, 16, 1, 6),
         (512, 88, 8, 4, 3),
+        // More rows than the fused routing + work-list launch takes: two launches.
+        (64, 32, 8, 70, 2),
     ] {
         let (xc, xg, _) = p.act(rows, hidden);
         let mut cpu_experts = Vec::new();

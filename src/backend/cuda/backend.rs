@@ -36,6 +36,11 @@ const GEMV_FEATURES: usize = 2;
 const ATT_THREADS: u32 = 256;
 /// Threads per block of `mla_expand_kv` (one block per row and head).
 const MLA_THREADS: u32 = 128;
+/// Threads of the fused routing + work-list kernel (`ROUTE_PLAN_WARPS` in kernels/ops.cu).
+const ROUTE_PLAN_THREADS: u32 = 256;
+/// Rows up to which routing and the work list are built by that one launch; past it the rows
+/// are routed one block each and the plan follows in a second launch.
+const ROUTE_PLAN_MAX_ROWS: usize = 64;
 
 /// Bytes of freed activation buffers kept for reuse at most.
 const POOL_LIMIT_BYTES: usize = 2 << 30;
@@ -176,6 +181,7 @@ struct Kernels {
     moe_combine: CudaFunction,
     route_topk: CudaFunction,
     moe_plan: CudaFunction,
+    route_plan: CudaFunction,
     linear: CudaFunction,
     gate_up_silu: CudaFunction,
     moe_gate_up: CudaFunction,
@@ -201,6 +207,7 @@ impl Kernels {
             moe_combine: ops("moe_combine")?,
             route_topk: ops("route_softmax_topk")?,
             moe_plan: ops("moe_plan")?,
+            route_plan: ops("route_plan")?,
             linear: gemv("linear_f16")?,
             gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
@@ -1561,40 +1568,62 @@ impl CudaBackend {
         let item_weight = alloc_u32(n_items)?;
         let row_items = alloc_u32(n_items)?;
         let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
-        self.launch(
-            &self.k.route_topk,
-            "route top-k",
-            (rows as u32, 1, 1),
-            32,
-            &[
-                ptr(&logits.buf, s),
-                int(n_experts, "experts")?,
-                int(top_k, "top_k")?,
-                u64::from(renormalize),
-                float(scale),
-                ptr(&ids, s),
-                ptr(&weights, s),
-            ],
-        )?;
-        self.launch(
-            &self.k.moe_plan,
-            "moe plan",
-            (1, 1, 1),
-            32,
-            &[
-                ptr(&ids, s),
-                ptr(&weights, s),
-                int(rows, "rows")?,
-                int(top_k, "top_k")?,
-                int(n_experts, "experts")?,
-                table,
-                int(max_groups, "groups")?,
-                ptr(&groups, s),
-                ptr(&item_row, s),
-                ptr(&item_weight, s),
-                ptr(&row_items, s),
-            ],
-        )?;
+        let route_args = [
+            ptr(&logits.buf, s),
+            int(n_experts, "experts")?,
+            int(top_k, "top_k")?,
+            u64::from(renormalize),
+            float(scale),
+            ptr(&ids, s),
+            ptr(&weights, s),
+        ];
+        let plan_args = [
+            int(rows, "rows")?,
+            table,
+            int(max_groups, "groups")?,
+            ptr(&groups, s),
+            ptr(&item_row, s),
+            ptr(&item_weight, s),
+            ptr(&row_items, s),
+        ];
+        if rows <= ROUTE_PLAN_MAX_ROWS {
+            // Few rows: routing and work list in one launch.
+            let args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
+            self.launch(
+                &self.k.route_plan,
+                "route + plan",
+                (1, 1, 1),
+                ROUTE_PLAN_THREADS,
+                &args,
+            )?;
+        } else {
+            self.launch(
+                &self.k.route_topk,
+                "route top-k",
+                (rows as u32, 1, 1),
+                32,
+                &route_args,
+            )?;
+            self.launch(
+                &self.k.moe_plan,
+                "moe plan",
+                (1, 1, 1),
+                32,
+                &[
+                    ptr(&ids, s),
+                    ptr(&weights, s),
+                    int(rows, "rows")?,
+                    int(top_k, "top_k")?,
+                    int(n_experts, "experts")?,
+                    table,
+                    int(max_groups, "groups")?,
+                    ptr(&groups, s),
+                    ptr(&item_row, s),
+                    ptr(&item_weight, s),
+                    ptr(&row_items, s),
+                ],
+            )?;
+        }
         let h = self.alloc(n_items, inter)?;
         let out = self.alloc(n_items, hidden)?;
         let launch = MoeLaunch {
