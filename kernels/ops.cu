@@ -347,7 +347,9 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
 // `table[e]` holds expert e's weight pointers. Groups past the number of experts hit get count 0,
 // so kernels launched over `max_groups` groups do nothing there. Run by one thread: the lists are
 // short. `cursor`: PLAN_MAX_EXPERTS shared words.
-__device__ void plan_list(const unsigned* __restrict__ ids, const float* __restrict__ weights, int rows, int top_k,
+// ids/weights carry no __restrict__: in route_plan they were written earlier in the same kernel,
+// so they must not be read through the non-coherent read-only path.
+__device__ void plan_list(const unsigned* ids, const float* weights, int rows, int top_k,
                           int experts, const ExpertGroup* __restrict__ table, int max_groups,
                           ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
                           float* __restrict__ item_weight, unsigned* __restrict__ row_items, unsigned* cursor) {
