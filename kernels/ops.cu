@@ -128,13 +128,28 @@ extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half*
     }
 }
 
-// Copies columns [col0, col0 + width) of x ([rows, x_cols]) into y ([rows, width]).
+// Splits columns [col0, col0 + width) of x ([rows, x_cols]) into up to four consecutive pieces:
+// y0 ([rows, w0]) takes the first w0 of them, y1 the next w1, and so on (unused pieces: width 0),
+// with w0 + w1 + w2 + w3 = width. One launch for a whole split_cols of up to four pieces.
 extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, int col0, int width,
-                                     unsigned long long total, float* __restrict__ y) {
+                                     unsigned long long total, float* __restrict__ y0, int w0,
+                                     float* __restrict__ y1, int w1, float* __restrict__ y2, int w2,
+                                     float* __restrict__ y3, int w3) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        const unsigned long long r = i / width, c = i % width;
-        y[i] = x[r * x_cols + col0 + c];
+        const unsigned long long r = i / width;
+        int c = (int)(i % width);
+        const float v = x[r * x_cols + col0 + c];
+        if (c < w0) {
+            y0[r * w0 + c] = v;
+        } else if ((c -= w0) < w1) {
+            y1[r * w1 + c] = v;
+        } else if ((c -= w1) < w2) {
+            y2[r * w2 + c] = v;
+        } else {
+            c -= w2;
+            y3[r * w3 + c] = v;
+        }
     }
 }
 

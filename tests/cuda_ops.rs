@@ -208,6 +208,12 @@ fn every_op_matches_the_cpu_reference() {
     for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
         p.check(&format!("split_cols piece {i}"), g, c);
     }
+    // Five pieces: one launch of four and one of one.
+    let pc = Cpu.split_cols(&xc, &[5, 20, 3, 40, 32]).unwrap();
+    let pg = p.gpu.split_cols(&xg, &[5, 20, 3, 40, 32]).unwrap();
+    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
+        p.check(&format!("split_cols of five, piece {i}"), g, c);
+    }
     let (mut ac, mut ag, _) = p.act(4, 100);
     Cpu.add_assign(&mut ac, &xc).unwrap();
     p.gpu.add_assign(&mut ag, &xg).unwrap();

@@ -877,30 +877,39 @@ impl Backend for CudaBackend {
 
     fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
         check::split(widths, x.cols).map_err(|d| shape_err("split_cols", d))?;
+        let outs = widths
+            .iter()
+            .map(|&w| self.alloc(x.rows, w))
+            .collect::<Result<Vec<_>>>()?;
+        // One launch per four pieces (copy_cols in kernels/ops.cu).
         let mut col0 = 0;
-        let mut outs = Vec::with_capacity(widths.len());
-        for &w in widths {
-            let y = self.alloc(x.rows, w)?;
-            let total = x.rows * w;
+        for (ws, ys) in widths.chunks(4).zip(outs.chunks(4)) {
+            let width: usize = ws.iter().sum();
+            let total = x.rows * width;
             if total > 0 {
                 let s = &self.stream;
+                let mut args = vec![
+                    ptr(&x.buf, s),
+                    int(x.cols, "cols")?,
+                    int(col0, "col")?,
+                    int(width, "width")?,
+                    total as u64,
+                ];
+                for j in 0..4 {
+                    match (ws.get(j), ys.get(j)) {
+                        (Some(&w), Some(y)) => args.extend([ptr(&y.buf, s), int(w, "width")?]),
+                        _ => args.extend([0, 0]),
+                    }
+                }
                 self.launch(
                     &self.k.copy_cols,
                     "split_cols",
                     Self::elementwise_grid(total),
                     256,
-                    &[
-                        ptr(&x.buf, s),
-                        int(x.cols, "cols")?,
-                        int(col0, "col")?,
-                        int(w, "width")?,
-                        total as u64,
-                        ptr(&y.buf, s),
-                    ],
+                    &args,
                 )?;
             }
-            col0 += w;
-            outs.push(y);
+            col0 += width;
         }
         Ok(outs)
     }
