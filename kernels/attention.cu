@@ -18,6 +18,12 @@
 // Channels of the value sum per pass: 4 per lane.
 #define ATT_VTILE 128
 
+// Four consecutive floats: one 16-byte load when aligned, else four scalar ones (same values).
+__device__ __forceinline__ float4 att_load4(const float* p, bool aligned) {
+    if (aligned) return *reinterpret_cast<const float4*>(p);
+    return make_float4(p[0], p[1], p[2], p[3]);
+}
+
 __device__ __forceinline__ float att_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
@@ -53,7 +59,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     const float* vbase = v + (size_t)lo * v_stride + (size_t)kh * v_dim;
 
     // Scores: each warp takes ATT_KEYS_PER_WARP consecutive keys at a time.
-    const bool qk_vec = (qk_dim & 3) == 0 && ((reinterpret_cast<size_t>(q) | reinterpret_cast<size_t>(k)) & 15) == 0;
+    // Channels in fours when the widths allow (16-byte loads where aligned, the same arithmetic
+    // otherwise), so the order depends on the shapes only.
+    const bool qk_vec = (qk_dim & 3) == 0;
+    const bool qk_aligned = ((reinterpret_cast<size_t>(q) | reinterpret_cast<size_t>(k)) & 15) == 0;
     for (int j0 = warp * ATT_KEYS_PER_WARP; j0 < n; j0 += ATT_THREADS / 32 * ATT_KEYS_PER_WARP) {
         float s[ATT_KEYS_PER_WARP];
 #pragma unroll
@@ -61,12 +70,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         if (qk_vec) {
             const int d4n = qk_dim >> 2;
             for (int d4 = lane; d4 < d4n; d4 += 32) {
-                const float4 qv = reinterpret_cast<const float4*>(qh)[d4];
+                const float4 qv = att_load4(qh + 4 * d4, qk_aligned);
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) {
                     if (j0 + u < n) {
-                        const float4 kv =
-                            reinterpret_cast<const float4*>(kbase + (size_t)(j0 + u) * k_stride)[d4];
+                        const float4 kv = att_load4(kbase + (size_t)(j0 + u) * k_stride + 4 * d4, qk_aligned);
                         float t = s[u];
                         t = fmaf(qv.x, kv.x, t);
                         t = fmaf(qv.y, kv.y, t);
@@ -119,7 +127,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     // channels d0 + 4l .. d0 + 4l + 3 of each tile of ATT_VTILE channels.
     const int per = (n + ATT_WARPS - 1) / ATT_WARPS;
     const int j_begin = min(n, warp * per), j_end = min(n, j_begin + per);
-    const bool v_vec = (v_dim & 3) == 0 && (reinterpret_cast<size_t>(v) & 15) == 0;
+    const bool v_vec = (v_dim & 3) == 0;
+    const bool v_aligned = (reinterpret_cast<size_t>(v) & 15) == 0;
     float* o = out + ((size_t)r * heads + h) * v_dim;
     for (int d0 = 0; d0 < v_dim; d0 += ATT_VTILE) {
         const int d = d0 + 4 * lane;
@@ -130,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
 #pragma unroll 4
                 for (int j = j_begin; j < j_end; ++j) {
                     const float p = scores[j] * inv;
-                    const float4 x = *reinterpret_cast<const float4*>(vd + (size_t)j * v_stride);
+                    const float4 x = att_load4(vd + (size_t)j * v_stride, v_aligned);
                     acc.x = fmaf(p, x.x, acc.x);
                     acc.y = fmaf(p, x.y, acc.y);
                     acc.z = fmaf(p, x.z, acc.z);

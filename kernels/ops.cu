@@ -42,28 +42,59 @@ extern "C" __global__ void embedding(const __half* __restrict__ table, const uns
 
 #define RMS_CACHE 4
 
+// Four consecutive floats: one 16-byte access when aligned, else four scalar ones (same values).
+__device__ __forceinline__ float4 load4(const float* p, bool aligned) {
+    if (aligned) return *reinterpret_cast<const float4*>(p);
+    return make_float4(p[0], p[1], p[2], p[3]);
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v, bool aligned) {
+    if (aligned) {
+        *reinterpret_cast<float4*>(p) = v;
+    } else {
+        p[0] = v.x;
+        p[1] = v.y;
+        p[2] = v.z;
+        p[3] = v.w;
+    }
+}
+
+// w[i] * (v[i] * inv) for four columns; w read as two half2 when 8-byte aligned.
+__device__ __forceinline__ float4 norm4(float4 v, const __half* w, float inv, bool aligned) {
+    float2 wa, wb;
+    if (aligned) {
+        wa = __half22float2(reinterpret_cast<const __half2*>(w)[0]);
+        wb = __half22float2(reinterpret_cast<const __half2*>(w)[1]);
+    } else {
+        wa = make_float2(__half2float(w[0]), __half2float(w[1]));
+        wb = make_float2(__half2float(w[2]), __half2float(w[3]));
+    }
+    return make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
+}
+
 // RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
-// Groups of a multiple of 4 columns (16-byte aligned) go through float4 loads, the first
+// Groups of a multiple of 4 columns go four columns per thread step (float4 accesses where the
+// buffers are 16-byte aligned, the same arithmetic otherwise), the first
 // RMS_CACHE * ROW_THREADS * 4 columns kept in registers between the two passes. The sum of squares
 // runs in an order fixed by `group` alone.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
                                     int group, float* __restrict__ y) {
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * group;
-    const bool vec = (group & 3) == 0 && ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
-                     (reinterpret_cast<size_t>(w) & 7) == 0;
+    const bool vec = (group & 3) == 0;
+    const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
+                         (reinterpret_cast<size_t>(w) & 7) == 0;
     float ss = 0.0f;
     if (vec) {
         const int n4 = group >> 2;
-        const float4* x4 = reinterpret_cast<const float4*>(x + base);
-        float4* y4 = reinterpret_cast<float4*>(y + base);
-        const __half2* w2 = reinterpret_cast<const __half2*>(w);
+        const float* xb = x + base;
+        float* yb = y + base;
         float4 cache[RMS_CACHE];
 #pragma unroll
         for (int i = 0; i < RMS_CACHE; ++i) {
             const int c = threadIdx.x + i * ROW_THREADS;
             if (c < n4) {
-                const float4 v = x4[c];
+                const float4 v = load4(xb + 4 * c, aligned);
                 cache[i] = v;
                 ss = fmaf(v.x, v.x, ss);
                 ss = fmaf(v.y, v.y, ss);
@@ -72,7 +103,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* _
             }
         }
         for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
-            const float4 v = x4[c];
+            const float4 v = load4(xb + 4 * c, aligned);
             ss = fmaf(v.x, v.x, ss);
             ss = fmaf(v.y, v.y, ss);
             ss = fmaf(v.z, v.z, ss);
@@ -84,15 +115,11 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* _
         for (int i = 0; i < RMS_CACHE; ++i) {
             const int c = threadIdx.x + i * ROW_THREADS;
             if (c < n4) {
-                const float4 v = cache[i];
-                const float2 wa = __half22float2(w2[2 * c]), wb = __half22float2(w2[2 * c + 1]);
-                y4[c] = make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
+                store4(yb + 4 * c, norm4(cache[i], w + 4 * c, inv, aligned), aligned);
             }
         }
         for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
-            const float4 v = x4[c];
-            const float2 wa = __half22float2(w2[2 * c]), wb = __half22float2(w2[2 * c + 1]);
-            y4[c] = make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
+            store4(yb + 4 * c, norm4(load4(xb + 4 * c, aligned), w + 4 * c, inv, aligned), aligned);
         }
         return;
     }
