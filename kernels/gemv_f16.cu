@@ -1,16 +1,24 @@
 // FP16-weight matrix products for f32 activations of few rows (decode, verification windows, short
-// prompts): plain linear layers and the grouped routed-expert FFN (see src/backend/cuda/experts.rs).
+// prompts): plain linear layers, the fused gate/up of a gated MLP, and the grouped routed-expert
+// FFN (see src/backend/cuda/experts.rs).
 //
-// One warp owns one output feature: its lanes stream the weight row in 16-byte pieces (8 halves),
-// each lane accumulating, for up to 8 activation rows at once, in f32 with one fixed order; the 32
-// partial sums are then combined by a fixed shuffle tree. A row's result therefore never depends
-// on how many rows share the launch (the backend's exactness contract), and each weight byte is
-// read once per group of 8 rows.
+// One warp owns two output features (two weight rows): its lanes stream both rows in 16-byte
+// pieces (8 halves), several pieces of each row in flight per lane, and each activation value
+// loaded serves both features. Each lane accumulates, for up to MR activation rows at once, in f32
+// with one fixed order (its pieces in ascending order, 8 fused multiply-adds each); the 32 partial
+// sums are then combined by a fixed shuffle tree. The arithmetic of one (row, feature) is the same
+// whatever the number of rows in the launch, the row's place in its group of MR, or which of the
+// warp's two slots the feature sits in (the backend's exactness contract), and each weight byte
+// is read once per group of MR rows. Groups of 1, 2 or 4 rows run narrower code (fewer
+// accumulators live), with the same per-row arithmetic.
 
 #include <cuda_fp16.h>
 
-#define WARPS 8
+#define WARPS 4
 #define MR 8
+// 16-byte pieces of each weight row in flight per lane. (Narrower groups could take more, but
+// registers are allocated for the widest group's code: 4 keeps every kernel at <= 168 registers,
+// three 128-thread blocks per SM.)
 #define UNROLL 4
 
 struct ExpertGroup {
@@ -29,47 +37,64 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// acc[m] (lane-partial) += x[m] . w over k inputs, for m < mr. `xr[m]` points at row m of x.
-// Vector path when k is a multiple of 8 (16-byte aligned rows), scalar otherwise.
-__device__ __forceinline__ void lane_dot(const __half* __restrict__ w, const float* const* xr, int mr, int k,
-                                         int lane, float acc[MR]) {
+__device__ __forceinline__ void halves_to_floats(const uint4& v, float f[8]) {
+    const __half2* h2 = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const float2 t = __half22float2(h2[p]);
+        f[2 * p] = t.x;
+        f[2 * p + 1] = t.y;
+    }
+}
+
+__device__ __forceinline__ float dot8(const float w[8], const float* __restrict__ xp, float s) {
+    const float4 a = reinterpret_cast<const float4*>(xp)[0];
+    const float4 b = reinterpret_cast<const float4*>(xp)[1];
+    s = fmaf(w[0], a.x, s);
+    s = fmaf(w[1], a.y, s);
+    s = fmaf(w[2], a.z, s);
+    s = fmaf(w[3], a.w, s);
+    s = fmaf(w[4], b.x, s);
+    s = fmaf(w[5], b.y, s);
+    s = fmaf(w[6], b.z, s);
+    s = fmaf(w[7], b.w, s);
+    return s;
+}
+
+// a0[m] += x[m] . w0 and a1[m] += x[m] . w1 (lane partials) over k inputs, for m < min(MT, mr).
+// `xr[m]` points at row m of x. Vector path when k is a multiple of 8 (16-byte aligned rows),
+// scalar otherwise; both give each (row, feature) the same order whatever MT is.
+template <int MT>
+__device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
+                                          const float* const* xr, int mr, int k, int lane, float a0[MR],
+                                          float a1[MR]) {
     if ((k & 7) == 0) {
         const int chunks = k >> 3;
-        const uint4* w4 = reinterpret_cast<const uint4*>(w);
+        const uint4* v0 = reinterpret_cast<const uint4*>(w0);
+        const uint4* v1 = reinterpret_cast<const uint4*>(w1);
         for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
-            uint4 wv[UNROLL];
+            uint4 p0[UNROLL], p1[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = c0 + 32 * u;
-                if (c < chunks) wv[u] = __ldg(w4 + c);
+                if (c < chunks) {
+                    p0[u] = __ldg(v0 + c);
+                    p1[u] = __ldg(v1 + c);
+                }
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
-                    const __half2* h2 = reinterpret_cast<const __half2*>(&wv[u]);
-                    float wf[8];
+                    float f0[8], f1[8];
+                    halves_to_floats(p0[u], f0);
+                    halves_to_floats(p1[u], f1);
 #pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        const float2 f = __half22float2(h2[p]);
-                        wf[2 * p] = f.x;
-                        wf[2 * p + 1] = f.y;
-                    }
-#pragma unroll
-                    for (int m = 0; m < MR; ++m) {
+                    for (int m = 0; m < MT; ++m) {
                         if (m < mr) {
-                            const float4* xp = reinterpret_cast<const float4*>(xr[m] + 8 * c);
-                            const float4 a = xp[0], b = xp[1];
-                            float s = acc[m];
-                            s = fmaf(wf[0], a.x, s);
-                            s = fmaf(wf[1], a.y, s);
-                            s = fmaf(wf[2], a.z, s);
-                            s = fmaf(wf[3], a.w, s);
-                            s = fmaf(wf[4], b.x, s);
-                            s = fmaf(wf[5], b.y, s);
-                            s = fmaf(wf[6], b.z, s);
-                            s = fmaf(wf[7], b.w, s);
-                            acc[m] = s;
+                            const float* xp = xr[m] + 8 * c;
+                            a0[m] = dot8(f0, xp, a0[m]);
+                            a1[m] = dot8(f1, xp, a1[m]);
                         }
                     }
                 }
@@ -77,38 +102,101 @@ __device__ __forceinline__ void lane_dot(const __half* __restrict__ w, const flo
         }
     } else {
         for (int i = lane; i < k; i += 32) {
-            const float wf = __half2float(w[i]);
+            const float f0 = __half2float(w0[i]), f1 = __half2float(w1[i]);
 #pragma unroll
-            for (int m = 0; m < MR; ++m) {
-                if (m < mr) acc[m] = fmaf(wf, xr[m][i], acc[m]);
+            for (int m = 0; m < MT; ++m) {
+                if (m < mr) {
+                    const float xv = xr[m][i];
+                    a0[m] = fmaf(f0, xv, a0[m]);
+                    a1[m] = fmaf(f1, xv, a1[m]);
+                }
             }
         }
     }
 }
 
-// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Grid: ceil(n / WARPS); block: 32 * WARPS.
+// One group of mr <= MR rows: narrowest instantiation that holds them.
+__device__ __forceinline__ void group_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
+                                           const float* const* xr, int mr, int k, int lane, float a0[MR],
+                                           float a1[MR]) {
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+        a0[m] = 0.0f;
+        a1[m] = 0.0f;
+    }
+    if (mr == 1) {
+        lane_dot2<1>(w0, w1, xr, mr, k, lane, a0, a1);
+    } else if (mr == 2) {
+        lane_dot2<2>(w0, w1, xr, mr, k, lane, a0, a1);
+    } else if (mr <= 4) {
+        lane_dot2<4>(w0, w1, xr, mr, k, lane, a0, a1);
+    } else {
+        lane_dot2<MR>(w0, w1, xr, mr, k, lane, a0, a1);
+    }
+}
+
+// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Warp w of block b owns features
+// 2 * (b * WARPS + w) and the next. Grid: ceil(n / (2 * WARPS)); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16(
     const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,
     const __half* __restrict__ bias, float* __restrict__ y) {
     const int lane = threadIdx.x & 31;
-    const int col = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int col = 2 * (blockIdx.x * WARPS + (threadIdx.x >> 5));
     if (col >= n) return;
-    const __half* wr = w + (size_t)col * k;
-    const float b = bias ? __half2float(bias[col]) : 0.0f;
+    const bool second = col + 1 < n;
+    const __half* w0 = w + (size_t)col * k;
+    // Without a second feature the warp computes the first twice and stores it once.
+    const __half* w1 = second ? w0 + k : w0;
+    const float b0 = bias ? __half2float(bias[col]) : 0.0f;
+    const float b1 = bias && second ? __half2float(bias[col + 1]) : 0.0f;
     for (int r0 = 0; r0 < rows; r0 += MR) {
         const int mr = min(MR, rows - r0);
         const float* xr[MR];
-        float acc[MR];
+        float a0[MR], a1[MR];
+#pragma unroll
+        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
+        group_dot2(w0, w1, xr, mr, k, lane, a0, a1);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
-            acc[m] = 0.0f;
+            if (m < mr) {
+                const float s0 = warp_sum(a0[m]);
+                const float s1 = warp_sum(a1[m]);
+                if (lane == 0) {
+                    float* yr = y + (size_t)(r0 + m) * n + col;
+                    yr[0] = bias ? s0 + b0 : s0;
+                    if (second) yr[1] = bias ? s1 + b1 : s1;
+                }
+            }
         }
-        lane_dot(wr, xr, mr, k, lane, acc);
+    }
+}
+
+// The gate/up product of a gated MLP with the activation fused:
+// h[r][j] = silu(x[r] . w[j]) * (x[r] . w[inter + j]), w = [gate; up] of shape [2 * inter, k].
+// The two dot products are the ones linear_f16 computes (same order), so h equals linear_f16
+// followed by silu_mul bit for bit. Grid: ceil(inter / WARPS); block: 32 * WARPS.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
+    const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int inter,
+    float* __restrict__ h) {
+    const int lane = threadIdx.x & 31;
+    const int j = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (j >= inter) return;
+    const __half* wg = w + (size_t)j * k;
+    const __half* wu = w + (size_t)(inter + j) * k;
+    for (int r0 = 0; r0 < rows; r0 += MR) {
+        const int mr = min(MR, rows - r0);
+        const float* xr[MR];
+        float a[MR], b[MR];
+#pragma unroll
+        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
+        group_dot2(wg, wu, xr, mr, k, lane, a, b);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            const float s = warp_sum(acc[m]);
-            if (lane == 0 && m < mr) y[(size_t)(r0 + m) * n + col] = bias ? s + b : s;
+            if (m < mr) {
+                const float ga = warp_sum(a[m]);
+                const float ub = warp_sum(b[m]);
+                if (lane == 0) h[(size_t)(r0 + m) * inter + j] = ga / (1.0f + expf(-ga)) * ub;
+            }
         }
     }
 }
@@ -129,50 +217,50 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up(
         const float* xr[MR];
         float a[MR], b[MR];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
-            xr[m] = x + (size_t)item_row[g.first + i0 + min(m, mr - 1)] * hidden;
-            a[m] = 0.0f;
-            b[m] = 0.0f;
-        }
-        lane_dot(wg, xr, mr, hidden, lane, a);
-        lane_dot(wu, xr, mr, hidden, lane, b);
+        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)item_row[g.first + i0 + min(m, mr - 1)] * hidden;
+        group_dot2(wg, wu, xr, mr, hidden, lane, a, b);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            const float ga = warp_sum(a[m]);
-            const float ub = warp_sum(b[m]);
-            if (lane == 0 && m < mr) {
-                h[(size_t)(g.first + i0 + m) * inter + j] = ga / (1.0f + expf(-ga)) * ub;
+            if (m < mr) {
+                const float ga = warp_sum(a[m]);
+                const float ub = warp_sum(b[m]);
+                if (lane == 0) h[(size_t)(g.first + i0 + m) * inter + j] = ga / (1.0f + expf(-ga)) * ub;
             }
         }
     }
 }
 
-// Grouped down: out[item][c] = weight[item] * (h[item] . down[c]).
-// Grid: (ceil(hidden / WARPS), groups); block: 32 * WARPS.
+// Grouped down: out[item][c] = weight[item] * (h[item] . down[c]); warp w of block b owns
+// features c = 2 * (b * WARPS + w) and c + 1. Grid: (ceil(hidden / (2 * WARPS)), groups);
+// block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down(
     const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
     const float* __restrict__ item_weight, float* __restrict__ out) {
     const ExpertGroup g = groups[blockIdx.y];
     const int lane = threadIdx.x & 31;
-    const int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int c = 2 * (blockIdx.x * WARPS + (threadIdx.x >> 5));
     if (c >= hidden) return;
-    const __half* wd = reinterpret_cast<const __half*>(g.down) + (size_t)c * inter;
+    const bool second = c + 1 < hidden;
+    const __half* w0 = reinterpret_cast<const __half*>(g.down) + (size_t)c * inter;
+    const __half* w1 = second ? w0 + inter : w0;
     for (int i0 = 0; i0 < (int)g.count; i0 += MR) {
         const int mr = min(MR, (int)g.count - i0);
         const float* xr[MR];
-        float acc[MR];
+        float a0[MR], a1[MR];
+#pragma unroll
+        for (int m = 0; m < MR; ++m) xr[m] = h + (size_t)(g.first + i0 + min(m, mr - 1)) * inter;
+        group_dot2(w0, w1, xr, mr, inter, lane, a0, a1);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            xr[m] = h + (size_t)(g.first + i0 + min(m, mr - 1)) * inter;
-            acc[m] = 0.0f;
-        }
-        lane_dot(wd, xr, mr, inter, lane, acc);
-#pragma unroll
-        for (int m = 0; m < MR; ++m) {
-            const float s = warp_sum(acc[m]);
-            if (lane == 0 && m < mr) {
-                const size_t item = g.first + i0 + m;
-                out[item * hidden + c] = item_weight[item] * s;
+            if (m < mr) {
+                const float s0 = warp_sum(a0[m]);
+                const float s1 = warp_sum(a1[m]);
+                if (lane == 0) {
+                    const size_t item = g.first + i0 + m;
+                    const float wt = item_weight[item];
+                    out[item * hidden + c] = wt * s0;
+                    if (second) out[item * hidden + c + 1] = wt * s1;
+                }
             }
         }
     }

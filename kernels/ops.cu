@@ -40,12 +40,89 @@ extern "C" __global__ void embedding(const __half* __restrict__ table, const uns
     }
 }
 
+#define RMS_CACHE 4
+
+// Four consecutive floats: one 16-byte access when aligned, else four scalar ones (same values).
+__device__ __forceinline__ float4 load4(const float* p, bool aligned) {
+    if (aligned) return *reinterpret_cast<const float4*>(p);
+    return make_float4(p[0], p[1], p[2], p[3]);
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v, bool aligned) {
+    if (aligned) {
+        *reinterpret_cast<float4*>(p) = v;
+    } else {
+        p[0] = v.x;
+        p[1] = v.y;
+        p[2] = v.z;
+        p[3] = v.w;
+    }
+}
+
+// w[i] * (v[i] * inv) for four columns; w read as two half2 when 8-byte aligned.
+__device__ __forceinline__ float4 norm4(float4 v, const __half* w, float inv, bool aligned) {
+    float2 wa, wb;
+    if (aligned) {
+        wa = __half22float2(reinterpret_cast<const __half2*>(w)[0]);
+        wb = __half22float2(reinterpret_cast<const __half2*>(w)[1]);
+    } else {
+        wa = make_float2(__half2float(w[0]), __half2float(w[1]));
+        wb = make_float2(__half2float(w[2]), __half2float(w[3]));
+    }
+    return make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
+}
+
 // RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
+// Groups of a multiple of 4 columns go four columns per thread step (float4 accesses where the
+// buffers are 16-byte aligned, the same arithmetic otherwise), the first
+// RMS_CACHE * ROW_THREADS * 4 columns kept in registers between the two passes. The sum of squares
+// runs in an order fixed by `group` alone.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
                                     int group, float* __restrict__ y) {
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * group;
+    const bool vec = (group & 3) == 0;
+    const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
+                         (reinterpret_cast<size_t>(w) & 7) == 0;
     float ss = 0.0f;
+    if (vec) {
+        const int n4 = group >> 2;
+        const float* xb = x + base;
+        float* yb = y + base;
+        float4 cache[RMS_CACHE];
+#pragma unroll
+        for (int i = 0; i < RMS_CACHE; ++i) {
+            const int c = threadIdx.x + i * ROW_THREADS;
+            if (c < n4) {
+                const float4 v = load4(xb + 4 * c, aligned);
+                cache[i] = v;
+                ss = fmaf(v.x, v.x, ss);
+                ss = fmaf(v.y, v.y, ss);
+                ss = fmaf(v.z, v.z, ss);
+                ss = fmaf(v.w, v.w, ss);
+            }
+        }
+        for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
+            const float4 v = load4(xb + 4 * c, aligned);
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+            ss = fmaf(v.z, v.z, ss);
+            ss = fmaf(v.w, v.w, ss);
+        }
+        ss = block_sum(ss, shared);
+        const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#pragma unroll
+        for (int i = 0; i < RMS_CACHE; ++i) {
+            const int c = threadIdx.x + i * ROW_THREADS;
+            if (c < n4) {
+                store4(yb + 4 * c, norm4(cache[i], w + 4 * c, inv, aligned), aligned);
+            }
+        }
+        for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
+            store4(yb + 4 * c, norm4(load4(xb + 4 * c, aligned), w + 4 * c, inv, aligned), aligned);
+        }
+        return;
+    }
     for (int c = threadIdx.x; c < group; c += ROW_THREADS) {
         const float v = x[base + c];
         ss = fmaf(v, v, ss);
@@ -78,13 +155,28 @@ extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half*
     }
 }
 
-// Copies columns [col0, col0 + width) of x ([rows, x_cols]) into y ([rows, width]).
+// Splits columns [col0, col0 + width) of x ([rows, x_cols]) into up to four consecutive pieces:
+// y0 ([rows, w0]) takes the first w0 of them, y1 the next w1, and so on (unused pieces: width 0),
+// with w0 + w1 + w2 + w3 = width. One launch for a whole split_cols of up to four pieces.
 extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, int col0, int width,
-                                     unsigned long long total, float* __restrict__ y) {
+                                     unsigned long long total, float* __restrict__ y0, int w0,
+                                     float* __restrict__ y1, int w1, float* __restrict__ y2, int w2,
+                                     float* __restrict__ y3, int w3) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        const unsigned long long r = i / width, c = i % width;
-        y[i] = x[r * x_cols + col0 + c];
+        const unsigned long long r = i / width;
+        int c = (int)(i % width);
+        const float v = x[r * x_cols + col0 + c];
+        if (c < w0) {
+            y0[r * w0 + c] = v;
+        } else if ((c -= w0) < w1) {
+            y1[r * w1 + c] = v;
+        } else if ((c -= w1) < w2) {
+            y2[r * w2 + c] = v;
+        } else {
+            c -= w2;
+            y3[r * w3 + c] = v;
+        }
     }
 }
 
@@ -152,19 +244,18 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
 
 // MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and
 // values [len, heads * v_dim] from kv [len, heads * (nope + v_dim)] and k_pe [len, rope].
+// Grid: (len, heads); block: any.
 extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const float* __restrict__ k_pe,
                                          int heads, int nope, int rope, int v_dim,
                                          float* __restrict__ keys, float* __restrict__ values) {
     const size_t r = blockIdx.x;
+    const int h = blockIdx.y;
     const int kw = nope + rope, in_w = nope + v_dim;
-    for (int t = threadIdx.x; t < heads * kw; t += blockDim.x) {
-        const int h = t / kw, c = t % kw;
-        keys[r * heads * kw + t] = c < nope ? kv[r * heads * in_w + h * in_w + c] : k_pe[r * rope + (c - nope)];
-    }
-    for (int t = threadIdx.x; t < heads * v_dim; t += blockDim.x) {
-        const int h = t / v_dim, c = t % v_dim;
-        values[r * heads * v_dim + t] = kv[r * heads * in_w + h * in_w + nope + c];
-    }
+    const float* src = kv + (r * heads + h) * in_w;
+    float* kd = keys + (r * heads + h) * kw;
+    float* vd = values + (r * heads + h) * v_dim;
+    for (int c = threadIdx.x; c < kw; c += blockDim.x) kd[c] = c < nope ? src[c] : k_pe[r * rope + (c - nope)];
+    for (int c = threadIdx.x; c < v_dim; c += blockDim.x) vd[c] = src[nope + c];
 }
 
 // h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
@@ -211,16 +302,17 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
 
 // The routed-expert combine: y[r] = sum over j < top_k of out[row_items[r * top_k + j]], items
 // listed in ascending expert id, added in that order (as the CPU reference adds them).
+// Grid: (rows, ceil(hidden / blockDim.x)); one thread per output element.
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsigned* __restrict__ row_items,
                                        int top_k, int hidden, float* __restrict__ y) {
     const size_t r = blockIdx.x;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < top_k; ++j) {
-            acc += out[(size_t)row_items[r * top_k + j] * hidden + c];
-        }
-        y[r * hidden + c] = acc;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    float acc = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        acc += out[(size_t)row_items[r * top_k + j] * hidden + c];
     }
+    y[r * hidden + c] = acc;
 }
 
 struct ExpertGroup {
@@ -234,16 +326,13 @@ struct ExpertGroup {
 
 #define MAX_TOP_K 16
 
-// Router softmax and top-k on the device (largest probability first, ties to the lower id), then
-// optional renormalisation over the chosen k and scaling; as the CPU reference's SoftmaxTopK.
-// One warp per row. ids/weights: [rows, top_k].
-extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int experts, int top_k,
-                                              int renormalize, float scale, unsigned* __restrict__ ids,
-                                              float* __restrict__ weights) {
-    __shared__ int chosen[MAX_TOP_K];
-    __shared__ float chosen_p[MAX_TOP_K];
-    const int lane = threadIdx.x;
-    const float* row = logits + (size_t)blockIdx.x * experts;
+// Router softmax and top-k of one row by one warp (largest probability first, ties to the lower
+// id), then optional renormalisation over the chosen k and scaling; as the CPU reference's
+// SoftmaxTopK. `chosen`/`chosen_p`: the warp's own MAX_TOP_K shared slots.
+__device__ __forceinline__ void route_row(const float* __restrict__ row, int experts, int top_k, int renormalize,
+                                          float scale, int* chosen, float* chosen_p, unsigned* __restrict__ ids,
+                                          float* __restrict__ weights) {
+    const int lane = threadIdx.x & 31;
     float m = -__int_as_float(0x7f800000);
     for (int e = lane; e < experts; e += 32) m = fmaxf(m, row[e]);
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -284,10 +373,22 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
             float w = chosen_p[j];
             if (renormalize) w /= s;
             if (scale != 1.0f) w *= scale;
-            ids[(size_t)blockIdx.x * top_k + j] = (unsigned)chosen[j];
-            weights[(size_t)blockIdx.x * top_k + j] = w;
+            ids[j] = (unsigned)chosen[j];
+            weights[j] = w;
         }
     }
+    __syncwarp();
+}
+
+// Router softmax and top-k on the device, one warp per row. ids/weights: [rows, top_k].
+extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int experts, int top_k,
+                                              int renormalize, float scale, unsigned* __restrict__ ids,
+                                              float* __restrict__ weights) {
+    __shared__ int chosen[MAX_TOP_K];
+    __shared__ float chosen_p[MAX_TOP_K];
+    const size_t r = blockIdx.x;
+    route_row(logits + r * experts, experts, top_k, renormalize, scale, chosen, chosen_p, ids + r * top_k,
+              weights + r * top_k);
 }
 
 // PhiMoE's SparseMixer top-2 at inference, as the CPU reference: each pick is the arg-max (first
@@ -353,14 +454,14 @@ extern "C" __global__ void count_routes(const unsigned* __restrict__ ids, int n,
 // The grouped-MoE work list from device routing (src/backend/cuda/experts.rs): items grouped by
 // ascending expert id, each expert's in ascending (row, slot) order, exactly as the host builds it.
 // `table[e]` holds expert e's weight pointers. Groups past the number of experts hit get count 0,
-// so kernels launched over `max_groups` groups do nothing there. One thread: the lists are short.
-extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const float* __restrict__ weights,
-                                    int rows, int top_k, int experts, const ExpertGroup* __restrict__ table,
-                                    int max_groups, ExpertGroup* __restrict__ groups,
-                                    unsigned* __restrict__ item_row, float* __restrict__ item_weight,
-                                    unsigned* __restrict__ row_items) {
-    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+// so kernels launched over `max_groups` groups do nothing there. Run by one thread: the lists are
+// short. `cursor`: PLAN_MAX_EXPERTS shared words.
+// ids/weights carry no __restrict__: in route_plan they were written earlier in the same kernel,
+// so they must not be read through the non-coherent read-only path.
+__device__ void plan_list(const unsigned* ids, const float* weights, int rows, int top_k,
+                          int experts, const ExpertGroup* __restrict__ table, int max_groups,
+                          ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
+                          float* __restrict__ item_weight, unsigned* __restrict__ row_items, unsigned* cursor) {
     const int n = rows * top_k;
     for (int e = 0; e < experts; ++e) cursor[e] = 0;
     for (int i = 0; i < n; ++i) cursor[ids[i]] += 1;
@@ -402,4 +503,41 @@ extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const floa
             list[b + 1] = v;
         }
     }
+}
+
+// The work list after route_softmax_topk. Grid: 1; block: any (thread 0 works).
+extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const float* __restrict__ weights,
+                                    int rows, int top_k, int experts, const ExpertGroup* __restrict__ table,
+                                    int max_groups, ExpertGroup* __restrict__ groups,
+                                    unsigned* __restrict__ item_row, float* __restrict__ item_weight,
+                                    unsigned* __restrict__ row_items) {
+    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    plan_list(ids, weights, rows, top_k, experts, table, max_groups, groups, item_row, item_weight, row_items,
+              cursor);
+}
+
+#define ROUTE_PLAN_WARPS 8
+
+// route_softmax_topk and moe_plan in one launch, for few rows (decode, verification windows):
+// warp w routes rows w, w + ROUTE_PLAN_WARPS, ... (the same per-row code as route_softmax_topk),
+// then, after the block barrier makes ids/weights visible, thread 0 builds the work list as
+// moe_plan does. Grid: 1; block: 32 * ROUTE_PLAN_WARPS.
+extern "C" __global__ void __launch_bounds__(32 * ROUTE_PLAN_WARPS) route_plan(
+    const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
+    unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
+    int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
+    float* __restrict__ item_weight, unsigned* __restrict__ row_items) {
+    __shared__ int chosen[ROUTE_PLAN_WARPS][MAX_TOP_K];
+    __shared__ float chosen_p[ROUTE_PLAN_WARPS][MAX_TOP_K];
+    __shared__ unsigned cursor[PLAN_MAX_EXPERTS];
+    const int warp = threadIdx.x >> 5;
+    for (int r = warp; r < rows; r += ROUTE_PLAN_WARPS) {
+        route_row(logits + (size_t)r * experts, experts, top_k, renormalize, scale, chosen[warp], chosen_p[warp],
+                  ids + (size_t)r * top_k, weights + (size_t)r * top_k);
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    plan_list(ids, weights, rows, top_k, experts, table, max_groups, groups, item_row, item_weight, row_items,
+              cursor);
 }

@@ -114,6 +114,12 @@ fn every_op_matches_the_cpu_reference() {
         (17, 136, 40),
         (3, 100, 33),
         (9, 2048, 4096),
+        // Decode and window rows through each row-group width of linear_f16 (1, 2, 4, 8), odd
+        // feature counts (a warp with one feature), and more rows than one group.
+        (1, 2048, 577),
+        (2, 512, 4096),
+        (4, 136, 41),
+        (13, 2048, 7),
     ] {
         let (xc, xg, _) = p.act(rows, k);
         let (wc, wg) = p.weight("w", &[n, k], 0.05);
@@ -157,6 +163,21 @@ fn every_op_matches_the_cpu_reference() {
         &p.gpu.rms_norm(&xg, &wg, 1e-6, 192).unwrap(),
         &Cpu.rms_norm(&xc, &wc, 1e-6, 192).unwrap(),
     );
+    // Vector path of one row (decode), a width past the register cache, and a scalar width.
+    for &(rows, width, group) in &[
+        (1, 2048, 2048),
+        (2, 8192, 8192),
+        (3, 8192, 2048),
+        (3, 102, 102),
+    ] {
+        let (xc, xg, _) = p.act(rows, width);
+        let (wc, wg) = p.weight("norm", &[group], 1.0);
+        p.check(
+            &format!("rms_norm {rows}x{width} per group of {group}"),
+            &p.gpu.rms_norm(&xg, &wg, 1e-6, group).unwrap(),
+            &Cpu.rms_norm(&xc, &wc, 1e-6, group).unwrap(),
+        );
+    }
     let (wc2, wg2) = p.weight("norm32", &[32], 1.0);
     p.check(
         "rms_norm 6x192 per group of 32",
@@ -186,6 +207,12 @@ fn every_op_matches_the_cpu_reference() {
     let pg = p.gpu.split_cols(&xg, &[60, 7, 33]).unwrap();
     for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
         p.check(&format!("split_cols piece {i}"), g, c);
+    }
+    // Five pieces: one launch of four and one of one.
+    let pc = Cpu.split_cols(&xc, &[5, 20, 3, 40, 32]).unwrap();
+    let pg = p.gpu.split_cols(&xg, &[5, 20, 3, 40, 32]).unwrap();
+    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
+        p.check(&format!("split_cols of five, piece {i}"), g, c);
     }
     let (mut ac, mut ag, _) = p.act(4, 100);
     Cpu.add_assign(&mut ac, &xc).unwrap();
@@ -224,12 +251,24 @@ fn every_op_matches_the_cpu_reference() {
     let (kg, vg) = p.gpu.mla_expand_kv(&kvg, &peg, 4, 32, 32).unwrap();
     p.check("mla_expand_kv keys", &kg, &kc);
     p.check("mla_expand_kv values", &vg, &vc);
+    let (kvc, kvg, _) = p.act(2, 16 * (128 + 128));
+    let (pec, peg, _) = p.act(2, 64);
+    let (kc, vc) = Cpu.mla_expand_kv(&kvc, &pec, 16, 128, 128).unwrap();
+    let (kg, vg) = p.gpu.mla_expand_kv(&kvg, &peg, 16, 128, 128).unwrap();
+    p.check("mla_expand_kv keys (DeepSeek-V2-Lite widths)", &kg, &kc);
+    p.check("mla_expand_kv values (DeepSeek-V2-Lite widths)", &vg, &vc);
 
     // Attention: GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.
     for &(heads, kv_heads, qk, vd, window, len, rows) in &[
         (4, 2, 32, 32, None, 40, 7),
         (8, 8, 64, 64, Some(16), 50, 1),
         (16, 16, 192, 128, None, 144, 17),
+        // MLA decode; more keys than fit the kernel's shared-memory scores (global scratch);
+        // widths off the 16-byte path; values wider than one 128-channel tile.
+        (16, 16, 192, 128, None, 60, 1),
+        (2, 1, 64, 64, None, 4500, 5),
+        (4, 4, 30, 18, Some(7), 23, 5),
+        (2, 2, 64, 160, None, 33, 3),
     ] {
         let (qc, qg, qv) = p.act(rows, heads * qk);
         let (kc, kg, _) = p.act(len + 3, kv_heads * qk);
@@ -304,6 +343,11 @@ fn every_op_matches_the_cpu_reference() {
         (128, 128, 8, 5, 2),
         (2048, 1408, 8, 17, 6),
         (96, 40, 4, 3, 2),
+        // Decode (one row) and a 4-row window through the narrow row groups.
+        (256, 176, 16, 1, 6),
+        (512, 88, 8, 4, 3),
+        // More rows than the fused routing + work-list launch takes: two launches.
+        (64, 32, 8, 70, 2),
     ] {
         let (xc, xg, _) = p.act(rows, hidden);
         let mut cpu_experts = Vec::new();
@@ -324,6 +368,29 @@ fn every_op_matches_the_cpu_reference() {
             &format!("gated_mlp {rows}x{hidden} inter {inter}"),
             &p.gpu.gated_mlp(&xg, &gpu_experts[0]).unwrap(),
             &Cpu.gated_mlp(&xc, &cpu_experts[0]).unwrap(),
+        );
+        // The last row alone gives the same bits as inside the batch.
+        let all = p
+            .gpu
+            .to_host(&p.gpu.gated_mlp(&xg, &gpu_experts[0]).unwrap())
+            .unwrap();
+        let last = p
+            .gpu
+            .upload(
+                1,
+                hidden,
+                &p.gpu.to_host(&xg).unwrap()[(rows - 1) * hidden..],
+            )
+            .unwrap();
+        let one = p
+            .gpu
+            .to_host(&p.gpu.gated_mlp(&last, &gpu_experts[0]).unwrap())
+            .unwrap();
+        assert!(
+            one.iter()
+                .zip(&all[(rows - 1) * hidden..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "gated_mlp: the last row alone differs from the batch"
         );
         let mut ids = Vec::new();
         let mut weights = Vec::new();

@@ -34,10 +34,19 @@ pub use graphs::StepGraphStats;
 
 /// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
 const ROW_THREADS: u32 = 256;
-/// Output features per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
-const GEMV_WARPS: usize = 8;
+/// Warps per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
+const GEMV_WARPS: usize = 4;
+/// Output features per warp of `linear_f16` and `moe_f16_down` (kernels/gemv_f16.cu).
+const GEMV_FEATURES: usize = 2;
 /// Threads per block of kernels/attention.cu.
-const ATT_THREADS: u32 = 128;
+const ATT_THREADS: u32 = 256;
+/// Threads per block of `mla_expand_kv` (one block per row and head).
+const MLA_THREADS: u32 = 128;
+/// Threads of the fused routing + work-list kernel (`ROUTE_PLAN_WARPS` in kernels/ops.cu).
+const ROUTE_PLAN_THREADS: u32 = 256;
+/// Rows up to which routing and the work list are built by that one launch; past it the rows
+/// are routed one block each and the plan follows in a second launch.
+const ROUTE_PLAN_MAX_ROWS: usize = 64;
 
 /// Bytes of freed activation buffers kept for reuse at most.
 const POOL_LIMIT_BYTES: usize = 2 << 30;
@@ -186,14 +195,15 @@ struct Kernels {
     add_sigmoid_gated: CudaFunction,
     rope: CudaFunction,
     mla_expand_kv: CudaFunction,
-    silu_mul: CudaFunction,
     argmax: CudaFunction,
     moe_combine: CudaFunction,
     route_topk: CudaFunction,
     route_sparse_mixer: CudaFunction,
     count_routes: CudaFunction,
     moe_plan: CudaFunction,
+    route_plan: CudaFunction,
     linear: CudaFunction,
+    gate_up_silu: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     attention: CudaFunction,
@@ -214,14 +224,15 @@ impl Kernels {
             add_sigmoid_gated: ops("add_sigmoid_gated")?,
             rope: ops("rope")?,
             mla_expand_kv: ops("mla_expand_kv")?,
-            silu_mul: ops("silu_mul")?,
             argmax: ops("argmax_rows")?,
             moe_combine: ops("moe_combine")?,
             route_topk: ops("route_softmax_topk")?,
             route_sparse_mixer: ops("route_sparse_mixer")?,
             count_routes: ops("count_routes")?,
             moe_plan: ops("moe_plan")?,
+            route_plan: ops("route_plan")?,
             linear: gemv("linear_f16")?,
+            gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
             moe_down: gemv("moe_f16_down")?,
             attention: dev.function("attention", "attention")?,
@@ -700,7 +711,11 @@ impl CudaBackend {
         self.launch(
             &self.k.moe_down,
             "moe down",
-            (grid_for(l.hidden, GEMV_WARPS as u32), gy, 1),
+            (
+                grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32),
+                gy,
+                1,
+            ),
             32 * GEMV_WARPS as u32,
             &[l.h, h, i, l.groups, l.item_weight, l.out],
         )
@@ -1068,7 +1083,7 @@ impl Backend for CudaBackend {
             self.launch(
                 &self.k.linear,
                 "linear",
-                (grid_for(out, GEMV_WARPS as u32), 1, 1),
+                (grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32), 1, 1),
                 32 * GEMV_WARPS as u32,
                 &[
                     ptr(&x.buf, s),
@@ -1086,30 +1101,39 @@ impl Backend for CudaBackend {
 
     fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
         check::split(widths, x.cols).map_err(|d| shape_err("split_cols", d))?;
+        let outs = widths
+            .iter()
+            .map(|&w| self.alloc(x.rows, w))
+            .collect::<Result<Vec<_>>>()?;
+        // One launch per four pieces (copy_cols in kernels/ops.cu).
         let mut col0 = 0;
-        let mut outs = Vec::with_capacity(widths.len());
-        for &w in widths {
-            let y = self.alloc(x.rows, w)?;
-            let total = x.rows * w;
+        for (ws, ys) in widths.chunks(4).zip(outs.chunks(4)) {
+            let width: usize = ws.iter().sum();
+            let total = x.rows * width;
             if total > 0 {
                 let s = &self.stream;
+                let mut args = vec![
+                    ptr(&x.buf, s),
+                    int(x.cols, "cols")?,
+                    int(col0, "col")?,
+                    int(width, "width")?,
+                    total as u64,
+                ];
+                for j in 0..4 {
+                    match (ws.get(j), ys.get(j)) {
+                        (Some(&w), Some(y)) => args.extend([ptr(&y.buf, s), int(w, "width")?]),
+                        _ => args.extend([0, 0]),
+                    }
+                }
                 self.launch(
                     &self.k.copy_cols,
                     "split_cols",
                     Self::elementwise_grid(total),
                     256,
-                    &[
-                        ptr(&x.buf, s),
-                        int(x.cols, "cols")?,
-                        int(col0, "col")?,
-                        int(w, "width")?,
-                        total as u64,
-                        ptr(&y.buf, s),
-                    ],
+                    &args,
                 )?;
             }
-            col0 += w;
-            outs.push(y);
+            col0 += width;
         }
         Ok(outs)
     }
@@ -1311,11 +1335,13 @@ impl Backend for CudaBackend {
                 ptr(&keys.buf, s),
                 ptr(&values.buf, s),
             ];
+            let h = u32::try_from(heads)
+                .map_err(|_| shape_err("mla_expand_kv", "too many heads".into()))?;
             self.launch(
                 &self.k.mla_expand_kv,
                 "mla_expand_kv",
-                (kv.rows as u32, 1, 1),
-                ROW_THREADS,
+                (kv.rows as u32, h, 1),
+                MLA_THREADS,
                 &args,
             )?;
         }
@@ -1444,24 +1470,36 @@ impl Backend for CudaBackend {
     }
 
     fn gated_mlp(&self, x: &GpuAct, mlp: &GatedMlp<Self>) -> Result<GpuAct> {
-        let (_, two_inter, _) = self.f16_matrix(&mlp.gate_up, "gated_mlp")?;
-        let gu = self.linear(x, &mlp.gate_up, None)?;
+        let (wb, two_inter, inp) = self.f16_matrix(&mlp.gate_up, "gated_mlp")?;
+        if inp != x.cols || two_inter % 2 != 0 {
+            return Err(shape_err(
+                "gated_mlp",
+                format!(
+                    "{} is not a gate/up pair for an input of {} columns",
+                    mlp.gate_up.describe(),
+                    x.cols
+                ),
+            ));
+        }
         let inter = two_inter / 2;
         let h = self.alloc(x.rows, inter)?;
-        let n = x.rows * inter;
-        if n > 0 {
+        if x.rows > 0 && inter > 0 {
+            // Gate/up product and silu(gate) * up in one kernel: the same bits as `linear`
+            // followed by `silu_mul`.
             let s = &self.stream;
             let args = [
-                ptr(&gu.buf, s),
+                ptr(&x.buf, s),
+                int(x.rows, "rows")?,
+                int(inp, "in")?,
+                ptr(wb, s),
                 int(inter, "inter")?,
-                n as u64,
                 ptr(&h.buf, s),
             ];
             self.launch(
-                &self.k.silu_mul,
-                "silu_mul",
-                Self::elementwise_grid(n),
-                256,
+                &self.k.gate_up_silu,
+                "gate/up silu",
+                (grid_for(inter, GEMV_WARPS as u32), 1, 1),
+                32 * GEMV_WARPS as u32,
                 &args,
             )?;
         }
@@ -1580,7 +1618,7 @@ impl Backend for CudaBackend {
         self.launch(
             &self.k.moe_combine,
             "moe combine",
-            (x.rows as u32, 1, 1),
+            (x.rows as u32, grid_for(hidden, ROW_THREADS), 1),
             ROW_THREADS,
             &args,
         )?;
@@ -1821,15 +1859,31 @@ impl CudaBackend {
         let item_weight = alloc_u32(n_items)?;
         let row_items = alloc_u32(n_items)?;
         let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
+        let plan_args = [
+            int(rows, "rows")?,
+            table,
+            int(max_groups, "groups")?,
+            ptr(&groups, s),
+            ptr(&item_row, s),
+            ptr(&item_weight, s),
+            ptr(&row_items, s),
+        ];
+        let plan_separately = |this: &Self| -> Result<()> {
+            let mut args = vec![
+                ptr(&ids, s),
+                ptr(&weights, s),
+                int(rows, "rows")?,
+                int(top_k, "top_k")?,
+                int(n_experts, "experts")?,
+            ];
+            args.extend_from_slice(&plan_args[1..]);
+            this.launch(&this.k.moe_plan, "moe plan", (1, 1, 1), 32, &args)
+        };
         match spec {
             RouteSpec::SoftmaxTopK {
                 renormalize, scale, ..
-            } => self.launch(
-                &self.k.route_topk,
-                "route top-k",
-                (rows as u32, 1, 1),
-                32,
-                &[
+            } => {
+                let route_args = [
                     ptr(&logits.buf, s),
                     int(n_experts, "experts")?,
                     int(top_k, "top_k")?,
@@ -1837,44 +1891,48 @@ impl CudaBackend {
                     float(scale),
                     ptr(&ids, s),
                     ptr(&weights, s),
-                ],
-            )?,
-            RouteSpec::SparseMixer { jitter_eps } => self.launch(
-                &self.k.route_sparse_mixer,
-                "route sparse mixer",
-                (rows as u32, 1, 1),
-                32,
-                &[
-                    ptr(&logits.buf, s),
-                    int(n_experts, "experts")?,
-                    float(jitter_eps),
-                    ptr(&ids, s),
-                    ptr(&weights, s),
-                ],
-            )?,
+                ];
+                if rows <= ROUTE_PLAN_MAX_ROWS {
+                    // Few rows: routing and work list in one launch.
+                    let args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
+                    self.launch(
+                        &self.k.route_plan,
+                        "route + plan",
+                        (1, 1, 1),
+                        ROUTE_PLAN_THREADS,
+                        &args,
+                    )?;
+                } else {
+                    self.launch(
+                        &self.k.route_topk,
+                        "route top-k",
+                        (rows as u32, 1, 1),
+                        32,
+                        &route_args,
+                    )?;
+                    plan_separately(self)?;
+                }
+            }
+            RouteSpec::SparseMixer { jitter_eps } => {
+                self.launch(
+                    &self.k.route_sparse_mixer,
+                    "route sparse mixer",
+                    (rows as u32, 1, 1),
+                    32,
+                    &[
+                        ptr(&logits.buf, s),
+                        int(n_experts, "experts")?,
+                        float(jitter_eps),
+                        ptr(&ids, s),
+                        ptr(&weights, s),
+                    ],
+                )?;
+                plan_separately(self)?;
+            }
         }
         if let Some(layer) = count_as {
             self.count_routes(ptr(&ids, s), n_items, layer)?;
         }
-        self.launch(
-            &self.k.moe_plan,
-            "moe plan",
-            (1, 1, 1),
-            32,
-            &[
-                ptr(&ids, s),
-                ptr(&weights, s),
-                int(rows, "rows")?,
-                int(top_k, "top_k")?,
-                int(n_experts, "experts")?,
-                table,
-                int(max_groups, "groups")?,
-                ptr(&groups, s),
-                ptr(&item_row, s),
-                ptr(&item_weight, s),
-                ptr(&row_items, s),
-            ],
-        )?;
         let h = self.alloc(n_items, inter)?;
         let out = self.alloc(n_items, hidden)?;
         let launch = MoeLaunch {
@@ -1895,7 +1953,7 @@ impl CudaBackend {
         self.launch(
             &self.k.moe_combine,
             "moe combine",
-            (rows as u32, 1, 1),
+            (rows as u32, grid_for(hidden, ROW_THREADS), 1),
             ROW_THREADS,
             &[
                 launch.out,
