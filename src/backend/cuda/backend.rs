@@ -59,6 +59,10 @@ const POOL_LIMIT_BYTES: usize = 2 << 30;
 struct BufferPool {
     free: Mutex<std::collections::HashMap<usize, Vec<CudaSlice<f32>>>>,
     cached_bytes: std::sync::atomic::AtomicUsize,
+    /// While a side branch is open (see [`CudaBackend::side`]), freed buffers wait here: the
+    /// other stream may still use them, so they are reusable only once the streams have joined.
+    deferring: std::sync::atomic::AtomicBool,
+    deferred: Mutex<Vec<CudaSlice<f32>>>,
 }
 
 /// Element count handed out for a request of `n`: rounded up to one of eight steps per power of
@@ -82,6 +86,12 @@ impl BufferPool {
     }
 
     fn give(&self, s: CudaSlice<f32>) {
+        if self.deferring.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(mut d) = self.deferred.lock() {
+                d.push(s);
+            }
+            return;
+        }
         let n = s.len();
         if bucket(n) != n
             || self.cached_bytes.load(std::sync::atomic::Ordering::Relaxed) + 4 * n
@@ -93,6 +103,24 @@ impl BufferPool {
             free.entry(n).or_default().push(s);
             self.cached_bytes
                 .fetch_add(4 * n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl BufferPool {
+    /// Starts or ends deferring frees; ending hands the deferred buffers back.
+    fn defer(&self, on: bool) {
+        self.deferring
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        if !on {
+            let held = self
+                .deferred
+                .lock()
+                .map(|mut d| std::mem::take(&mut *d))
+                .unwrap_or_default();
+            for s in held {
+                self.give(s);
+            }
         }
     }
 }
@@ -250,6 +278,13 @@ struct RopeTableGpu {
     sin: CudaSlice<f32>,
 }
 
+/// The second compute stream of side branches and the events that fork and join it.
+struct Branch {
+    stream: Arc<CudaStream>,
+    fork: cudarc::driver::CudaEvent,
+    join: cudarc::driver::CudaEvent,
+}
+
 /// Device routing counts (see [`CudaBackend::enable_route_counts`]).
 struct RouteCounts {
     counts: CudaSlice<u32>,
@@ -280,6 +315,11 @@ pub struct CudaBackend {
     steps: Mutex<graphs::StepGraphs>,
     /// Allocates buffers while the compute stream is being captured, outside the recording.
     side_stream: Arc<CudaStream>,
+    /// Side branches (see [`Backend::side`]): their stream, the fork and join events, whether
+    /// ops go there now, and whether a branch awaits its join.
+    branch: Option<Branch>,
+    on_branch: std::sync::atomic::AtomicBool,
+    branch_open: std::sync::atomic::AtomicBool,
     timing: Mutex<(HostTiming, Option<std::time::Instant>)>,
     /// How weights are read at load time, the uploads deferred until `finish_load`, and what the
     /// last batched upload did.
@@ -403,6 +443,21 @@ impl CudaBackend {
             stream.alloc_zeros::<u32>(graphs::PARAM_WORDS)
         })?;
         let graphs_on = std::env::var("SPECTER_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let branch = if std::env::var("SPECTER_CUDA_BRANCHES").map_or(true, |v| v != "0") {
+            let ctx = dev.context();
+            let event = || {
+                guarded("cuEventCreate", || {
+                    ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                })
+            };
+            Some(Branch {
+                stream: guarded("cannot create a CUDA stream", || ctx.new_stream())?,
+                fork: event()?,
+                join: event()?,
+            })
+        } else {
+            None
+        };
         Ok(CudaBackend {
             dev,
             stream,
@@ -416,6 +471,9 @@ impl CudaBackend {
             route_counts: Mutex::new(None),
             steps: Mutex::new(graphs::StepGraphs::new(params, graphs_on)),
             side_stream,
+            branch,
+            on_branch: std::sync::atomic::AtomicBool::new(false),
+            branch_open: std::sync::atomic::AtomicBool::new(false),
             timing: Mutex::new((HostTiming::default(), None)),
             load_io: LoadIo::default(),
             pending: Mutex::new(None),
@@ -568,6 +626,7 @@ impl CudaBackend {
 
     /// Waits for all work issued so far.
     pub fn synchronize(&self) -> Result<()> {
+        self.join_branch()?;
         self.note_host_sync()?;
         let issued = std::time::Instant::now();
         guarded("cuStreamSynchronize", || self.stream.synchronize())?;
@@ -579,6 +638,54 @@ impl CudaBackend {
         t.0.wait_seconds += done.duration_since(issued).as_secs_f64();
         t.0.synchronisations += 1;
         t.1 = Some(done);
+        Ok(())
+    }
+
+    /// The stream ops go to now: the side branch's inside [`Backend::side`], else the main one.
+    fn current_stream(&self) -> &Arc<CudaStream> {
+        match &self.branch {
+            Some(b) if self.on_branch.load(std::sync::atomic::Ordering::Relaxed) => &b.stream,
+            _ => &self.stream,
+        }
+    }
+
+    /// Starts a side branch: its stream waits for the main stream's work so far, and freed
+    /// buffers are held until the join.
+    fn fork_branch(&self) -> Result<bool> {
+        let Some(b) = &self.branch else {
+            return Ok(false);
+        };
+        if self.on_branch.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(false);
+        }
+        // One branch at a time: join any earlier one first.
+        self.join_branch()?;
+        guarded("cuEventRecord", || b.fork.record(&self.stream))?;
+        guarded("cuStreamWaitEvent", || b.stream.wait(&b.fork))?;
+        self.buffers.defer(true);
+        self.branch_open
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.on_branch
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// The main stream waits for the side branch's work; held buffers become reusable.
+    fn join_branch(&self) -> Result<()> {
+        self.on_branch
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let Some(b) = &self.branch else {
+            return Ok(());
+        };
+        if !self
+            .branch_open
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(());
+        }
+        guarded("cuEventRecord", || b.join.record(&b.stream))?;
+        guarded("cuStreamWaitEvent", || self.stream.wait(&b.join))?;
+        self.buffers.defer(false);
         Ok(())
     }
 
@@ -595,7 +702,7 @@ impl CudaBackend {
         block: u32,
         args: &[u64],
     ) -> Result<()> {
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.current_stream().launch_builder(f);
         for a in args {
             b.arg(a);
         }
@@ -630,8 +737,8 @@ impl CudaBackend {
             })?,
             None => guarded(
                 &what(),
-                // SAFETY: as above.
-                || unsafe { self.stream.alloc::<f32>(n) },
+                // SAFETY: as above. Stream-ordered: made on the stream whose ops will use it.
+                || unsafe { self.current_stream().alloc::<f32>(n) },
             )?,
         };
         let act = self.wrap(slice, rows, cols);
@@ -1658,6 +1765,21 @@ impl Backend for CudaBackend {
 
     fn begin_step(&self, step: &StepRequest) -> Result<StepStart<GpuAct>> {
         self.begin_step_impl(step)
+    }
+
+    fn side<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let forked = self.fork_branch()?;
+        let out = f();
+        if forked {
+            // Back to the main stream; the branch runs on until `join_side`.
+            self.on_branch
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        out
+    }
+
+    fn join_side(&self) -> Result<()> {
+        self.join_branch()
     }
 
     fn end_step(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {

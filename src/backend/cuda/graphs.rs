@@ -209,6 +209,7 @@ impl CudaBackend {
     }
 
     pub(super) fn begin_step_impl(&self, step: &StepRequest) -> Result<StepStart<GpuAct>> {
+        self.join_branch()?;
         let mut g = self.lock(&self.steps)?;
         g.active = None;
         let rows = step.tokens.len();
@@ -267,6 +268,8 @@ impl CudaBackend {
     }
 
     pub(super) fn end_step_impl(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {
+        // A capture must end with every forked stream joined back.
+        let joined = self.join_branch();
         let mut g = self.lock(&self.steps)?;
         let Some(active) = g.active.take() else {
             return Ok(StepEnd::Done);
@@ -279,8 +282,8 @@ impl CudaBackend {
             return Ok(StepEnd::Done);
         }
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        let graph = match (ended, logits) {
-            (Ok(Some(graph)), Some(logits)) => (graph, logits.share()),
+        let graph = match (ended, logits, joined) {
+            (Ok(Some(graph)), Some(logits), Ok(())) => (graph, logits.share()),
             _ => {
                 // Nothing of the pass ran: run it again op by op, and never capture this key.
                 g.failed.insert(active.key);
