@@ -15,7 +15,8 @@ use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
-    CudaBackend, CudaDevice, CudaPrefetcher, HostPath, OffloadConfig, SlotPolicy,
+    CudaBackend, CudaDevice, CudaPrefetcher, FrequencyPrefetcher, HostPath, OffloadConfig,
+    SlotPolicy,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
@@ -57,7 +58,8 @@ fn gpu_speculative_decoding_is_lossless_on_every_fixture() {
 }
 
 /// Target-only greedy tokens on the GPU equal the CPU's; with `speculative`, Specter mode on the
-/// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens.
+/// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens, and so does SpecMoEOff
+/// mode (the draft with a KV cache of its own), with route-frequency prefetch when offloaded.
 fn every_fixture_every_residency(speculative: bool) {
     let device = Arc::new(CudaDevice::open(0).expect("a CUDA GPU"));
     for name in FIXTURES {
@@ -124,6 +126,26 @@ fn every_fixture_every_residency(speculative: bool) {
                         out.tokens, got,
                         "{name} ({label}): GPU specter with prefetch is not lossless"
                     );
+                    // The SpecMoEOff baseline: the draft with its own KV, K = 3, route-frequency
+                    // Top-M prefetch after draft steps 0 and 1.
+                    let mut frequency =
+                        FrequencyPrefetcher::new(gpu.backend(), gpu.info()).unwrap();
+                    let out = generate_observed(
+                        &gpu,
+                        prompt,
+                        &options(Mode::SpecMoeOff, 16, 3),
+                        &mut frequency,
+                        &mut |_| {},
+                    )
+                    .expect("specmoeoff with frequency prefetch");
+                    assert!(
+                        frequency.take_error().is_none(),
+                        "{name} ({label}): frequency prefetch failed"
+                    );
+                    assert_eq!(
+                        out.tokens, got,
+                        "{name} ({label}): GPU specmoeoff with prefetch is not lossless"
+                    );
                 }
                 if speculative {
                     for depth in [1, 4, 16] {
@@ -131,6 +153,11 @@ fn every_fixture_every_residency(speculative: bool) {
                         assert_eq!(
                             spec, got,
                             "{name} ({label}): GPU specter depth {depth} is not lossless"
+                        );
+                        let own_kv = greedy(&gpu, prompt, Mode::SpecMoeOff, depth);
+                        assert_eq!(
+                            own_kv, got,
+                            "{name} ({label}): GPU specmoeoff depth {depth} is not lossless"
                         );
                     }
                 }

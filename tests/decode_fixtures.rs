@@ -12,7 +12,8 @@ use specter::backend::cpu::Cpu;
 use specter::decode::{generate, generate_with_offload, GenerateOptions, Mode, Sampling};
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
 use specter::offload::{
-    ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
+    frequency_top_m, ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig,
+    SimulatorConfig,
 };
 use specter::pack::{convert, ConvertOptions, Silent};
 use specter::Result;
@@ -176,6 +177,7 @@ fn offload_simulation_runs_on_a_real_model() {
         for slots in [1, info.num_experts / 2, info.num_experts] {
             for (mode, policy) in [
                 (Mode::Specter, Policy::Specter),
+                (Mode::SpecMoeOff, Policy::Specter),
                 (Mode::Specter, Policy::Lru),
                 (Mode::Target, Policy::Lru),
                 (Mode::Target, Policy::OnDemand),
@@ -192,7 +194,13 @@ fn offload_simulation_runs_on_a_real_model() {
                     },
                 })
                 .expect("simulator");
-                let opts = options(mode, 16, 4);
+                if mode == Mode::SpecMoeOff {
+                    // SpecMoEOff's own rule: Top-M by route frequency after draft steps 0 and 1.
+                    sim = sim
+                        .with_frequency_prefetch(frequency_top_m(slots, info.top_k))
+                        .expect("frequency prefetch");
+                }
+                let opts = options(mode, 16, if mode == Mode::SpecMoeOff { 3 } else { 4 });
                 let out = generate_with_offload(&model, prompt, &opts, &mut sim, &mut |_| {})
                     .expect("offload");
                 let what = format!("{name}: {mode:?} with {policy:?}, {slots} slots");
@@ -216,4 +224,134 @@ fn offload_simulation_runs_on_a_real_model() {
             }
         }
     }
+}
+
+/// One recorded draft pass: where it started in its KV, what it ran, what it returned.
+struct DraftPass {
+    start: usize,
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+/// Passes everything through to the model, keeping every draft pass.
+struct DraftRecording<'m, M: LanguageModel> {
+    model: &'m M,
+    passes: RefCell<Vec<DraftPass>>,
+}
+
+impl<M: LanguageModel> LanguageModel for DraftRecording<'_, M> {
+    type Kv = M::Kv;
+    fn info(&self) -> &ModelInfo {
+        self.model.info()
+    }
+    fn new_kv(&self, capacity: usize) -> Result<M::Kv> {
+        self.model.new_kv(capacity)
+    }
+    fn forward(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut M::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>> {
+        let start = kv.len();
+        let logits = self.model.forward(variant, tokens, kv, hook)?;
+        if variant == Variant::Draft {
+            self.passes.borrow_mut().push(DraftPass {
+                start,
+                tokens: tokens.to_vec(),
+                logits: logits.clone(),
+            });
+        }
+        Ok(logits)
+    }
+}
+
+/// For every fixture: greedy SpecMoEOff output (the draft with its own KV) equals target-only
+/// output, rejections included; and every draft pass returned, bit for bit, what the draft run
+/// from scratch over the same tokens returns, so its KV was never left holding anything but the
+/// draft's own keys and values of those tokens (a missing or wrong rollback would show).
+#[test]
+fn specmoeoff_is_lossless_and_its_draft_kv_matches_a_fresh_draft_on_every_fixture() {
+    let mut drafted = 0;
+    let mut accepted = 0;
+    for name in FIXTURES {
+        let (fixture, model) = load(name);
+        let vocab = model.info().vocab_size;
+        for prompt in fixture.prompts().iter().take(2) {
+            let max_new = 12;
+            let target = generate(
+                &model,
+                prompt,
+                &options(Mode::Target, max_new, 1),
+                &mut NoHook,
+                &mut |_| {},
+            )
+            .expect("target");
+            for depth in [1, 3, 5] {
+                let recording = DraftRecording {
+                    model: &model,
+                    passes: RefCell::new(Vec::new()),
+                };
+                let out = generate(
+                    &recording,
+                    prompt,
+                    &options(Mode::SpecMoeOff, max_new, depth),
+                    &mut NoHook,
+                    &mut |_| {},
+                )
+                .expect("specmoeoff");
+                assert_eq!(out.tokens, target.tokens, "{name}: depth {depth}");
+                drafted += out.stats.drafted;
+                accepted += out.stats.accepted;
+                if depth != 3 {
+                    continue;
+                }
+                // Every draft pass goes to the draft's own KV, so its contents are the tokens of
+                // the passes so far, each cut back to where the next one starts.
+                let mut shadow: Vec<u32> = Vec::new();
+                let passes = recording.passes.borrow();
+                assert_eq!(passes[0].start, 0, "{name}: the draft's prefill");
+                assert_eq!(&passes[0].tokens, prompt, "{name}: the draft's prefill");
+                for (i, pass) in passes.iter().enumerate() {
+                    assert!(
+                        pass.start <= shadow.len(),
+                        "{name}: pass {i} skips positions"
+                    );
+                    shadow.truncate(pass.start);
+                    shadow.extend_from_slice(&pass.tokens);
+                    let mut kv = model.new_kv(shadow.len()).expect("kv");
+                    let fresh = model
+                        .forward(Variant::Draft, &shadow, &mut kv, &mut NoHook)
+                        .expect("fresh draft");
+                    let rows = &fresh[pass.start * vocab..];
+                    assert!(
+                        rows.iter()
+                            .zip(&pass.logits)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name}: draft pass {i} differs from the draft run from scratch"
+                    );
+                    if i > 0 {
+                        // What the draft ran is the committed sequence or drafts on top of a
+                        // committed prefix: its KV before the pass is committed tokens only
+                        // unless the pass is a later step of a window.
+                        let full: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
+                        let committed_prefix = shadow[..pass.start]
+                            .iter()
+                            .zip(&full)
+                            .take_while(|(a, b)| a == b)
+                            .count();
+                        assert!(
+                            committed_prefix + 3 > pass.start,
+                            "{name}: draft pass {i} keeps {} rejected positions",
+                            pass.start - committed_prefix
+                        );
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("specmoeoff on the fixtures: drafted {drafted}, accepted {accepted}");
+    assert!(accepted > 0, "the INT4 draft never agreed with the target");
+    assert!(accepted < drafted, "no rejection was exercised");
 }

@@ -101,12 +101,17 @@ fn check_distribution(temperature: f32, top_p: f32, model_seed: u64) {
     );
 
     let samples = 30_000u64;
-    for depth in [1, 2] {
+    // SpecMoEOff mode samples and verifies the same way, with the draft on its own KV.
+    for (mode, depth) in [
+        (Mode::Specter, 1),
+        (Mode::Specter, 2),
+        (Mode::SpecMoeOff, 2),
+    ] {
         let mut counts: HashMap<Vec<u32>, f64> = HashMap::new();
         let mut rejected = 0;
         for seed in 0..samples {
             let opts = GenerateOptions {
-                mode: Mode::Specter,
+                mode,
                 max_new_tokens: NEW_TOKENS,
                 depth,
                 sampling: Sampling { seed, ..base },
@@ -126,9 +131,12 @@ fn check_distribution(temperature: f32, top_p: f32, model_seed: u64) {
         // about 0.02.
         assert!(
             to_target < 0.045,
-            "T {temperature} top_p {top_p} depth {depth}: TV to target {to_target} (to draft {to_draft})"
+            "T {temperature} top_p {top_p} {mode:?} depth {depth}: TV to target {to_target} (to draft {to_draft})"
         );
-        assert!(to_draft > 0.1, "depth {depth}: TV to draft only {to_draft}");
+        assert!(
+            to_draft > 0.1,
+            "{mode:?} depth {depth}: TV to draft only {to_draft}"
+        );
     }
 }
 

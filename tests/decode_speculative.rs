@@ -241,3 +241,146 @@ fn bad_requests_are_refused() {
     .expect("empty");
     assert!(none.tokens.is_empty());
 }
+
+#[test]
+fn greedy_specmoeoff_equals_target_for_every_depth() {
+    let mut saw_rejection = false;
+    let mut saw_full_acceptance = false;
+    for (seed, disagree) in [(1u64, 300u64), (2, 100), (3, 700)] {
+        let mut model = ToyModel::new(64, 128, seed);
+        model.disagree_per_mille = disagree;
+        for prompt in prompts(seed * 10, &[1, 3, 8, 17], 64) {
+            for max_new in [1, 2, 7, 40] {
+                let target = run(&model, &prompt, &options(Mode::Target, max_new, 1));
+                for depth in [1, 2, 3, 4, 16] {
+                    let out = run(&model, &prompt, &options(Mode::SpecMoeOff, max_new, depth));
+                    assert_eq!(
+                        out.tokens, target.tokens,
+                        "seed {seed} prompt {prompt:?} max_new {max_new} depth {depth}"
+                    );
+                    let stats = &out.stats;
+                    assert!(stats.accepted <= stats.drafted);
+                    assert_eq!(stats.accepted + stats.rounds + 1, max_new);
+                    saw_rejection |= stats.accepted < stats.drafted;
+                    saw_full_acceptance |= stats.drafted > 0 && stats.accepted == stats.drafted;
+                }
+            }
+        }
+    }
+    assert!(saw_rejection && saw_full_acceptance);
+}
+
+#[test]
+fn greedy_specmoeoff_equals_target_with_eos_stop_and_at_the_end_of_the_context() {
+    let model = ToyModel::new(6, 200, 9);
+    for prompt in prompts(77, &[2, 5, 9], 6) {
+        let mut target_opts = options(Mode::Target, 60, 1);
+        target_opts.stop_at_eos = true;
+        let target = run(&model, &prompt, &target_opts);
+        let mut opts = options(Mode::SpecMoeOff, 60, 3);
+        opts.stop_at_eos = true;
+        assert_eq!(run(&model, &prompt, &opts).tokens, target.tokens);
+    }
+    let model = ToyModel::new(32, 24, 5);
+    for prompt in prompts(8, &[1, 7, 23], 32) {
+        let max_new = 24 - prompt.len();
+        let target = run(&model, &prompt, &options(Mode::Target, max_new, 1));
+        for depth in [1, 3, 64] {
+            let out = run(&model, &prompt, &options(Mode::SpecMoeOff, max_new, depth));
+            assert_eq!(out.tokens, target.tokens, "depth {depth}");
+        }
+    }
+}
+
+/// SpecMoEOff's draft has a KV of its own: every draft pass runs on a cache the draft alone wrote,
+/// never the target's. A window's step 0 starts on a prefix of the committed sequence (so a
+/// rejected draft never survives the rollback) and runs the committed tokens it lacks, ending at
+/// the newest; later steps extend the window one draft at a time. The target's KV stays exactly
+/// the committed prefix, as in Specter mode.
+#[test]
+fn specmoeoff_draft_kv_is_its_own_and_rolled_back_to_the_committed_prefix() {
+    let depth = 3;
+    let mut accept_lengths = vec![0usize; depth + 1];
+    let mut catch_up_rows = [0usize; 3];
+    for seed in 0..6u64 {
+        let mut model = ToyModel::new(48, 160, 200 + seed);
+        model.disagree_per_mille = 150 * (seed % 3) + 50;
+        for prompt in prompts(seed, &[4, 11], 48) {
+            model.take_calls();
+            let out = run(&model, &prompt, &options(Mode::SpecMoeOff, 90, depth));
+            let committed: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
+            let calls = model.take_calls();
+            let tokens_of = |kv: &[(u32, Variant)]| kv.iter().map(|&(t, _)| t).collect::<Vec<_>>();
+            let target_calls: Vec<_> = calls
+                .iter()
+                .filter(|c| c.variant == Variant::Target)
+                .collect();
+            assert_eq!(target_calls.len(), out.stats.rounds + 1);
+            for (i, call) in target_calls.iter().enumerate() {
+                let len = call.kv_before.len();
+                assert!(call.kv_before.iter().all(|&(_, v)| v == Variant::Target));
+                assert_eq!(
+                    tokens_of(&call.kv_before),
+                    committed[..len],
+                    "target pass {i}"
+                );
+                assert_eq!(call.tokens[0], committed[len], "target pass {i}");
+                if i > 0 && i + 1 < target_calls.len() {
+                    let next = target_calls[i + 1].kv_before.len();
+                    accept_lengths[next - len - 1] += 1;
+                }
+            }
+            // The draft's own prefill comes right after the target's.
+            assert_eq!(calls[1].variant, Variant::Draft);
+            assert!(calls[1].kv_before.is_empty());
+            assert_eq!(calls[1].tokens, prompt);
+            // What the draft KV holds after the previous draft pass of the window; None before
+            // a window's step 0 (after the prefill and after every verify pass).
+            let mut in_window: Option<Vec<u32>> = None;
+            for (index, call) in calls.iter().enumerate().skip(2) {
+                if call.variant == Variant::Target {
+                    in_window = None;
+                    continue;
+                }
+                assert!(
+                    call.kv_before.iter().all(|&(_, v)| v == Variant::Draft),
+                    "a draft pass ran on a KV the target wrote"
+                );
+                let before = tokens_of(&call.kv_before);
+                match &in_window {
+                    None => {
+                        // Step 0: a committed prefix (nothing rejected left in it), then the
+                        // committed tokens it lacks up to the newest, which the coming verify
+                        // pass runs first: one, or two after a fully accepted window.
+                        let verify = calls[index..]
+                            .iter()
+                            .find(|c| c.variant == Variant::Target)
+                            .expect("a verify pass follows every window");
+                        let newest = verify.kv_before.len();
+                        let len = before.len();
+                        assert_eq!(before, committed[..len], "stale draft KV");
+                        assert_eq!(len + call.tokens.len(), newest + 1);
+                        assert_eq!(call.tokens, committed[len..=newest]);
+                        assert!((1..=2).contains(&call.tokens.len()));
+                        catch_up_rows[call.tokens.len()] += 1;
+                    }
+                    Some(window) => {
+                        assert_eq!(&before, window);
+                        assert_eq!(call.tokens.len(), 1);
+                    }
+                }
+                let mut after = before;
+                after.extend_from_slice(&call.tokens);
+                in_window = Some(after);
+            }
+        }
+    }
+    assert!(
+        accept_lengths.iter().all(|&n| n > 0),
+        "accept lengths {accept_lengths:?}"
+    );
+    assert!(
+        catch_up_rows[1] > 0 && catch_up_rows[2] > 0,
+        "step 0 must have run one and two rows: {catch_up_rows:?}"
+    );
+}

@@ -237,3 +237,55 @@ fn mismatched_models_are_refused() {
         ),
     }
 }
+
+/// SpecMoEOff's rule in the simulator: Top-M by the draft's routing over steps 0 and 1 only,
+/// prefetched after each of them; the tokens are the target's.
+#[test]
+fn route_frequency_prefetch_plans_only_after_draft_steps_zero_and_one() {
+    let model = model();
+    let info = model.info().clone();
+    let prompt = &prompts(5, &[9], 64)[0];
+    let target = generate(
+        &model,
+        prompt,
+        &options(Mode::Target),
+        &mut specter::model::NoHook,
+        &mut |_| {},
+    )
+    .expect("target");
+    let slots = 4;
+    let top_m = specter::offload::frequency_top_m(slots, info.top_k);
+    assert_eq!(top_m, 4);
+    let mut sim = simulator(&model, Policy::Specter, slots)
+        .with_frequency_prefetch(top_m)
+        .expect("frequency prefetch");
+    let mut opts = options(Mode::SpecMoeOff);
+    opts.depth = 3;
+    let out = generate_with_offload(&model, prompt, &opts, &mut sim, &mut |_| {}).expect("run");
+    assert_eq!(out.tokens, target.tokens);
+    let s = out.stats.offload.expect("stats");
+    assert!(s.prefetched > 0, "{s:?}");
+    assert_eq!(s.prefetched, s.prefetched_used + s.prefetched_wasted);
+    // Two plans per window, each at most Top-M per layer.
+    let layers = info.moe_layers.len() as u64;
+    assert!(s.prefetched <= out.stats.rounds as u64 * 2 * layers * top_m as u64);
+
+    // A depth-1 window has only step 0: its routing alone decides, one row (or two) of top-k.
+    let mut sim = simulator(&model, Policy::Specter, slots)
+        .with_frequency_prefetch(1)
+        .expect("frequency prefetch");
+    opts.depth = 1;
+    let out = generate_with_offload(&model, prompt, &opts, &mut sim, &mut |_| {}).expect("run");
+    assert_eq!(out.tokens, target.tokens);
+    let s = out.stats.offload.expect("stats");
+    assert!(s.prefetched <= out.stats.rounds as u64 * layers);
+
+    // The rule needs plan protection and prefetch: the Specter cache policy.
+    match simulator(&model, Policy::Lru, slots).with_frequency_prefetch(top_m) {
+        Err(Error::Request(message)) => assert!(message.contains("Specter"), "{message}"),
+        other => panic!("expected a request error, got {:?}", other.map(|_| ())),
+    }
+    assert!(simulator(&model, Policy::Specter, slots)
+        .with_frequency_prefetch(0)
+        .is_err());
+}

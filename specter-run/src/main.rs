@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
-use specter::backend::cuda::{CudaPrefetcher, HostPath, LoadIo, SlotPolicy};
+use specter::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher, HostPath, LoadIo, SlotPolicy};
 use specter::decode::{self, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
@@ -121,12 +121,15 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// specter: the INT4 draft proposes, the FP16 target verifies (output equals target's);
-    /// target: the FP16 model alone; draft: the INT4 draft alone (not lossless).
+    /// target: the FP16 model alone; draft: the INT4 draft alone (not lossless); specmoeoff: the
+    /// SpecMoEOff-style baseline (the INT4 draft with its own KV cache, K = 3, route-frequency
+    /// Top-M prefetch after draft steps 0 and 1; output equals target's).
     #[arg(long, value_enum, default_value_t = ModeArg::Specter)]
     mode: ModeArg,
-    /// Draft tokens per verify pass (with --auto-depth, the most it may use).
-    #[arg(long, default_value_t = 8)]
-    depth: usize,
+    /// Draft tokens per verify pass (with --auto-depth, the most it may use). Default: 8, or 3
+    /// (the protocol's K) with --mode specmoeoff.
+    #[arg(long)]
+    depth: Option<usize>,
     /// Choose each round's depth from measured cost per committed token, down to plain target
     /// decoding when speculation does not pay (Specter mode).
     #[arg(long)]
@@ -214,7 +217,9 @@ struct BenchArgs {
     /// --resident-experts and --matched-experts).
     #[arg(long)]
     case: String,
-    /// Comma-separated modes: resident, lru, ondemand, specter, auto.
+    /// Comma-separated modes: resident, lru, ondemand, specter, auto, specmoeoff (the
+    /// SpecMoEOff-style baseline: the INT4 draft with its own KV cache, K = 3, route-frequency
+    /// Top-M prefetch, the case's SpecMoEOff residency).
     #[arg(
         long,
         value_delimiter = ',',
@@ -242,6 +247,9 @@ struct BenchArgs {
     /// custom case: experts per layer in VRAM for target-only lru and ondemand.
     #[arg(long)]
     matched_experts: Option<usize>,
+    /// custom case: experts per layer in VRAM for specmoeoff (needed with that mode).
+    #[arg(long)]
+    specmoeoff_experts: Option<usize>,
     /// Write the JSON record (every run and every mode's summary) here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -289,6 +297,7 @@ enum ModeArg {
     Specter,
     Target,
     Draft,
+    Specmoeoff,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -349,9 +358,6 @@ fn main() -> ExitCode {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    if args.depth == 0 {
-        bail!("--depth must be at least 1");
-    }
     let backend = match args.backend {
         BackendArg::Cpu => BackendKind::Cpu,
         BackendArg::Cuda => BackendKind::Cuda,
@@ -360,7 +366,16 @@ fn generate(args: GenerateArgs) -> Result<()> {
         ModeArg::Specter => Mode::Specter,
         ModeArg::Target => Mode::Target,
         ModeArg::Draft => Mode::Draft,
+        ModeArg::Specmoeoff => Mode::SpecMoeOff,
     };
+    let depth = args.depth.unwrap_or(if mode == Mode::SpecMoeOff {
+        decode::SPECMOEOFF_DEPTH
+    } else {
+        8
+    });
+    if depth == 0 {
+        bail!("--depth must be at least 1");
+    }
     let mut session_opts = SessionOptions::new(backend);
     session_opts.with_draft = mode != Mode::Target;
     session_opts.verify = args.verify.into();
@@ -397,7 +412,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let opts = GenerateOptions {
         mode,
         max_new_tokens: args.max_new_tokens,
-        depth: args.depth,
+        depth,
         sampling: Sampling {
             temperature: args.temperature,
             top_p: args.top_p,
@@ -439,11 +454,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (SessionModel::Cpu(_), Some(slots)) => Some(slots),
         _ => None,
     };
-    // On the GPU with offloaded experts, Specter mode prefetches what the draft forecasts.
-    let prefetch_model = match (&session.model, opts.mode) {
-        (SessionModel::Cuda(m), Mode::Specter) if m.backend().offload_slots()?.is_some() => {
-            Some(m.as_ref())
-        }
+    // On the GPU with offloaded experts, the speculative modes prefetch what the draft forecasts.
+    let prefetch_model = match (&session.model, opts.mode.is_speculative()) {
+        (SessionModel::Cuda(m), true) if m.backend().offload_slots()?.is_some() => Some(m.as_ref()),
         _ => None,
     };
     if args.auto_depth && opts.mode != Mode::Specter {
@@ -458,6 +471,14 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut draft_step_ms = None;
     let mut auto_report = None;
     let output: GenerateOutput = match (simulate, prefetch_model) {
+        (None, Some(m)) if opts.mode == Mode::SpecMoeOff => {
+            let mut prefetcher = FrequencyPrefetcher::new(m.backend(), m.info())?;
+            let out = decode::generate_observed(m, &prompt, &opts, &mut prefetcher, &mut on_token)?;
+            if let Some(e) = prefetcher.take_error() {
+                return Err(e.into());
+            }
+            out
+        }
         (None, Some(m)) => {
             let mut prefetcher =
                 CudaPrefetcher::new(m.backend(), m.info(), args.bandwidth_gbps * 1e9)?;
@@ -500,7 +521,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             if !(args.bandwidth_gbps.is_finite() && args.bandwidth_gbps > 0.0) {
                 bail!("--bandwidth-gbps must be a positive number");
             }
-            let policy = if opts.mode == Mode::Specter {
+            let policy = if opts.mode.is_speculative() {
                 Policy::Specter
             } else {
                 Policy::Lru
@@ -512,6 +533,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 policy,
                 args.bandwidth_gbps * 1e9,
             ))?;
+            if opts.mode == Mode::SpecMoeOff {
+                sim = sim.with_frequency_prefetch(specter::offload::frequency_top_m(
+                    slots, info.top_k,
+                ))?;
+            }
             decode::generate_with_offload(
                 session.cpu_model()?,
                 &prompt,
@@ -613,7 +639,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             "[{} tokens, TTFT {:.1} ms, TPOT {:.2} ms",
             s.generated_tokens, s.ttft_ms, s.tpot_ms
         );
-        if opts.mode == Mode::Specter {
+        if opts.mode.is_speculative() {
             eprint!(
                 ", acceptance {:.1}% ({} of {} drafted), {:.2} accepted per round",
                 100.0 * s.acceptance_rate,
@@ -854,28 +880,41 @@ fn read_bench_prompts(path: &std::path::Path, bundle: &std::path::Path) -> Resul
 
 fn bench(args: BenchArgs) -> Result<()> {
     use specter::bench::{self, BenchCase, BenchMode, BenchOptions};
+    let modes = args
+        .modes
+        .iter()
+        .map(|m| BenchMode::parse(m))
+        .collect::<specter::Result<Vec<_>>>()?;
     let case = if args.case == "custom" {
+        let specmoeoff = match args.specmoeoff_experts {
+            Some(0) => bail!("--specmoeoff-experts must be at least 1"),
+            Some(n) => n,
+            None if modes.contains(&BenchMode::SpecMoeOff) => {
+                bail!("--case custom with mode specmoeoff needs --specmoeoff-experts")
+            }
+            // Unused without that mode.
+            None => args.resident_experts.unwrap_or(0),
+        };
         match (args.depth, args.resident_experts, args.matched_experts) {
             (Some(depth), Some(resident), Some(matched)) if depth > 0 && resident > 0 && matched > 0 => BenchCase {
                 name: "custom",
                 depth,
                 resident,
                 matched,
+                specmoeoff,
             },
             _ => bail!("--case custom needs --depth, --resident-experts and --matched-experts, each at least 1"),
         }
     } else {
-        if args.depth.is_some() || args.resident_experts.is_some() || args.matched_experts.is_some()
+        if args.depth.is_some()
+            || args.resident_experts.is_some()
+            || args.matched_experts.is_some()
+            || args.specmoeoff_experts.is_some()
         {
-            bail!("--depth, --resident-experts and --matched-experts only go with --case custom");
+            bail!("--depth, --resident-experts, --matched-experts and --specmoeoff-experts only go with --case custom");
         }
         bench::case(&args.case)?
     };
-    let modes = args
-        .modes
-        .iter()
-        .map(|m| BenchMode::parse(m))
-        .collect::<specter::Result<Vec<_>>>()?;
     let backend = match args.backend {
         BackendArg::Cpu => BackendKind::Cpu,
         BackendArg::Cuda => BackendKind::Cuda,

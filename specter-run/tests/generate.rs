@@ -433,6 +433,49 @@ fn draft_mode_runs_the_int4_draft_alone() {
 }
 
 #[test]
+fn specmoeoff_mode_gives_the_target_tokens_with_and_without_simulated_offload() {
+    let base = [
+        "--prompt-ids",
+        "11,12,13,200,7",
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+    ];
+    let want = tokens(
+        &generate_json(&with(&base, &["--mode", "target"])),
+        "tokens",
+    );
+    let record = generate_json(&with(&base, &["--mode", "specmoeoff"]));
+    assert_eq!(record["mode"], "specmoeoff");
+    // The protocol's K = 3 unless --depth says otherwise.
+    assert_eq!(record["depth"], 3);
+    assert_eq!(tokens(&record, "tokens"), want);
+    assert!(record["stats"]["drafted"].as_u64().unwrap() > 0);
+    for resident in ["1", "3"] {
+        let record = generate_json(&with(
+            &base,
+            &[
+                "--mode",
+                "specmoeoff",
+                "--depth",
+                "5",
+                "--resident-experts",
+                resident,
+            ],
+        ));
+        assert_eq!(record["depth"], 5);
+        assert_eq!(tokens(&record, "tokens"), want, "{resident} resident");
+        let cache = &record["stats"]["cache"];
+        assert!(
+            cache["prefetched"].as_u64().unwrap() > 0,
+            "{resident} resident: route-frequency prefetch copied nothing: {cache}"
+        );
+    }
+    let run = generate(&with(&base, &["--mode", "specmoeoff", "--auto-depth"]));
+    assert_clean_failure(&run, &["--auto-depth", "--mode specter"]);
+}
+
+#[test]
 fn a_bundle_without_a_tokenizer_takes_ids_and_refuses_text() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/olmoe");
     let work = tempfile::tempdir().unwrap();
@@ -608,7 +651,7 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
         "--backend",
         "cpu",
         "--modes",
-        "resident,specter,auto",
+        "resident,specter,auto,specmoeoff",
         "--prompts",
         prompts.to_str().unwrap(),
         "--new-tokens",
@@ -626,15 +669,39 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(out("b.json")).unwrap()).unwrap();
     assert_eq!(report["prompts"], 2);
-    assert_eq!(report["runs"].as_array().unwrap().len(), 3 * 2 * 2);
+    assert_eq!(report["runs"].as_array().unwrap().len(), 4 * 2 * 2);
     for m in report["modes"].as_array().unwrap() {
         assert_eq!(m["agreement"], 1.0, "{m}");
         assert!(m["mean_tpot_ms"].as_f64().unwrap() > 0.0, "{m}");
     }
     assert_eq!(report["modes"][1]["depth"], 16);
+    // SpecMoEOff: its own row at the protocol's K = 3, with its case residency and the headline
+    // ratio against Specter.
+    let specmoeoff = &report["modes"][3];
+    assert_eq!(specmoeoff["mode"], "specmoeoff");
+    assert_eq!(specmoeoff["depth"], 3);
+    assert!(
+        specmoeoff["mean_acceptance"].as_f64().unwrap() > 0.0,
+        "{specmoeoff}"
+    );
+    assert_eq!(report["case"]["specmoeoff"], 12);
+    assert!(report["specter_over_specmoeoff"].as_f64().unwrap() > 0.0);
+    assert!(report["auto_over_specmoeoff"].as_f64().unwrap() > 0.0);
+    let specmoeoff_runs: Vec<&Value> = report["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["mode"] == "specmoeoff")
+        .collect();
+    assert_eq!(specmoeoff_runs.len(), 2 * 2);
+    assert!(specmoeoff_runs.iter().all(|r| r["agrees"] == true));
     let table = std::fs::read_to_string(out("b.md")).unwrap();
     assert!(
-        table.contains("| specter |") && table.contains("| auto |"),
+        table.contains("| specter |")
+            && table.contains("| auto |")
+            && table.contains("| specmoeoff |")
+            && table.contains("specter over specmoeoff")
+            && table.contains("KV cache of their own"),
         "{table}"
     );
     assert!(run.stdout.contains("| resident |"), "{run:?}");
@@ -642,8 +709,8 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
         .unwrap()
         .starts_with("<svg"));
 
-    // Modes that copy experts need the GPU; SpecMoEOff needs a second model; a target-only
-    // reference is required; custom cases need their numbers.
+    // Modes that copy experts need the GPU; a target-only reference is required; custom cases
+    // need their numbers (SpecMoEOff's residency too, when it runs).
     let run = bench(&[
         "--case",
         "ds_low",
@@ -655,13 +722,30 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
     assert_clean_failure(&run, &["lru", "--backend cuda"]);
     let run = bench(&[
         "--case",
+        "custom",
+        "--backend",
+        "cpu",
+        "--modes",
+        "resident,specmoeoff",
+        "--depth",
+        "4",
+        "--resident-experts",
+        "2",
+        "--matched-experts",
+        "4",
+    ]);
+    assert_clean_failure(&run, &["specmoeoff", "--specmoeoff-experts"]);
+    let run = bench(&[
+        "--case",
         "ds_low",
         "--backend",
         "cpu",
         "--modes",
         "resident,specmoeoff",
+        "--specmoeoff-experts",
+        "3",
     ]);
-    assert_clean_failure(&run, &["specmoeoff", "not part of this version"]);
+    assert_clean_failure(&run, &["only go with --case custom"]);
     let run = bench(&["--case", "ds_low", "--backend", "cpu", "--modes", "specter"]);
     assert_clean_failure(&run, &["target-only mode"]);
     let run = bench(&["--case", "custom", "--backend", "cpu", "--depth", "4"]);

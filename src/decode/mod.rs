@@ -3,6 +3,10 @@
 //! the longest agreeing prefix plus one target token is committed, the KV is cropped back to the
 //! committed boundary". Greedy output equals target-only decoding; sampled output follows the
 //! target's distribution (speculative rejection sampling).
+//!
+//! [`Mode::SpecMoeOff`] is the paper's baseline: the same verification, but the draft keeps its
+//! own KV cache (its own prefill, rolled back to the accepted prefix after every round) at a
+//! fixed depth, as a separate draft model would.
 
 mod depth;
 mod sampling;
@@ -28,6 +32,23 @@ pub enum Mode {
     Draft,
     /// Draft proposes, target verifies.
     Specter,
+    /// The SpecMoEOff-style baseline: a draft with its own KV cache proposes (depth
+    /// [`SPECMOEOFF_DEPTH`] in the paper's protocol), the target verifies exactly as in
+    /// [`Mode::Specter`]. SpecMoEOff's draft is a separate quantized model; here it is this
+    /// model's INT4 draft variant with a KV cache of its own (its attention, routers and shared
+    /// experts are the target's), which if anything gives the baseline better acceptance than
+    /// the original's: a conservative comparison for Specter.
+    SpecMoeOff,
+}
+
+/// The SpecMoEOff baseline's draft depth in the paper's protocol (K = 3).
+pub const SPECMOEOFF_DEPTH: usize = 3;
+
+impl Mode {
+    /// Whether the mode drafts and verifies (and so needs the draft variant).
+    pub fn is_speculative(self) -> bool {
+        matches!(self, Mode::Specter | Mode::SpecMoeOff)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -46,11 +67,12 @@ pub struct GenerateOptions {
 pub struct GenerateStats {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
-    /// Decode rounds after prefill: verify passes in Specter mode, forward passes otherwise.
+    /// Decode rounds after prefill: verify passes in the speculative modes, forward passes
+    /// otherwise.
     pub rounds: usize,
-    /// Draft tokens proposed (Specter mode).
+    /// Draft tokens proposed (speculative modes).
     pub drafted: usize,
-    /// Draft tokens the target accepted (Specter mode).
+    /// Draft tokens the target accepted (speculative modes).
     pub accepted: usize,
     /// `accepted / drafted` (0 when nothing was drafted).
     pub acceptance_rate: f64,
@@ -78,7 +100,9 @@ pub struct GenerateOutput {
 pub trait DecodeObserver: RouteHook {
     /// A target forward pass over `rows` rows is about to run (prefill, verify or single step).
     fn on_target_pass(&mut self, _rows: usize) {}
-    /// A draft window of `depth` single-token draft steps begins.
+    /// A draft window of `depth` draft steps begins. Each step is one draft forward pass that
+    /// proposes one token: a single row in Specter mode; in SpecMoEOff mode step 0 also runs the
+    /// committed tokens its own KV has not seen yet (one or two rows).
     fn on_draft_window(&mut self, _depth: usize) {}
     /// Draft step `step` (0-based) of the current window has run.
     fn on_draft_step(&mut self, _step: usize) {}
@@ -187,6 +211,15 @@ pub fn generate_observed<M: LanguageModel>(
                 &mut counters,
             )?,
             Mode::Specter => decode_speculative(
+                model,
+                prompt,
+                opts.depth,
+                &mut chooser,
+                observer,
+                &mut commits,
+                &mut counters,
+            )?,
+            Mode::SpecMoeOff => decode_separate_draft(
                 model,
                 prompt,
                 opts.depth,
@@ -422,7 +455,6 @@ fn decode_speculative<M: LanguageModel>(
     counters: &mut Counters,
 ) -> Result<()> {
     let vocab = model.info().vocab_size;
-    let greedy = chooser.sampling.is_greedy();
     let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
     let logits = forward(model, Variant::Target, prompt, &mut kv, observer)?;
     let mut pending = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
@@ -447,15 +479,7 @@ fn decode_speculative<M: LanguageModel>(
             let mut last = pending;
             for step in 0..k {
                 let logits = forward(model, Variant::Draft, &[last], &mut kv, observer)?;
-                let row = logits_row(&logits, 1, vocab, 0)?;
-                let token = if greedy {
-                    argmax(row)
-                } else {
-                    let q = chooser.distribution(row);
-                    let token = sample(&q, &mut chooser.rng);
-                    draft_dists.push(q);
-                    token
-                };
+                let token = propose(chooser, logits_row(&logits, 1, vocab, 0)?, &mut draft_dists);
                 drafts.push(token);
                 last = token;
                 observer.on_draft_step(step);
@@ -468,43 +492,162 @@ fn decode_speculative<M: LanguageModel>(
         verify_tokens.push(pending);
         verify_tokens.extend_from_slice(&drafts);
         let logits = forward(model, Variant::Target, &verify_tokens, &mut kv, observer)?;
-        let rows = verify_tokens.len();
-        let mut accepted = 0;
-        let mut next = None;
-        for (i, &draft) in drafts.iter().enumerate() {
-            let row = logits_row(&logits, rows, vocab, i)?;
-            let outcome = if greedy {
-                let target = argmax(row);
-                (target != draft).then_some(target)
-            } else {
-                let p = chooser.distribution(row);
-                accept_or_resample(&p, &draft_dists[i], draft, &mut chooser.rng)
-            };
-            match outcome {
-                None => accepted += 1,
-                Some(token) => {
-                    next = Some(token);
-                    break;
-                }
-            }
-        }
-        let next = match next {
-            Some(token) => token,
-            // Every draft accepted: the bonus token comes from the last verify row.
-            None => chooser.choose(logits_row(&logits, rows, vocab, k)?),
-        };
+        let (accepted, next) = verify(chooser, &logits, vocab, &drafts, &draft_dists)?;
         // Valid target KV: the committed prefix, the pending token and the accepted drafts.
         kv.truncate(committed_len + 1 + accepted);
         counters.rounds += 1;
         counters.drafted += k;
         counters.accepted += accepted;
+        let committed = commit_round(commits, &drafts[..accepted], next);
+        observer.on_commit(accepted, committed);
+        pending = next;
+    }
+    Ok(())
+}
 
-        let mut committed = 0;
-        for &token in drafts[..accepted].iter().chain(std::iter::once(&next)) {
-            if commits.push(token) {
-                committed += 1;
+/// The draft's token from its logits row: the argmax when greedy, else a sample, whose
+/// distribution is kept in `dists` for the rejection test.
+fn propose(chooser: &mut Chooser, row: &[f32], dists: &mut Vec<Vec<f64>>) -> u32 {
+    if chooser.sampling.is_greedy() {
+        argmax(row)
+    } else {
+        let q = chooser.distribution(row);
+        let token = sample(&q, &mut chooser.rng);
+        dists.push(q);
+        token
+    }
+}
+
+/// Checks `drafts` against the verify pass's logits (rows: the pending token, then every draft)
+/// and returns how many the target accepted and the target's own next token: at the first
+/// rejection (greedy: the target's argmax; sampled: a resample), or the bonus token after the
+/// last row when all were accepted.
+fn verify(
+    chooser: &mut Chooser,
+    logits: &[f32],
+    vocab: usize,
+    drafts: &[u32],
+    dists: &[Vec<f64>],
+) -> Result<(usize, u32)> {
+    let rows = drafts.len() + 1;
+    for (i, &draft) in drafts.iter().enumerate() {
+        let row = logits_row(logits, rows, vocab, i)?;
+        let outcome = if chooser.sampling.is_greedy() {
+            let target = argmax(row);
+            (target != draft).then_some(target)
+        } else {
+            let p = chooser.distribution(row);
+            accept_or_resample(&p, &dists[i], draft, &mut chooser.rng)
+        };
+        if let Some(token) = outcome {
+            return Ok((i, token));
+        }
+    }
+    let bonus = chooser.choose(logits_row(logits, rows, vocab, drafts.len())?);
+    Ok((drafts.len(), bonus))
+}
+
+/// Commits the accepted drafts and the target's next token (until generation is over); returns
+/// how many were committed.
+fn commit_round(commits: &mut Commits<'_>, accepted: &[u32], next: u32) -> usize {
+    accepted
+        .iter()
+        .chain(std::iter::once(&next))
+        .filter(|&&token| commits.push(token))
+        .count()
+}
+
+/// Draft-then-verify rounds where the draft keeps a KV cache of its own, as a separate draft
+/// model does (the SpecMoEOff baseline).
+///
+/// The target's KV follows the same invariant as in [`decode_speculative`]. The draft's KV always
+/// holds a prefix of the committed sequence (`prompt` and every committed token, `pending` last),
+/// written by the draft, never the whole of it: a round's step 0 runs the committed tokens it
+/// lacks (ending with `pending`) and proposes the first draft; steps 1.. run one draft each. After
+/// verification the draft KV is rolled back to the committed tokens it has run: through the
+/// accepted drafts, except the last draft of the window, which it never ran.
+fn decode_separate_draft<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    depth: usize,
+    chooser: &mut Chooser,
+    observer: &mut dyn DecodeObserver,
+    commits: &mut Commits<'_>,
+    counters: &mut Counters,
+) -> Result<()> {
+    let vocab = model.info().vocab_size;
+    let capacity = prompt.len() + commits.max_new;
+    let mut kv = model.new_kv(capacity)?;
+    // The draft's own cache. A round leaves at most `committed + depth - 1` positions in it, and
+    // drafting stops short of max_new_tokens, so the same capacity holds.
+    let mut draft_kv = model.new_kv(capacity)?;
+    let logits = forward(model, Variant::Target, prompt, &mut kv, observer)?;
+    let first = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
+    // The draft's own prefill, before the first commit: like the target's, it is part of the time
+    // to the first token, not of the per-token time. Its logits are not needed (the first token is
+    // the target's).
+    forward(model, Variant::Draft, prompt, &mut draft_kv, observer)?;
+    // Everything committed so far, the prompt included: what the draft KV must be a prefix of.
+    let mut sequence: Vec<u32> = Vec::with_capacity(capacity);
+    sequence.extend_from_slice(prompt);
+    sequence.push(first);
+    commits.push(first);
+    observer.on_commit(0, 1);
+    let mut pending = first;
+
+    let mut drafts: Vec<u32> = Vec::with_capacity(depth);
+    let mut draft_dists: Vec<Vec<f64>> = Vec::with_capacity(depth);
+    let mut verify_tokens: Vec<u32> = Vec::with_capacity(depth + 1);
+    while !commits.finished {
+        let k = observer
+            .next_depth(depth)
+            .min(depth)
+            .min(commits.remaining() - 1);
+        let committed_len = kv.len();
+        // The committed sequence is the target KV plus `pending`.
+        debug_assert_eq!(committed_len + 1, sequence.len());
+        drafts.clear();
+        draft_dists.clear();
+        if k > 0 {
+            observer.on_draft_window(k);
+            let unseen = draft_kv.len();
+            if unseen >= sequence.len() {
+                return Err(Error::Model(format!(
+                    "draft KV holds {unseen} positions, the committed sequence only {}",
+                    sequence.len()
+                )));
+            }
+            // Step 0: the committed tokens the draft has not run yet (`pending` at least).
+            let catch_up = &sequence[unseen..];
+            let logits = forward(model, Variant::Draft, catch_up, &mut draft_kv, observer)?;
+            let row = logits_row(&logits, catch_up.len(), vocab, catch_up.len() - 1)?;
+            drafts.push(propose(chooser, row, &mut draft_dists));
+            observer.on_draft_step(0);
+            for step in 1..k {
+                let last = drafts[step - 1];
+                let logits = forward(model, Variant::Draft, &[last], &mut draft_kv, observer)?;
+                let row = logits_row(&logits, 1, vocab, 0)?;
+                drafts.push(propose(chooser, row, &mut draft_dists));
+                observer.on_draft_step(step);
             }
         }
+
+        verify_tokens.clear();
+        verify_tokens.push(pending);
+        verify_tokens.extend_from_slice(&drafts);
+        let logits = forward(model, Variant::Target, &verify_tokens, &mut kv, observer)?;
+        let (accepted, next) = verify(chooser, &logits, vocab, &drafts, &draft_dists)?;
+        kv.truncate(committed_len + 1 + accepted);
+        if k > 0 {
+            // The draft ran `pending` and drafts 1..k-1: keep what the target accepted of them.
+            draft_kv.truncate(sequence.len() + accepted.min(k - 1));
+        }
+        counters.rounds += 1;
+        counters.drafted += k;
+        counters.accepted += accepted;
+        sequence.extend_from_slice(&drafts[..accepted]);
+        sequence.push(next);
+        let committed = commit_round(commits, &drafts[..accepted], next);
         observer.on_commit(accepted, committed);
         pending = next;
     }

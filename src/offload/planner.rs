@@ -8,6 +8,18 @@
 
 use super::cache::ExpertCache;
 
+/// SpecMoEOff's prefetch rule counts the draft's routing over this many draft steps of a window
+/// (steps 0 and 1) and prefetches after each of them.
+pub const FREQUENCY_STEPS: usize = 2;
+
+/// SpecMoEOff's Top-M: the experts per layer prefetched after draft steps 0 and 1, given the
+/// layer's cache slots and the model's top-k. Two single-row draft steps route to at most
+/// `2 * top_k` distinct experts, so a larger M adds nothing (experts never routed are never
+/// planned); and a plan is protected from eviction, so it may not exceed the slots.
+pub fn frequency_top_m(slots_per_layer: usize, top_k: usize) -> usize {
+    slots_per_layer.min(2 * top_k.max(1))
+}
+
 /// A plan for the coming verify pass.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
@@ -120,7 +132,13 @@ impl Planner {
     /// slots (planned experts replace the previous plan, so every slot is free or evictable for
     /// them), and the missing ones to prefetch.
     pub fn plan_for(&self, cache: &ExpertCache) -> Plan {
-        let experts = self.plan(cache.slots_per_layer());
+        self.plan_for_at_most(cache, cache.slots_per_layer())
+    }
+
+    /// As [`Self::plan_for`] with at most `limit_per_layer` experts per layer (never more than
+    /// the layer's slots).
+    pub fn plan_for_at_most(&self, cache: &ExpertCache, limit_per_layer: usize) -> Plan {
+        let experts = self.plan(limit_per_layer.min(cache.slots_per_layer()));
         let prefetch = experts
             .iter()
             .enumerate()

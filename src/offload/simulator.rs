@@ -7,11 +7,15 @@
 //! are looked up; misses are loaded on demand and the layer waits for them and for any prefetch
 //! still in flight, which is the stall. Prefetches issued during the draft window overlap with
 //! the draft steps that follow.
+//!
+//! Prefetch follows the [`Planner`]'s chunk schedule over the whole draft window (Specter), or,
+//! with [`OffloadSimulator::with_frequency_prefetch`], SpecMoEOff's rule: the Top-M experts per
+//! layer by the draft's routing counts over steps 0 and 1, prefetched after each of them.
 
 use super::cache::{
     ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig,
 };
-use super::planner::Planner;
+use super::planner::{Planner, FREQUENCY_STEPS};
 use super::transfer::{SimulatedTransfers, TransferEngine, TransferId};
 use crate::decode::DecodeObserver;
 use crate::model::{ModelInfo, RouteHook, Variant};
@@ -104,6 +108,10 @@ pub struct OffloadSimulator {
     first_commit_s: Option<f64>,
     routing_error: Option<String>,
     seen: Vec<bool>,
+    /// SpecMoEOff's Top-M when prefetching by route frequency at draft steps 0 and 1.
+    frequency_top_m: Option<usize>,
+    /// Draft steps run in the current window.
+    window_steps: usize,
 }
 
 impl OffloadSimulator {
@@ -140,9 +148,30 @@ impl OffloadSimulator {
             in_window: false,
             first_commit_s: None,
             routing_error: None,
+            frequency_top_m: None,
+            window_steps: 0,
         };
         simulator.reset();
         Ok(simulator)
+    }
+
+    /// Prefetches by SpecMoEOff's rule instead of the planner's schedule: after draft steps 0
+    /// and 1 of each window, the `top_m` experts per layer the draft routed to most in those
+    /// steps. Needs [`Policy::Specter`] (plans protected from eviction, prefetch on).
+    pub fn with_frequency_prefetch(mut self, top_m: usize) -> Result<Self> {
+        if self.cache.policy() != Policy::Specter {
+            return Err(Error::Request(format!(
+                "route-frequency prefetch needs the Specter cache policy, not {:?}",
+                self.cache.policy()
+            )));
+        }
+        if top_m == 0 {
+            return Err(Error::Request(
+                "route-frequency prefetch needs Top-M of at least 1".into(),
+            ));
+        }
+        self.frequency_top_m = Some(top_m);
+        Ok(self)
     }
 
     pub fn config(&self) -> &SimulatorConfig {
@@ -268,7 +297,10 @@ impl OffloadSimulator {
     /// Forms the plan from the window's routing so far and prefetches what is missing.
     fn plan_and_prefetch(&mut self, steps_done: usize) {
         let bytes = self.config.residency.expert_bytes;
-        let plan = self.planner.plan_for(&self.cache);
+        let plan = match self.frequency_top_m {
+            Some(m) => self.planner.plan_for_at_most(&self.cache, m),
+            None => self.planner.plan_for(&self.cache),
+        };
         for (layer, experts) in plan.experts.iter().enumerate() {
             self.cache.set_plan(layer, experts);
         }
@@ -311,7 +343,9 @@ impl RouteHook for OffloadSimulator {
         match variant {
             Variant::Target => self.target_layer(moe_layer, topk),
             Variant::Draft => {
-                if self.in_window && self.cache.policy() == Policy::Specter {
+                let counting =
+                    self.frequency_top_m.is_none() || self.window_steps < FREQUENCY_STEPS;
+                if self.in_window && self.cache.policy() == Policy::Specter && counting {
                     self.planner.record(moe_layer, topk);
                 }
             }
@@ -331,6 +365,7 @@ impl DecodeObserver for OffloadSimulator {
 
     fn on_draft_window(&mut self, depth: usize) {
         self.in_window = true;
+        self.window_steps = 0;
         self.planner.begin_window(depth);
     }
 
@@ -339,10 +374,12 @@ impl DecodeObserver for OffloadSimulator {
         self.transfers.advance(step_s);
         self.stats.compute_s += step_s;
         let steps_done = step + 1;
-        if self.in_window
-            && self.cache.policy() == Policy::Specter
-            && self.planner.is_boundary(steps_done)
-        {
+        self.window_steps = steps_done;
+        let due = match self.frequency_top_m {
+            Some(_) => steps_done <= FREQUENCY_STEPS,
+            None => self.planner.is_boundary(steps_done),
+        };
+        if self.in_window && self.cache.policy() == Policy::Specter && due {
             self.plan_and_prefetch(steps_done);
         }
     }

@@ -28,7 +28,7 @@ pub use nvrtc::{
     PtxCache,
 };
 pub use offload::{HostPath, OffloadConfig, OffloadStats, SlotPolicy};
-pub use prefetch::CudaPrefetcher;
+pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

@@ -9,6 +9,9 @@
 //! draft has run long enough to hide the bytes just issued, from the measured draft step time and
 //! copy bandwidth) the top experts per layer are prefetched and protected from eviction until the
 //! next window starts.
+//!
+//! [`FrequencyPrefetcher`] is the SpecMoEOff baseline's rule instead: route-frequency Top-M
+//! after draft steps 0 and 1 only.
 
 use std::time::Instant;
 
@@ -147,5 +150,149 @@ impl DecodeObserver for CudaPrefetcher<'_> {
             }
         }
         self.step_started = Some(Instant::now());
+    }
+}
+
+/// SpecMoEOff's prefetch rule on the GPU, for [`crate::decode::Mode::SpecMoeOff`]: per draft
+/// window, the draft's routing counts per MoE layer over draft steps 0 and 1 only; right after
+/// step 0 and again after step 1, the Top-M experts per layer by count are prefetched (and
+/// protected from eviction until the next window starts).
+pub struct FrequencyPrefetcher<'a> {
+    backend: &'a CudaBackend,
+    /// Counting and ranking only: this rule has no chunk schedule.
+    planner: Planner,
+    /// Decoder layer of each MoE layer.
+    moe_layers: Vec<usize>,
+    top_m: usize,
+    in_window: bool,
+    /// Draft steps run in the current window.
+    steps_done: usize,
+    /// The first error met while prefetching (observers cannot return one).
+    error: Option<crate::Error>,
+}
+
+impl<'a> FrequencyPrefetcher<'a> {
+    /// Top-M from [`crate::offload::frequency_top_m`]: the slots per layer, at most the
+    /// `2 * top_k` experts two draft steps can route to.
+    pub fn new(backend: &'a CudaBackend, info: &ModelInfo) -> Result<Self> {
+        let slots = backend.offload_slots()?.ok_or_else(|| {
+            crate::Error::Request(
+                "route-frequency prefetch needs offloaded experts (--resident-experts N below the expert count)"
+                    .into(),
+            )
+        })?;
+        Self::with_top_m(
+            backend,
+            info,
+            crate::offload::frequency_top_m(slots, info.top_k),
+        )
+    }
+
+    /// With an explicit Top-M (at least 1; more than the slots per layer is cut to them).
+    pub fn with_top_m(backend: &'a CudaBackend, info: &ModelInfo, top_m: usize) -> Result<Self> {
+        let slots = backend.offload_slots()?.ok_or_else(|| {
+            crate::Error::Request("route-frequency prefetch needs offloaded experts".into())
+        })?;
+        if top_m == 0 {
+            return Err(crate::Error::Request(
+                "route-frequency prefetch needs Top-M of at least 1".into(),
+            ));
+        }
+        // Counted on the device as Specter's prefetcher does, so that the baseline pays no host
+        // round trips Specter does not.
+        backend.enable_route_counts(info.moe_layers.len(), info.num_experts)?;
+        Ok(FrequencyPrefetcher {
+            backend,
+            // The planner's timing estimates are unused: only its counts and ranking are.
+            planner: Planner::new(info.moe_layers.len(), info.num_experts, 0.0, 1.0),
+            moe_layers: info.moe_layers.clone(),
+            top_m: top_m.min(slots),
+            in_window: false,
+            steps_done: 0,
+            error: None,
+        })
+    }
+
+    pub fn top_m(&self) -> usize {
+        self.top_m
+    }
+
+    /// The first error met while prefetching, if any.
+    pub fn take_error(&mut self) -> Option<crate::Error> {
+        self.error.take()
+    }
+
+    fn issue(&mut self) -> Result<()> {
+        // The window's counts so far: steps 0 .. steps_done (at most FREQUENCY_STEPS).
+        let counts = self.backend.route_counts()?;
+        if !self.planner.set_counts(&counts) {
+            return Err(crate::Error::Backend(format!(
+                "prefetch: {} routing counts from the device, the planner expects another shape",
+                counts.len()
+            )));
+        }
+        for (moe_layer, experts) in self.planner.plan(self.top_m).iter().enumerate() {
+            if !experts.is_empty() {
+                self.backend.prefetch(self.moe_layers[moe_layer], experts)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RouteHook for FrequencyPrefetcher<'_> {
+    fn on_route(
+        &mut self,
+        variant: Variant,
+        _layer: usize,
+        moe_layer: usize,
+        _top_k: usize,
+        topk: &[u32],
+    ) {
+        // Reached only where a wrapper hides `counts_routes_on_device`: the draft's prefill and
+        // steps 2.. do not count.
+        if variant == Variant::Draft
+            && self.in_window
+            && self.steps_done < crate::offload::FREQUENCY_STEPS
+        {
+            self.planner.record(moe_layer, topk);
+        }
+    }
+
+    /// The draft's routing is counted on the device (zeroed at each window, read after steps 0
+    /// and 1, so the prefill and later steps do not count).
+    fn counts_routes_on_device(&self, variant: Variant) -> bool {
+        variant == Variant::Draft
+    }
+}
+
+impl DecodeObserver for FrequencyPrefetcher<'_> {
+    fn on_draft_window(&mut self, depth: usize) {
+        if let Err(e) = self
+            .backend
+            .clear_plans()
+            .and_then(|_| self.backend.reset_route_counts())
+        {
+            self.error.get_or_insert(e);
+        }
+        self.planner.begin_window(depth);
+        self.in_window = true;
+        self.steps_done = 0;
+    }
+
+    fn on_draft_step(&mut self, step: usize) {
+        self.steps_done = step + 1;
+        if self.in_window && self.steps_done <= crate::offload::FREQUENCY_STEPS {
+            if let Err(e) = self.issue() {
+                self.error.get_or_insert(e);
+            }
+        }
+    }
+
+    fn on_target_pass(&mut self, _rows: usize) {
+        self.in_window = false;
+        if let Err(e) = self.backend.mark_verify() {
+            self.error.get_or_insert(e);
+        }
     }
 }
