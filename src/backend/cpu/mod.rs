@@ -4,6 +4,9 @@
 //! per-use conversion in inner loops), at twice the memory of the FP16 source. This backend is the
 //! exact reference that tests run on small models, so speed per call matters more than footprint.
 //!
+//! INT4 (draft) weights are held dequantized; products with them round their input rows to f16
+//! first, as the W4A16 kernels do (kernels/moe_int4.cu, "Numerics").
+//!
 //! Every output element is computed by the same sequential code whatever the number of rows, and
 //! threads only split independent elements: results are bit-identical between batched and
 //! one-row-at-a-time calls, and between runs.
