@@ -88,6 +88,12 @@ struct DeviceSet {
     down_s: CudaSlice<f16>,
 }
 
+/// `v` rounded to f16 (to nearest even) and back: the kernels compute with f16 activations
+/// (W4A16), so the reference takes the same inputs.
+fn f16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&a| f16::from_f32(a).to_f32()).collect()
+}
+
 fn median_ms(mut v: Vec<f32>) -> f64 {
     v.sort_by(f32::total_cmp);
     f64::from(v[v.len() / 2])
@@ -262,7 +268,8 @@ fn main() -> Res<()> {
         );
 
         if m == CHECK_M {
-            // Run once more from a known set and compare the first experts' items with f64.
+            // Run once more from a known set and compare the first experts' items with f64 (inputs
+            // of each stage rounded to f16 as in the kernels; down from the kernel's own h).
             kernels.launch(&stream, &launches[0])?;
             device.synchronize()?;
             let h = stream.clone_dtoh(&h_dev)?;
@@ -274,7 +281,7 @@ fn main() -> Res<()> {
                 let sums: Vec<(f64, f64, f64, f64)> = (e * m..(e + 1) * m)
                     .into_par_iter()
                     .map(|i| {
-                        let xr = &x[item_row[i] as usize * HIDDEN..][..HIDDEN];
+                        let xr = &f16_round(&x[item_row[i] as usize * HIDDEN..][..HIDDEN]);
                         let dot = |w: &[f32], v: &[f32]| -> f64 {
                             w.iter()
                                 .zip(v)
@@ -289,7 +296,7 @@ fn main() -> Res<()> {
                             hn += (f64::from(h[i * INTER + j]) - want).powi(2);
                             hd += want * want;
                         }
-                        let hi = &h[i * INTER..][..INTER];
+                        let hi = &f16_round(&h[i * INTER..][..INTER]);
                         for c in 0..HIDDEN {
                             let want =
                                 f64::from(item_weight[i]) * dot(&wd[c * INTER..][..INTER], hi);

@@ -1,5 +1,5 @@
 // Grouped W4A16 MoE expert kernels for the INT4 draft: Marlin-tiled INT4 weights (group size
-// 128, docs/MARLIN.md), f32 activations, tensor-core products with f32 accumulation.
+// 128, docs/MARLIN.md), activations rounded to f16, tensor-core products with f32 accumulation.
 //
 //   moe_int4_gate_up_<M>: h[item][j]   = silu(x[row]·gate[j]) * (x[row]·up[j]),   j < inter
 //   moe_int4_down_<M>:    out[item][c] = weight[item] * (h[item]·down[c]),       c < hidden
@@ -32,16 +32,21 @@
 // 2t+1; c2, c3 = column g+8, same items. A chunk of up to 8 items is one n8 tile (NT = 1), up to
 // 16 two (NT = 2); missing items are zero columns of B.
 //
-// Numerics. Each activation x (f32) is split as hi = f16(x), lo = f16(x - hi) (x - hi is exact
-// in f32), and both halves go through the same mma into the same accumulators, so the product
-// carries x to about 2^-22 relative; code products are exact in f32. Requires |x| < 65504 (f16
-// range: beyond it hi is infinite). Per K group of 128 features a fresh f32 fragment collects the
-// group's mma results; at the group's end (or the end of the warp's range) acc = fma(partial,
-// scale, acc) per output element, scale being the f32 value of the stored f16 scale (exact). The
-// eight warps' acc values are then added in warp order by one thread per output.
+// Numerics (W4A16 as Marlin defines it: FP16 compute, FP32 accumulation). Each activation (f32
+// in memory: x for gate_up, h for down) is rounded once to f16, to nearest even
+// (cvt.rn.f16x2.f32): relative error at most 2^-11 (absolute 2^-25 below 2^-14, where f16 is
+// subnormal). Beyond that rounding only f32 arithmetic rounds: code products are exact and the
+// mma accumulates in f32. The CPU reference (src/backend/cpu, `f16_input` of an INT4 weight)
+// rounds its inputs the same way. Activations must lie within the f16 range: |x| in [65504,
+// 65520) rounds to +-65504, larger becomes +-inf, and every output it feeds becomes +-inf or NaN
+// (a zero code times inf is NaN), as on the CPU; NaN stays NaN. Per K group of 128 features a
+// fresh f32 fragment collects the group's mma results; at the group's end (or the end of the
+// warp's range) acc = fma(partial, scale, acc) per output element, scale being the f32 value of
+// the stored f16 scale (exact). The eight warps' acc values are then added in warp order by one
+// thread per output.
 //
 // Batch invariance (an item's bits do not depend on its group's size, its position in the group,
-// or the launch): every arithmetic step above is per output element (item, column) in a fixed
+// or the launch): every arithmetic step above, the f16 rounding included, is per element in an
 // order fixed by K alone; an item's B column, and so every mma it takes part in, is the same
 // whatever else is in its n8 tile or chunk, and the padding items are zero. This relies on the
 // tensor core computing each D element from its own A row, B column and C element only (true of
@@ -124,21 +129,6 @@ __device__ __forceinline__ u32 pack_half2(float lo_elem, float hi_elem) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi_elem), "f"(lo_elem));
     return r;
-}
-
-__device__ __forceinline__ float2 unpack_half2(u32 p) {
-    float2 f;
-    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-        : "=f"(f.x), "=f"(f.y)
-        : "r"(p));
-    return f;
-}
-
-// Splits the activation pair (v.x low, v.y high) into f16x2 hi and lo with hi + lo = v to ~2^-22.
-__device__ __forceinline__ void split_pair(float2 v, u32& hi, u32& lo) {
-    hi = pack_half2(v.x, v.y);
-    const float2 h = unpack_half2(hi);
-    lo = pack_half2(__fsub_rn(v.x, h.x), __fsub_rn(v.y, h.y));
 }
 
 // q - 8 for the two low-nibble codes (bits 0..3 and 16..19) of w: (1024 + q) - 1032, exact.
@@ -238,7 +228,7 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     for (u32 i = 0; i < rows; ++i) {
         const u32 tr = tr_begin + i;
         // Activations first: their (cached) loads overlap the wait for the weights.
-        u32 bh[NT][2], bl[NT][2];
+        u32 bx[NT][2];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
@@ -246,8 +236,8 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
                 x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
                 x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
             }
-            split_pair(x0, bh[nt][0], bl[nt][0]);
-            split_pair(x8, bh[nt][1], bl[nt][1]);
+            bx[nt][0] = pack_half2(x0.x, x0.y);
+            bx[nt][1] = pack_half2(x8.x, x8.y);
         }
         // A new quantization group starts every 8 tile rows; its scales are needed only when
         // the group ends, so the load has time to arrive.
@@ -264,8 +254,7 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
                               codes_high(hi8)};
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                mma16816(part[nt][j], a, bh[nt][0], bh[nt][1]);
-                mma16816(part[nt][j], a, bl[nt][0], bl[nt][1]);
+                mma16816(part[nt][j], a, bx[nt][0], bx[nt][1]);
             }
         }
         // Refill the slot just read (its value is consumed above, so the read has completed).
@@ -401,7 +390,8 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ grou
 }
 
 // Register caps keep several blocks resident per SM, so loads of other blocks overlap one
-// block's reduction and its pipeline start.
+// block's reduction and its pipeline start. The 16-item variant stays at 2: its acc and partial
+// fragments alone take 64 registers, and a cap of 3 blocks (80 registers) makes ptxas spill.
 #define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS)                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \

@@ -274,8 +274,21 @@ fn draft_int4_experts_equal_target_experts_on_the_int4_grid() {
         let tokens = random_tokens(&mut rng, 10, fx.cfg.vocab_size);
         let target = run_chunked(&model, Variant::Target, &tokens, &[10]);
         let draft = run_chunked(&model, Variant::Draft, &tokens, &[1, 3]);
-        // Same expert values through two paths (FP16 and Marlin INT4): same logits, bit for bit.
-        assert_bitwise(name, "draft vs target on grid experts", &target, &draft);
+        // Same expert values through two paths (FP16 and Marlin INT4). The INT4 path computes
+        // with activations rounded to f16 (W4A16; src/backend/cpu checks that bit for bit), so
+        // the logits agree to that rounding, not bitwise.
+        assert_eq!(target.len(), draft.len());
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (&t, &d) in target.iter().zip(&draft) {
+            num += (f64::from(t) - f64::from(d)).powi(2);
+            den += f64::from(t).powi(2);
+        }
+        let rel = (num / den).sqrt();
+        println!("{name}: draft vs target on grid experts: relative difference {rel:.2e}");
+        assert!(
+            rel > 0.0 && rel < 2e-3,
+            "{name}: draft vs target: {rel:.2e}"
+        );
         // The grid experts are not the fixture's: the comparison is not vacuous.
         let original = run_chunked(&fx.model(), Variant::Target, &tokens, &[10]);
         assert!(original.iter().zip(&target).any(|(a, b)| a != b), "{name}");

@@ -17,9 +17,14 @@ use specter::quant::{marlin_dequantize_out_in, marlin_pack, rtn, QuantMatrix};
 use specter::Error;
 use std::sync::Arc;
 
-/// Largest accepted ‖gpu - ref‖ / ‖ref‖ per item and stage (f16 hi/lo split activations and f32
-/// tensor-core accumulation against f64).
+/// Largest accepted ‖gpu - ref‖ / ‖ref‖ per item and stage (f32 tensor-core accumulation against
+/// f64; the reference rounds activations to f16 as the kernels do, so that rounding is no error).
 const TOLERANCE: f64 = 1e-5;
+
+/// `v` rounded to f16 (to nearest even) and back: the W4A16 kernels' activation operand.
+fn f16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| f16::from_f32(x).to_f32()).collect()
+}
 
 fn open_device() -> Option<CudaDevice> {
     match CudaDevice::open(0) {
@@ -186,7 +191,8 @@ impl Setup {
     }
 
     /// Checks every item against the f64 reference: h from x, and out from the kernel's own h (so
-    /// each stage's error is measured alone). Returns each item's relative error of each stage.
+    /// each stage's error is measured alone), each input rounded to f16 first as the kernels do.
+    /// Returns each item's relative error of each stage.
     fn check(
         &self,
         routing: &[(usize, Vec<(u32, f32)>)],
@@ -203,7 +209,7 @@ impl Setup {
             .enumerate()
             .map(|(i, &(e, row, weight))| {
                 let ex = &self.experts[e];
-                let x = &self.x[row as usize * hidden..][..hidden];
+                let x = &f16_round(&self.x[row as usize * hidden..][..hidden]);
                 let dot = |w: &[f32], v: &[f32]| -> f64 {
                     w.iter()
                         .zip(v)
@@ -219,7 +225,7 @@ impl Setup {
                     den += want * want;
                 }
                 let h_err = (num / den).sqrt();
-                let hi = &h[i * inter..][..inter];
+                let hi = &f16_round(&h[i * inter..][..inter]);
                 let (mut num, mut den) = (0.0f64, 0.0f64);
                 for c in 0..hidden {
                     let want = f64::from(weight) * dot(&ex.down_ref[c * inter..][..inter], hi);

@@ -4,6 +4,9 @@
 //! per-use conversion in inner loops), at twice the memory of the FP16 source. This backend is the
 //! exact reference that tests run on small models, so speed per call matters more than footprint.
 //!
+//! INT4 (draft) weights are held dequantized; products with them round their input rows to f16
+//! first, as the W4A16 kernels do (kernels/moe_int4.cu, "Numerics").
+//!
 //! Every output element is computed by the same sequential code whatever the number of rows, and
 //! threads only split independent elements: results are bit-identical between batched and
 //! one-row-at-a-time calls, and between runs.
@@ -35,6 +38,9 @@ pub struct CpuWeight {
     pub name: String,
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+    /// Products with this weight first round their input rows to f16 (set for INT4 weights): the
+    /// W4A16 kernels compute in FP16 with f32 accumulation, and this reference matches them.
+    pub f16_input: bool,
 }
 
 impl CpuWeight {
@@ -149,6 +155,15 @@ fn shape_err(op: &str, detail: String) -> Error {
     Error::Backend(format!("cpu {op}: {detail}"))
 }
 
+/// `x` as the input of a product with `w`: rounded to f16 and back when `w` asks for it.
+fn product_input<'a>(x: &'a [f32], w: &CpuWeight) -> std::borrow::Cow<'a, [f32]> {
+    if w.f16_input {
+        x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
+    } else {
+        std::borrow::Cow::Borrowed(x)
+    }
+}
+
 impl Cpu {
     fn check_linear(
         &self,
@@ -210,8 +225,10 @@ impl Cpu {
                 ),
             ));
         }
-        let gu = matmul_t(x, rows, hidden, &mlp.gate_up.data, two_inter, None);
+        let x = product_input(x, &mlp.gate_up);
+        let gu = matmul_t(&x, rows, hidden, &mlp.gate_up.data, two_inter, None);
         let h = Self::silu_mul(&gu, rows, inter);
+        let h = product_input(&h, &mlp.down);
         Ok(matmul_t(&h, rows, inter, &mlp.down.data, d_out, None))
     }
 }
@@ -243,6 +260,7 @@ impl Backend for Cpu {
             name: name.to_string(),
             shape: shape.to_vec(),
             data: out,
+            f16_input: false,
         })
     }
 
@@ -260,6 +278,7 @@ impl Backend for Cpu {
             name: name.to_string(),
             shape: vec![n, k],
             data,
+            f16_input: true,
         })
     }
 
@@ -384,7 +403,7 @@ impl Backend for Cpu {
     fn linear(&self, x: &Mat, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<Mat> {
         let (out, inp) = self.check_linear(x, w, bias)?;
         let data = matmul_t(
-            &x.data,
+            &product_input(&x.data, w),
             x.rows,
             inp,
             &w.data,
@@ -824,6 +843,61 @@ mod tests {
             .map(|_| f16::from_f32(rng.random_range(-0.5f32..0.5)))
             .collect();
         Cpu.weight_f16("w", &[out, inp], &data).unwrap()
+    }
+
+    /// An INT4 weight of `[out, inp]` (RTN-quantized random values, Marlin-packed).
+    fn weight_int4(rng: &mut ChaCha8Rng, out: usize, inp: usize) -> CpuWeight {
+        let w: Vec<f32> = (0..out * inp)
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect();
+        let q = crate::quant::rtn("w", &w, out, inp).unwrap();
+        let m = crate::quant::marlin_pack(&q).unwrap();
+        Cpu.weight_int4("w", inp, out, &m.qweight, &m.scales)
+            .unwrap()
+    }
+
+    #[test]
+    fn int4_products_round_their_inputs_to_f16() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (hidden, inter) = (256, 128);
+        let mut x = random(&mut rng, 3, hidden);
+        // Values f16 cannot hold: the rounding must show.
+        x.data.iter_mut().for_each(|v| *v *= 1.0 + 1e-4);
+        let round =
+            |v: &[f32]| -> Vec<f32> { v.iter().map(|&a| f16::from_f32(a).to_f32()).collect() };
+        let mlp = GatedMlp::<Cpu> {
+            gate_up: weight_int4(&mut rng, 2 * inter, hidden),
+            down: weight_int4(&mut rng, hidden, inter),
+        };
+        assert!(mlp.gate_up.f16_input && mlp.down.f16_input);
+        // The same values as an FP16-path weight (no input rounding).
+        let plain = |w: &CpuWeight| CpuWeight {
+            f16_input: false,
+            ..w.clone()
+        };
+        let (gu, down) = (plain(&mlp.gate_up), plain(&mlp.down));
+
+        let got = Cpu.linear(&x, &mlp.gate_up, None).unwrap();
+        let rounded = Mat {
+            data: round(&x.data),
+            ..x.clone()
+        };
+        assert_eq!(got, Cpu.linear(&rounded, &gu, None).unwrap());
+        assert_ne!(got, Cpu.linear(&x, &gu, None).unwrap());
+
+        // Gated MLP: x rounded before gate/up, h rounded before down.
+        let h = Cpu::silu_mul(&got.data, x.rows, inter);
+        let want = matmul_t(&round(&h), x.rows, inter, &down.data, hidden, None);
+        assert_eq!(Cpu.gated_mlp(&x, &mlp).unwrap().data, want);
+        let routing = Routing {
+            top_k: 1,
+            ids: vec![0; x.rows],
+            weights: vec![1.0; x.rows],
+        };
+        let moe = Cpu
+            .moe_experts(&x, &routing, std::slice::from_ref(&mlp))
+            .unwrap();
+        assert_eq!(moe.data, want);
     }
 
     #[test]
