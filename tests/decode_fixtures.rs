@@ -32,17 +32,18 @@ fn load(name: &str) -> (Fixture, MoeModel<Cpu>) {
     (fixture, model)
 }
 
-/// One recorded target pass: where it started, what it ran, what it returned.
-struct TargetPass {
+/// One recorded pass: where it started in its KV, what it ran, what it returned.
+struct Pass {
     start: usize,
     tokens: Vec<u32>,
     logits: Vec<f32>,
 }
 
-/// Passes everything through to the model, keeping every target pass.
+/// Passes everything through to the model, keeping every pass of one variant.
 struct Recording<'m, M: LanguageModel> {
     model: &'m M,
-    passes: RefCell<Vec<TargetPass>>,
+    variant: Variant,
+    passes: RefCell<Vec<Pass>>,
 }
 
 impl<M: LanguageModel> LanguageModel for Recording<'_, M> {
@@ -62,8 +63,8 @@ impl<M: LanguageModel> LanguageModel for Recording<'_, M> {
     ) -> Result<Vec<f32>> {
         let start = kv.len();
         let logits = self.model.forward(variant, tokens, kv, hook)?;
-        if variant == Variant::Target {
-            self.passes.borrow_mut().push(TargetPass {
+        if variant == self.variant {
+            self.passes.borrow_mut().push(Pass {
                 start,
                 tokens: tokens.to_vec(),
                 logits: logits.clone(),
@@ -111,6 +112,7 @@ fn greedy_specter_is_lossless_on_every_fixture() {
             for depth in [1, 2, 4, 16] {
                 let recording = Recording {
                     model: &model,
+                    variant: Variant::Target,
                     passes: RefCell::new(Vec::new()),
                 };
                 let out = generate(
@@ -226,47 +228,6 @@ fn offload_simulation_runs_on_a_real_model() {
     }
 }
 
-/// One recorded draft pass: where it started in its KV, what it ran, what it returned.
-struct DraftPass {
-    start: usize,
-    tokens: Vec<u32>,
-    logits: Vec<f32>,
-}
-
-/// Passes everything through to the model, keeping every draft pass.
-struct DraftRecording<'m, M: LanguageModel> {
-    model: &'m M,
-    passes: RefCell<Vec<DraftPass>>,
-}
-
-impl<M: LanguageModel> LanguageModel for DraftRecording<'_, M> {
-    type Kv = M::Kv;
-    fn info(&self) -> &ModelInfo {
-        self.model.info()
-    }
-    fn new_kv(&self, capacity: usize) -> Result<M::Kv> {
-        self.model.new_kv(capacity)
-    }
-    fn forward(
-        &self,
-        variant: Variant,
-        tokens: &[u32],
-        kv: &mut M::Kv,
-        hook: &mut dyn RouteHook,
-    ) -> Result<Vec<f32>> {
-        let start = kv.len();
-        let logits = self.model.forward(variant, tokens, kv, hook)?;
-        if variant == Variant::Draft {
-            self.passes.borrow_mut().push(DraftPass {
-                start,
-                tokens: tokens.to_vec(),
-                logits: logits.clone(),
-            });
-        }
-        Ok(logits)
-    }
-}
-
 /// For every fixture: greedy SpecMoEOff output (the draft with its own KV) equals target-only
 /// output, rejections included; and every draft pass returned, bit for bit, what the draft run
 /// from scratch over the same tokens returns, so its KV was never left holding anything but the
@@ -289,8 +250,9 @@ fn specmoeoff_is_lossless_and_its_draft_kv_matches_a_fresh_draft_on_every_fixtur
             )
             .expect("target");
             for depth in [1, 3, 5] {
-                let recording = DraftRecording {
+                let recording = Recording {
                     model: &model,
+                    variant: Variant::Draft,
                     passes: RefCell::new(Vec::new()),
                 };
                 let out = generate(

@@ -21,6 +21,24 @@ use crate::model::{ModelInfo, RouteHook, Variant};
 use crate::offload::Planner;
 use crate::Result;
 
+/// A draft window starts: the previous plan's protection ends and the device counts restart.
+fn new_window(backend: &CudaBackend) -> Result<()> {
+    backend.clear_plans()?;
+    backend.reset_route_counts()
+}
+
+/// The draft's routing counts so far, from the device into the planner.
+fn load_counts(backend: &CudaBackend, planner: &mut Planner) -> Result<()> {
+    let counts = backend.route_counts()?;
+    if !planner.set_counts(&counts) {
+        return Err(crate::Error::Backend(format!(
+            "prefetch: {} routing counts from the device, the planner expects another shape",
+            counts.len()
+        )));
+    }
+    Ok(())
+}
+
 /// The observer; pass it to [`crate::decode::generate_observed`] in Specter mode.
 pub struct CudaPrefetcher<'a> {
     backend: &'a CudaBackend,
@@ -77,13 +95,7 @@ impl<'a> CudaPrefetcher<'a> {
     }
 
     fn issue(&mut self, steps_done: usize) -> Result<()> {
-        let counts = self.backend.route_counts()?;
-        if !self.planner.set_counts(&counts) {
-            return Err(crate::Error::Backend(format!(
-                "prefetch: {} routing counts from the device, the planner expects another shape",
-                counts.len()
-            )));
-        }
+        load_counts(self.backend, &mut self.planner)?;
         let plan = self.planner.plan(self.slots);
         let mut bytes = 0;
         for (moe_layer, experts) in plan.iter().enumerate() {
@@ -125,11 +137,7 @@ impl DecodeObserver for CudaPrefetcher<'_> {
     }
 
     fn on_draft_window(&mut self, depth: usize) {
-        if let Err(e) = self
-            .backend
-            .clear_plans()
-            .and_then(|_| self.backend.reset_route_counts())
-        {
+        if let Err(e) = new_window(self.backend) {
             self.error.get_or_insert(e);
         }
         self.planner.begin_window(depth);
@@ -224,13 +232,7 @@ impl<'a> FrequencyPrefetcher<'a> {
 
     fn issue(&mut self) -> Result<()> {
         // The window's counts so far: steps 0 .. steps_done (at most FREQUENCY_STEPS).
-        let counts = self.backend.route_counts()?;
-        if !self.planner.set_counts(&counts) {
-            return Err(crate::Error::Backend(format!(
-                "prefetch: {} routing counts from the device, the planner expects another shape",
-                counts.len()
-            )));
-        }
+        load_counts(self.backend, &mut self.planner)?;
         for (moe_layer, experts) in self.planner.plan(self.top_m).iter().enumerate() {
             if !experts.is_empty() {
                 self.backend.prefetch(self.moe_layers[moe_layer], experts)?;
@@ -268,11 +270,7 @@ impl RouteHook for FrequencyPrefetcher<'_> {
 
 impl DecodeObserver for FrequencyPrefetcher<'_> {
     fn on_draft_window(&mut self, depth: usize) {
-        if let Err(e) = self
-            .backend
-            .clear_plans()
-            .and_then(|_| self.backend.reset_route_counts())
-        {
+        if let Err(e) = new_window(self.backend) {
             self.error.get_or_insert(e);
         }
         self.planner.begin_window(depth);
