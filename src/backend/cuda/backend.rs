@@ -2111,12 +2111,22 @@ impl CudaBackend {
     }
 
     /// Starts counting, per MoE layer and expert, the routings of passes whose hook asks for
-    /// device counts (from zero).
+    /// device counts (from zero). A buffer of another shape replaces the old one and drops every
+    /// recorded pass (they may write to the old one).
     pub fn enable_route_counts(&self, moe_layers: usize, experts: usize) -> Result<()> {
+        let same = self
+            .lock(&self.route_counts)?
+            .as_ref()
+            .is_some_and(|c| c.moe_layers == moe_layers && c.experts == experts);
+        if same {
+            // Keep the buffer: recorded draft passes write to its address.
+            return self.reset_route_counts();
+        }
         let counts = guarded("cuda: cannot allocate routing counts", || {
             self.stream
                 .alloc_zeros::<u32>((moe_layers * experts).max(1))
         })?;
+        self.drop_recordings()?;
         *self.lock(&self.route_counts)? = Some(RouteCounts {
             counts,
             moe_layers,

@@ -142,6 +142,13 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Drops every recording (a buffer they use is about to be replaced).
+    pub(super) fn drop_recordings(&self) -> Result<()> {
+        self.synchronize()?;
+        self.lock(&self.steps)?.recorded.clear();
+        Ok(())
+    }
+
     pub fn step_graph_stats(&self) -> Result<StepGraphStats> {
         Ok(self.lock(&self.steps)?.stats)
     }
