@@ -15,6 +15,9 @@
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
+#   peer      transformers on the bench model's checkpoint: eager in VRAM and accelerate offload
+#   autoprofile  `specter-run profile` (depths and plain decoding without the draft) at 16
+#             resident experts, then `generate --auto-depth --profile` using it
 #   kprofile  per-kernel GPU time of all-resident decode steps (Nsight Compute) on the bench model
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
@@ -65,15 +68,50 @@ run_test() {
 }
 
 # The DeepSeek-V2-Lite-shaped random model ($LAYERS layers) as $dir/dsv2.specter, made once.
-# With KEEP_HF=1 the Hugging Face checkpoint stays in $dir/hf (for the transformers peer).
+# With KEEP_HF=1 the Hugging Face checkpoint stays in ${HF_DIR:-$dir/hf} (for the transformers
+# peer; HF_DIR on disk keeps it out of /dev/shm, which the bundle and the peer's offload share).
 bench_model() {
-    local dir=$1 out=$2 layers=${LAYERS:-27}
+    local dir=$1 out=$2 layers=${LAYERS:-27} hf=${HF_DIR:-$1/hf}
     local pack="$CARRY/specter-pack"
     if [ ! -f "$dir/dsv2.specter" ]; then
-        "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$dir/hf" > "$out/synth.txt"
-        "$pack" convert "$dir/hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
-        [ "${KEEP_HF:-0}" = 1 ] || rm -rf "$dir/hf"
+        "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$hf" > "$out/synth.txt"
+        "$pack" convert "$hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
+        [ "${KEEP_HF:-0}" = 1 ] || rm -rf "$hf"
     fi
+}
+
+# `specter-run profile` at 16 resident experts (with the plain candidate: no draft, its memory as
+# slots), then `generate --auto-depth --profile` using it. PROFILE_BUNDLE: another bundle.
+autoprofile() {
+    local dir=$1 out=$2
+    local run="$CARRY/specter-run" bundle=${PROFILE_BUNDLE:-$1/dsv2.specter}
+    [ -n "${PROFILE_BUNDLE:-}" ] || bench_model "$dir" "$out"
+    "$run" profile "$bundle" --backend cuda --resident-experts "${PROFILE_RESIDENT:-16}" \
+        --depths 0,4,16 --new-tokens 32 --repeats 1 -o "$out/profile.json" 2> "$out/profile.err" ||
+        { tail -3 "$out/profile.err"; return 1; }
+    "$run" generate "$bundle" --backend cuda --resident-experts "${PROFILE_RESIDENT:-16}" \
+        --mode specter --depth 16 --auto-depth --profile "$out/profile.json" \
+        --prompt-ids 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20 --max-new-tokens 128 --ignore-eos \
+        --json > "$out/autoprofile-gen.json" 2> "$out/autoprofile-gen.err" ||
+        { tail -3 "$out/autoprofile-gen.err"; return 1; }
+    python3 - "$out/autoprofile-gen.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("generate --auto-depth --profile:", d["gpu"]["residency"], "| mode", d["mode"], "| auto_plain",
+      d.get("auto_plain"), "| auto_depth", (d.get("auto_depth") or {}).get("chosen"),
+      "| tpot_ms", round(d["stats"]["tpot_ms"], 3))
+EOF
+}
+
+# Hugging Face transformers decoding the checkpoint the bundle was converted from (KEEP_HF=1
+# bench_model): eager with every weight in VRAM, and accelerate's CPU offload with the GPU
+# budget PEER_BUDGET_GIB (default: Specter's peak VRAM in the ds_high case, 17.4 GB = 16.2 GiB).
+peer() {
+    local dir=$1 out=$2 hf=${HF_DIR:-$1/hf}
+    [ -f "$hf/config.json" ] || { echo "peer: no checkpoint in $hf (run with KEEP_HF=1)"; return 1; }
+    python3 "$ROOT/scripts/peer_transformers.py" "$hf" --repeats "${PEER_REPEATS:-3}" \
+        --offload-budget-gib "${PEER_BUDGET_GIB:-16.2}" --offload-tokens "${PEER_OFFLOAD_TOKENS:-8}" \
+        --json "$out/peer.json" 2> "$out/peer.err" || { tail -5 "$out/peer.err"; return 1; }
 }
 
 bench() {
@@ -338,6 +376,8 @@ run() {
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
             trained) trained "$dir" "$out" 2>&1 | tee "$out/trained.log" || status=1 ;;
             ttft) ttft "$out" 2>&1 | tee "$out/ttft.log" || status=1 ;;
+            peer) peer "$dir" "$out" 2>&1 | tee "$out/peer.log" || status=1 ;;
+            autoprofile) autoprofile "$dir" "$out" 2>&1 | tee "$out/autoprofile.log" || status=1 ;;
             *) echo "unknown check $w" >&2; status=2 ;;
         esac
     done
@@ -348,5 +388,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|fixtures|lossless|errors|bench|w4a16|kprofile|ttft]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|fixtures|lossless|errors|bench|w4a16|kprofile|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac

@@ -177,6 +177,16 @@ pub struct BenchRun {
     pub copy_gbps: Option<f64>,
     pub prefetch_precision: Option<f64>,
     pub prefetch_recall: Option<f64>,
+    /// Expert bytes copied over PCIe per token after the first (the TPOT window), GB.
+    pub decode_gb_per_token: Option<f64>,
+    /// Those bytes at the run's measured copy bandwidth, ms: the copy floor TPOT cannot go below
+    /// unless copies overlap compute.
+    pub floor_ms: Option<f64>,
+    /// Share of the prefetch copies' time that ran before the verify pass they served started
+    /// (hidden behind drafting).
+    pub prefetch_hidden_share: Option<f64>,
+    /// Hit rate of each MoE layer over the run.
+    pub layer_hit_rates: Vec<f64>,
     /// Equal to the reference (target-only) tokens for this prompt.
     pub agrees: bool,
 }
@@ -195,8 +205,19 @@ pub struct ModeSummary {
     /// Mean prefetch precision and recall over the runs (offloaded CUDA runs only).
     pub mean_prefetch_precision: Option<f64>,
     pub mean_prefetch_recall: Option<f64>,
+    /// Means over the runs of the [`BenchRun`] fields of the same names.
+    pub mean_copy_gbps: Option<f64>,
+    pub mean_decode_gb_per_token: Option<f64>,
+    pub mean_floor_ms: Option<f64>,
+    /// Mean TPOT over mean floor.
+    pub tpot_over_floor: Option<f64>,
+    pub mean_prefetch_hidden_share: Option<f64>,
+    /// Per MoE layer, the mean hit rate over the runs.
+    pub layer_hit_rates: Vec<f64>,
     pub peak_vram_bytes: Option<u64>,
     pub agreement: f64,
+    /// `auto` with offloaded experts: what its calibration chose (see [`calibrate_auto`]).
+    pub auto_choice: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -294,7 +315,7 @@ pub fn run(
     for mode in order {
         let mut session_opts = SessionOptions::new(opts.backend);
         session_opts.with_draft = !mode.target_only();
-        let resident = match (mode, opts.backend) {
+        let mut resident = match (mode, opts.backend) {
             (_, BackendKind::Cpu) | (BenchMode::Resident, _) => None,
             (BenchMode::Lru, _) => Some((opts.case.matched, SlotPolicy::Lru)),
             (BenchMode::Ondemand, _) => Some((opts.case.matched, SlotPolicy::OnDemand)),
@@ -304,12 +325,7 @@ pub fn run(
             (BenchMode::SpecMoeOff, _) => Some((opts.case.specmoeoff, SlotPolicy::Lru)),
         };
         session_opts.offload = resident;
-        let session = Session::open_with(path, &session_opts)?;
-        if let Some(g) = session.cuda() {
-            device = g.device().name().to_string();
-            g.reset_vram_peak()?;
-        }
-        let gen = GenerateOptions {
+        let mut gen = GenerateOptions {
             mode: match mode {
                 BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand => Mode::Target,
                 BenchMode::Specter | BenchMode::Auto => Mode::Specter,
@@ -320,19 +336,43 @@ pub fn run(
             sampling: Sampling::greedy(),
             stop_at_eos: false,
         };
+        // Automatic depth starts from the case's depth, or from what its calibration measured.
+        let mut auto_start = (mode == BenchMode::Auto).then_some(gen.depth);
+        let mut auto_choice = None;
+        let session = if mode == BenchMode::Auto
+            && opts.backend == BackendKind::Cuda
+            && opts.case.resident < opts.case.matched
+        {
+            let (session, choice) = calibrate_auto(path, opts, &session_opts)?;
+            match choice {
+                AutoChoice::Plain { slots } => {
+                    resident = Some((slots, SlotPolicy::Lru));
+                    gen.mode = Mode::Target;
+                    auto_start = None;
+                }
+                AutoChoice::Draft { start_depth } => auto_start = Some(start_depth),
+            }
+            auto_choice = Some(choice.describe());
+            session
+        } else {
+            Session::open_with(path, &session_opts)?
+        };
+        if let Some(g) = session.cuda() {
+            device = g.device().name().to_string();
+            g.reset_vram_peak()?;
+        }
         let mut tpots = Vec::new();
         let mut ttfts = Vec::new();
         let mut acceptances = Vec::new();
-        let mut precisions = Vec::new();
-        let mut recalls = Vec::new();
         let mut agree = 0usize;
+        let first_run = runs.len();
         for (p, prompt) in opts.prompts.iter().enumerate() {
             for repeat in 0..opts.repeats {
                 if let Some(g) = session.cuda() {
                     // The initial (empty) residency and zeroed counters, outside the timed region.
                     g.reset_offload()?;
                 }
-                let out = run_one(&session, prompt, &gen, mode == BenchMode::Auto)?;
+                let (out, bytes_at_first) = run_one(&session, prompt, &gen, auto_start)?;
                 if mode == reference_mode && repeat == 0 {
                     reference.push(out.tokens.clone());
                 }
@@ -343,6 +383,12 @@ pub fn run(
                     .map(|g| g.offload_stats())
                     .transpose()?
                     .flatten();
+                let decode_tokens = out.tokens.len().saturating_sub(1).max(1) as f64;
+                let decode_bytes = stats
+                    .as_ref()
+                    .zip(bytes_at_first)
+                    .map(|(s, first)| s.bytes_copied.saturating_sub(first) as f64 / decode_tokens);
+                let copy_rate = stats.as_ref().map(|s| s.copy_bandwidth());
                 runs.push(BenchRun {
                     mode: mode.name(),
                     prompt: p,
@@ -351,34 +397,76 @@ pub fn run(
                     ttft_ms: out.stats.ttft_ms,
                     acceptance_rate: out.stats.acceptance_rate,
                     hit_rate: stats.as_ref().map(|s| s.hit_rate()),
-                    copy_gbps: stats.as_ref().map(|s| s.copy_bandwidth() / 1e9),
+                    copy_gbps: copy_rate.map(|b| b / 1e9),
                     prefetch_precision: stats.as_ref().map(|s| s.prefetch_precision()),
                     prefetch_recall: stats.as_ref().map(|s| s.prefetch_recall()),
+                    decode_gb_per_token: decode_bytes.map(|b| b / 1e9),
+                    floor_ms: decode_bytes.zip(copy_rate).map(|(b, rate)| {
+                        if rate > 0.0 {
+                            b / rate * 1e3
+                        } else {
+                            0.0
+                        }
+                    }),
+                    prefetch_hidden_share: stats
+                        .as_ref()
+                        .filter(|s| s.prefetch_copy_seconds > 0.0)
+                        .map(|s| s.prefetch_hidden_seconds / s.prefetch_copy_seconds),
+                    layer_hit_rates: stats
+                        .as_ref()
+                        .map(|s| s.layer_hit_rates())
+                        .unwrap_or_default(),
                     agrees,
                 });
                 tpots.push(out.stats.tpot_ms);
                 ttfts.push(out.stats.ttft_ms);
                 acceptances.push(out.stats.acceptance_rate);
-                if let Some(s) = &stats {
-                    precisions.push(s.prefetch_precision());
-                    recalls.push(s.prefetch_recall());
-                }
                 done += 1;
                 progress(done, total);
             }
         }
+        let mine = &runs[first_run..];
+        let mean_of = |f: fn(&BenchRun) -> Option<f64>| {
+            let v: Vec<f64> = mine.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| mean(&v))
+        };
+        let mean_floor = mean_of(|r| r.floor_ms);
+        let layers = mine
+            .iter()
+            .map(|r| r.layer_hit_rates.len())
+            .max()
+            .unwrap_or(0);
         summaries.push(ModeSummary {
             mode: mode.name(),
             resident_experts: resident.map(|(n, _)| n),
-            depth: mode.depth(&opts.case),
+            depth: if gen.mode == Mode::Target {
+                None
+            } else {
+                mode.depth(&opts.case)
+            },
             mean_tpot_ms: mean(&tpots),
             median_tpot_ms: median(&tpots),
             mean_ttft_ms: mean(&ttfts),
             mean_acceptance: mean(&acceptances),
-            mean_prefetch_precision: (!precisions.is_empty()).then(|| mean(&precisions)),
-            mean_prefetch_recall: (!recalls.is_empty()).then(|| mean(&recalls)),
+            mean_prefetch_precision: mean_of(|r| r.prefetch_precision),
+            mean_prefetch_recall: mean_of(|r| r.prefetch_recall),
+            mean_copy_gbps: mean_of(|r| r.copy_gbps),
+            mean_decode_gb_per_token: mean_of(|r| r.decode_gb_per_token),
+            mean_floor_ms: mean_floor,
+            tpot_over_floor: mean_floor.filter(|&f| f > 0.0).map(|f| mean(&tpots) / f),
+            mean_prefetch_hidden_share: mean_of(|r| r.prefetch_hidden_share),
+            layer_hit_rates: (0..layers)
+                .map(|l| {
+                    let v: Vec<f64> = mine
+                        .iter()
+                        .filter_map(|r| r.layer_hit_rates.get(l).copied())
+                        .collect();
+                    mean(&v)
+                })
+                .collect(),
             peak_vram_bytes: session.cuda().map(|g| g.vram_peak_bytes()).transpose()?,
             agreement: agree as f64 / tpots.len().max(1) as f64,
+            auto_choice,
         });
     }
     let over_specmoeoff = |name: &str| {
@@ -413,18 +501,22 @@ pub fn run(
     })
 }
 
+/// One generation; also returns the expert bytes the copy stream had been given when the first
+/// token committed (offloaded CUDA runs), so that the TPOT window's copies can be told apart.
+/// `auto`: run under automatic depth control starting at that depth.
 fn run_one(
     session: &Session,
     prompt: &[u32],
     gen: &GenerateOptions,
-    auto: bool,
-) -> Result<GenerateOutput> {
+    auto: Option<usize>,
+) -> Result<(GenerateOutput, Option<u64>)> {
     let started = Instant::now();
+    let mut bytes_at_first = None;
     let out = match &session.model {
         SessionModel::Cpu(m) => {
-            if auto {
+            if let Some(start) = auto {
                 let mut quiet = NoHook;
-                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, gen.depth);
+                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, start);
                 generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
             } else {
                 generate(m.as_ref(), prompt, gen, &mut NoHook, &mut |_| {})?
@@ -432,13 +524,19 @@ fn run_one(
         }
         SessionModel::Cuda(m) => {
             let gpu = m.backend();
+            let mut first = true;
+            let mut on_token = |_| {
+                if std::mem::take(&mut first) {
+                    bytes_at_first = gpu.offload_bytes_copied().ok().flatten();
+                }
+            };
             if gen.mode == Mode::Specter && gpu.offload_slots()?.is_some() {
                 let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
-                let out = if auto {
-                    let mut ctl = AutoDepth::new(&mut prefetcher, gen.depth, gen.depth);
-                    generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
+                let out = if let Some(start) = auto {
+                    let mut ctl = AutoDepth::new(&mut prefetcher, gen.depth, start);
+                    generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut on_token)?
                 } else {
-                    generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut |_| {})?
+                    generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut on_token)?
                 };
                 if let Some(e) = prefetcher.take_error() {
                     return Err(e);
@@ -446,17 +544,18 @@ fn run_one(
                 out
             } else if gen.mode == Mode::SpecMoeOff && gpu.offload_slots()?.is_some() {
                 let mut prefetcher = FrequencyPrefetcher::new(gpu, m.info())?;
-                let out = generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut |_| {})?;
+                let out =
+                    generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut on_token)?;
                 if let Some(e) = prefetcher.take_error() {
                     return Err(e);
                 }
                 out
-            } else if auto {
+            } else if let Some(start) = auto {
                 let mut quiet = NoHook;
-                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, gen.depth);
-                generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
+                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, start);
+                generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut on_token)?
             } else {
-                generate(m.as_ref(), prompt, gen, &mut NoHook, &mut |_| {})?
+                generate(m.as_ref(), prompt, gen, &mut NoHook, &mut on_token)?
             }
         }
     };
@@ -464,7 +563,81 @@ fn run_one(
         "bench run in {:.1} ms",
         started.elapsed().as_secs_f64() * 1e3
     );
-    Ok(out)
+    Ok((out, bytes_at_first))
+}
+
+/// New tokens per calibration measurement of `auto`.
+const AUTO_CALIBRATION_TOKENS: usize = 32;
+
+/// What `auto`'s calibration chose.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AutoChoice {
+    /// Plain decoding without the draft, its VRAM given to the expert cache.
+    Plain { slots: usize },
+    /// The draft, with automatic depth control starting here.
+    Draft { start_depth: usize },
+}
+
+impl AutoChoice {
+    fn describe(&self) -> String {
+        match self {
+            AutoChoice::Plain { slots } => format!("plain lru, {slots} slots, no draft"),
+            AutoChoice::Draft { start_depth } => format!("draft, start depth {start_depth}"),
+        }
+    }
+}
+
+/// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first
+/// prompt, outside the timed runs. It sweeps the depths with the draft at the case's residency,
+/// then measures plain decoding without the draft at the case's matched residency (the draft's
+/// memory as slots), keeping one session open at a time so the VRAM budget holds, and returns
+/// the session of the faster choice.
+pub fn calibrate_auto(
+    path: &std::path::Path,
+    opts: &BenchOptions,
+    draft_opts: &SessionOptions,
+) -> Result<(Session, AutoChoice)> {
+    let prompt = &opts.prompts[0];
+    let tokens = opts.new_tokens.min(AUTO_CALIBRATION_TOKENS);
+    let mut depths = vec![0];
+    let mut d = 1;
+    while d <= opts.case.depth {
+        depths.push(d);
+        d *= 2;
+    }
+    if *depths.last().unwrap_or(&0) != opts.case.depth {
+        depths.push(opts.case.depth);
+    }
+    let profile = {
+        let session = Session::open_with(path, draft_opts)?;
+        crate::depth_profile::sweep(&session, prompt, tokens, &depths, 1)?
+    };
+    let mut plain_opts = draft_opts.clone();
+    plain_opts.with_draft = false;
+    plain_opts.offload = Some((opts.case.matched, SlotPolicy::Lru));
+    let plain = Session::open_with(path, &plain_opts)?;
+    let plain_ms = crate::depth_profile::measure_plain(&plain, prompt, tokens, 1)?;
+    tracing::info!(
+        "auto calibration: plain at {} slots {plain_ms:.2} ms; with the draft {:?} -> {:?} ms",
+        opts.case.matched,
+        profile.depths,
+        profile.tpot_ms
+    );
+    if plain_ms < profile.best_tpot_ms() {
+        return Ok((
+            plain,
+            AutoChoice::Plain {
+                slots: opts.case.matched,
+            },
+        ));
+    }
+    drop(plain);
+    Ok((
+        Session::open_with(path, draft_opts)?,
+        AutoChoice::Draft {
+            start_depth: profile.best_depth,
+        },
+    ))
 }
 
 /// A markdown table of the modes.
@@ -477,8 +650,8 @@ pub fn render_markdown(r: &BenchReport) -> String {
         .map_or(0.0, |m| m.mean_tpot_ms);
     let mut s = format!(
         "case {} ({} backend{}), {} prompts x {} repeats, {} new tokens\n\n\
-         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | acceptance | prefetch P/R | peak VRAM GB | agreement |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | acceptance | prefetch P/R | hidden | copied GB/token | floor ms | TPOT/floor | peak VRAM GB | agreement |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         r.case.name,
         r.backend,
         if r.device.is_empty() { String::new() } else { format!(", {}", r.device) },
@@ -489,7 +662,7 @@ pub fn render_markdown(r: &BenchReport) -> String {
     );
     for m in &r.modes {
         s += &format!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {} | {} | {:.0}% |\n",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {} | {} | {} | {} | {} | {} | {:.0}% |\n",
             m.mode,
             m.resident_experts
                 .map_or("all".to_string(), |n| n.to_string()),
@@ -511,10 +684,46 @@ pub fn render_markdown(r: &BenchReport) -> String {
                 (Some(p), Some(r)) if m.depth.is_some() => format!("{p:.2}/{r:.2}"),
                 _ => "-".to_string(),
             },
+            m.mean_prefetch_hidden_share
+                .filter(|_| m.depth.is_some())
+                .map_or("-".to_string(), |h| format!("{:.0}%", 100.0 * h)),
+            m.mean_decode_gb_per_token
+                .map_or("-".to_string(), |b| format!("{b:.3}")),
+            m.mean_floor_ms
+                .map_or("-".to_string(), |f| format!("{f:.2}")),
+            m.tpot_over_floor
+                .map_or("-".to_string(), |x| format!("{x:.2}")),
             m.peak_vram_bytes
                 .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / 1e9)),
             100.0 * m.agreement,
         );
+    }
+    s +=
+        "\nhidden: share of prefetch copy time before the verify pass it served began. floor: the \
+          expert bytes copied per token after the first, at the run's measured copy bandwidth.\n";
+    for m in &r.modes {
+        if let Some(choice) = &m.auto_choice {
+            s += &format!(
+                "\n{} calibration (first prompt, untimed) chose: {choice}.\n",
+                m.mode
+            );
+        }
+    }
+    let with_layers: Vec<&ModeSummary> = r
+        .modes
+        .iter()
+        .filter(|m| !m.layer_hit_rates.is_empty())
+        .collect();
+    if !with_layers.is_empty() {
+        s += "\nPer-layer hit rate (MoE layers in order):\n\n";
+        for m in with_layers {
+            let rates: Vec<String> = m
+                .layer_hit_rates
+                .iter()
+                .map(|h| format!("{h:.2}"))
+                .collect();
+            s += &format!("- {}: {}\n", m.mode, rates.join(" "));
+        }
     }
     if r.modes.iter().any(|m| m.mode == "specmoeoff") {
         for (name, ratio) in [

@@ -3,6 +3,12 @@
 //! session was opened with, and keep the fastest as the starting depth that automatic depth
 //! control ([`crate::decode::AutoDepth`]) then adjusts online.
 //!
+//! On the GPU with offloaded experts the sweep can also measure plain decoding *without* the
+//! draft, its VRAM given to the expert cache as extra slots ([`draft_slot_equivalent`]): where
+//! speculation does not pay (nearly uniform routing touches most experts in a window), that is
+//! what automatic depth falls back to, since plain decoding with the draft still loaded would
+//! waste the memory the draft holds.
+//!
 //! A profile names the bundle (its manifest checksum) and the machine (backend, device and
 //! residency) it was measured for, and is refused for any other.
 
@@ -42,6 +48,33 @@ pub struct DepthProfile {
     pub acceptance: Vec<f64>,
     /// The fastest depth.
     pub best_depth: usize,
+    /// Plain decoding without the draft, its memory given to the expert cache (absent when not
+    /// measured, and in profiles written before it was).
+    #[serde(default)]
+    pub plain: Option<PlainCandidate>,
+}
+
+/// Plain target-only decoding with the draft's VRAM used as expert slots.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlainCandidate {
+    /// Expert slots per MoE layer.
+    pub slots: usize,
+    /// Median TPOT, milliseconds.
+    pub tpot_ms: f64,
+}
+
+/// How many FP16 expert slots per MoE layer the draft's INT4 experts take the VRAM of (the
+/// draft sections' bytes over one expert's bytes times the MoE layers, rounded down).
+pub fn draft_slot_equivalent(bundle: &specter_format::Bundle) -> Result<usize> {
+    use specter_format::SectionKind;
+    let cfg = crate::arch::ArchConfig::from_config_json(bundle.hyperparameters_json())?;
+    let info = cfg.model_info();
+    let draft: u64 = (0..bundle.section_count())
+        .filter(|&i| matches!(bundle.section_kind(i), SectionKind::Draft { .. }))
+        .map(|i| bundle.section_bytes(i).len() as u64)
+        .sum();
+    let per_slot = (info.moe_layers.len() * info.expert_bytes) as u64;
+    Ok(draft.checked_div(per_slot).unwrap_or(0) as usize)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -98,32 +131,7 @@ pub fn sweep(
         let mut runs = Vec::with_capacity(repeats);
         let mut accepted = 0.0;
         for _ in 0..repeats {
-            let out = match &session.model {
-                SessionModel::Cpu(m) => {
-                    generate(m.as_ref(), prompt, &opts, &mut NoHook, &mut |_| {})?
-                }
-                SessionModel::Cuda(m) => {
-                    let gpu = m.backend();
-                    // Every run starts from the same (empty) expert cache.
-                    gpu.reset_offload()?;
-                    if gpu.offload_slots()?.is_some() && opts.mode == Mode::Specter {
-                        let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
-                        let out = generate_observed(
-                            m.as_ref(),
-                            prompt,
-                            &opts,
-                            &mut prefetcher,
-                            &mut |_| {},
-                        )?;
-                        if let Some(e) = prefetcher.take_error() {
-                            return Err(e);
-                        }
-                        out
-                    } else {
-                        generate(m.as_ref(), prompt, &opts, &mut NoHook, &mut |_| {})?
-                    }
-                }
-            };
+            let out = timed_run(session, prompt, &opts)?;
             accepted = out.stats.acceptance_rate;
             runs.push(out.stats.tpot_ms);
         }
@@ -142,10 +150,78 @@ pub fn sweep(
         tpot_ms,
         acceptance,
         best_depth: depths[best],
+        plain: None,
     })
 }
 
+/// Median TPOT (ms) of `repeats` plain target-only decodes of `new_tokens` tokens after
+/// `prompt`, each from the session's initial residency. For [`DepthProfile::plain`], `session`
+/// is opened without the draft and with [`draft_slot_equivalent`] more slots.
+pub fn measure_plain(
+    session: &Session,
+    prompt: &[u32],
+    new_tokens: usize,
+    repeats: usize,
+) -> Result<f64> {
+    if repeats == 0 || new_tokens < 2 {
+        return Err(Error::Request(
+            "measuring plain decoding needs at least one repeat and two new tokens".into(),
+        ));
+    }
+    let opts = GenerateOptions {
+        mode: Mode::Target,
+        max_new_tokens: new_tokens,
+        depth: 1,
+        sampling: Sampling::greedy(),
+        stop_at_eos: false,
+    };
+    let mut runs = (0..repeats)
+        .map(|_| Ok(timed_run(session, prompt, &opts)?.stats.tpot_ms))
+        .collect::<Result<Vec<f64>>>()?;
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[runs.len() / 2])
+}
+
+/// One greedy decode from the session's initial (empty) expert cache, with the draft-driven
+/// prefetcher when speculating over offloaded experts on the GPU.
+fn timed_run(
+    session: &Session,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+) -> Result<crate::decode::GenerateOutput> {
+    match &session.model {
+        SessionModel::Cpu(m) => generate(m.as_ref(), prompt, opts, &mut NoHook, &mut |_| {}),
+        SessionModel::Cuda(m) => {
+            let gpu = m.backend();
+            gpu.reset_offload()?;
+            if gpu.offload_slots()?.is_some() && opts.mode == Mode::Specter {
+                let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
+                let out =
+                    generate_observed(m.as_ref(), prompt, opts, &mut prefetcher, &mut |_| {})?;
+                if let Some(e) = prefetcher.take_error() {
+                    return Err(e);
+                }
+                Ok(out)
+            } else {
+                generate(m.as_ref(), prompt, opts, &mut NoHook, &mut |_| {})
+            }
+        }
+    }
+}
+
 impl DepthProfile {
+    /// The fastest speculative (or depth-0) TPOT the sweep measured, ms.
+    pub fn best_tpot_ms(&self) -> f64 {
+        self.tpot_ms.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+
+    /// Plain decoding without the draft measured faster than every depth with it.
+    pub fn prefers_plain(&self) -> Option<&PlainCandidate> {
+        self.plain
+            .as_ref()
+            .filter(|p| p.tpot_ms < self.best_tpot_ms())
+    }
+
     pub fn save(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self)
             .map_err(|e| Error::Request(format!("cannot encode the profile: {e}")))?;
@@ -167,13 +243,87 @@ impl DepthProfile {
     pub fn start_depth_for(&self, session: &Session, path: &Path) -> Result<usize> {
         let key = session_key(session)?;
         if key != self.key {
-            return Err(Error::Request(format!(
-                "the profile {} was measured for another bundle or machine ({:?}), not this one ({:?}): run specter-run profile again",
-                path.display(),
-                self.key,
-                key
-            )));
+            return Err(mismatch(path, &self.key, &key));
         }
         Ok(self.best_depth)
+    }
+
+    /// Refuses a profile measured for another bundle, backend or device than `session`'s (the
+    /// residency differs by design when the session runs the profile's plain candidate).
+    pub fn check_machine(&self, session: &Session, path: &Path) -> Result<()> {
+        let key = session_key(session)?;
+        if (&key.manifest_sha256, &key.backend, &key.device)
+            != (
+                &self.key.manifest_sha256,
+                &self.key.backend,
+                &self.key.device,
+            )
+        {
+            return Err(mismatch(path, &self.key, &key));
+        }
+        Ok(())
+    }
+}
+
+fn mismatch(path: &Path, profiled: &ProfileKey, here: &ProfileKey) -> Error {
+    Error::Request(format!(
+        "the profile {} was measured for another bundle or machine ({profiled:?}), not this one ({here:?}): run specter-run profile again",
+        path.display()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(tpot_ms: Vec<f64>, plain: Option<f64>) -> DepthProfile {
+        DepthProfile {
+            key: ProfileKey {
+                manifest_sha256: "ab".into(),
+                backend: "cuda".into(),
+                device: "gpu".into(),
+                residency: "16 of 64".into(),
+            },
+            prompt_tokens: 16,
+            new_tokens: 32,
+            depths: (0..tpot_ms.len()).collect(),
+            tpot_ms,
+            acceptance: vec![0.5; 3],
+            best_depth: 1,
+            plain: plain.map(|tpot_ms| PlainCandidate { slots: 32, tpot_ms }),
+        }
+    }
+
+    #[test]
+    fn plain_is_preferred_only_when_faster_than_every_depth() {
+        assert_eq!(profile(vec![40.0, 30.0, 35.0], None).prefers_plain(), None);
+        assert_eq!(
+            profile(vec![40.0, 30.0, 35.0], Some(31.0)).prefers_plain(),
+            None
+        );
+        assert_eq!(
+            profile(vec![40.0, 30.0, 35.0], Some(23.0)).prefers_plain(),
+            Some(&PlainCandidate {
+                slots: 32,
+                tpot_ms: 23.0
+            })
+        );
+        assert_eq!(profile(vec![40.0, 30.0, 35.0], None).best_tpot_ms(), 30.0);
+    }
+
+    #[test]
+    fn profiles_written_before_the_plain_candidate_still_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.json");
+        let mut value = serde_json::to_value(profile(vec![2.0, 1.0, 3.0], None)).unwrap();
+        value.as_object_mut().unwrap().remove("plain");
+        std::fs::write(&path, value.to_string()).unwrap();
+        let loaded = DepthProfile::load(&path).unwrap();
+        assert_eq!(loaded.plain, None);
+        assert_eq!(loaded.best_depth, 1);
+        std::fs::write(&path, "{\"depths\": 3}").unwrap();
+        assert!(
+            matches!(DepthProfile::load(&path), Err(Error::Request(m)) if m.contains("not a depth profile"))
+        );
     }
 }

@@ -290,6 +290,10 @@ struct ProfileArgs {
     /// Runs per depth (the median TPOT is kept).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// With --resident-experts: expert slots per layer for the plain candidate (target-only,
+    /// no draft). Default: --resident-experts plus the slots the draft's VRAM is worth.
+    #[arg(long, requires = "resident_experts")]
+    plain_experts: Option<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -362,12 +366,28 @@ fn generate(args: GenerateArgs) -> Result<()> {
         BackendArg::Cpu => BackendKind::Cpu,
         BackendArg::Cuda => BackendKind::Cuda,
     };
-    let mode = match args.mode {
+    let mut mode = match args.mode {
         ModeArg::Specter => Mode::Specter,
         ModeArg::Target => Mode::Target,
         ModeArg::Draft => Mode::Draft,
         ModeArg::Specmoeoff => Mode::SpecMoeOff,
     };
+    if args.auto_depth && mode != Mode::Specter {
+        bail!("--auto-depth needs --mode specter");
+    }
+    // A profile that measured plain decoding (the draft's memory as expert slots) faster than
+    // every depth turns automatic depth into plain decoding without loading the draft.
+    let profile = match &args.profile {
+        Some(path) => Some(specter::depth_profile::DepthProfile::load(path)?),
+        None => None,
+    };
+    let plain = match (&profile, args.backend) {
+        (Some(p), BackendArg::Cuda) => p.prefers_plain().cloned(),
+        _ => None,
+    };
+    if plain.is_some() {
+        mode = Mode::Target;
+    }
     let depth = args.depth.unwrap_or(if mode == Mode::SpecMoeOff {
         decode::SPECMOEOFF_DEPTH
     } else {
@@ -390,6 +410,15 @@ fn generate(args: GenerateArgs) -> Result<()> {
             PolicyArg::Ondemand => SlotPolicy::OnDemand,
         };
         session_opts.offload = slots.map(|n| (n, policy));
+        if let Some(p) = &plain {
+            eprintln!(
+                "profile: plain decoding without the draft at {} slots per layer ({:.2} ms) beats speculation ({:.2} ms)",
+                p.slots,
+                p.tpot_ms,
+                profile.as_ref().map_or(0.0, |f| f.best_tpot_ms())
+            );
+            session_opts.offload = Some((p.slots, SlotPolicy::Lru));
+        }
         if args.pinned_staging {
             session_opts.host_path = HostPath::PinnedStaging;
         }
@@ -459,14 +488,14 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (SessionModel::Cuda(m), true) if m.backend().offload_slots()?.is_some() => Some(m.as_ref()),
         _ => None,
     };
-    if args.auto_depth && opts.mode != Mode::Specter {
-        bail!("--auto-depth needs --mode specter");
-    }
-    let start_depth = match &args.profile {
-        Some(path) => specter::depth_profile::DepthProfile::load(path)?
-            .start_depth_for(&session, path)?
-            .min(opts.depth),
-        None => opts.depth,
+    let auto_depth = args.auto_depth && plain.is_none();
+    let start_depth = match (&profile, &args.profile) {
+        (Some(p), Some(path)) if plain.is_some() => {
+            p.check_machine(&session, path)?;
+            0
+        }
+        (Some(p), Some(path)) => p.start_depth_for(&session, path)?.min(opts.depth),
+        _ => opts.depth,
     };
     let mut draft_step_ms = None;
     let mut auto_report = None;
@@ -482,7 +511,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, Some(m)) => {
             let mut prefetcher =
                 CudaPrefetcher::new(m.backend(), m.info(), args.bandwidth_gbps * 1e9)?;
-            let out = if args.auto_depth {
+            let out = if auto_depth {
                 let mut auto = AutoDepth::new(&mut prefetcher, opts.depth, start_depth);
                 let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token)?;
                 auto_report = Some(auto.report());
@@ -496,7 +525,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             draft_step_ms = Some(prefetcher.draft_step_seconds() * 1e3);
             out
         }
-        (None, None) if args.auto_depth => with_session_model!(session, |m| {
+        (None, None) if auto_depth => with_session_model!(session, |m| {
             let mut quiet = NoHook;
             let mut auto = AutoDepth::new(&mut quiet, opts.depth, start_depth);
             let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token);
@@ -602,6 +631,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             "backend": if session.cuda().is_some() { "cuda" } else { "cpu" },
             "gpu": gpu,
             "auto_depth": auto_report,
+            "auto_plain": plain.as_ref().map(|p| json!({"slots": p.slots, "profiled_tpot_ms": p.tpot_ms})),
             "mode": format!("{:?}", opts.mode).to_lowercase(),
             "startup": {
                 "bundle_opened_ms": session.startup.bundle_opened_ms,
@@ -793,14 +823,41 @@ fn profile(args: ProfileArgs) -> Result<()> {
         };
         opts.offload = Some((n, policy));
     }
-    let session = Session::open_with(&args.bundle, &opts)?;
-    let report = specter::depth_profile::sweep(
-        &session,
-        &args.prompt_ids,
-        args.new_tokens,
-        &args.depths,
-        args.repeats,
-    )?;
+    let mut report = {
+        let session = Session::open_with(&args.bundle, &opts)?;
+        specter::depth_profile::sweep(
+            &session,
+            &args.prompt_ids,
+            args.new_tokens,
+            &args.depths,
+            args.repeats,
+        )?
+    };
+    if let Some((resident, policy)) = opts.offload {
+        // Plain decoding with the draft's memory as slots: what auto depth falls back to.
+        let bundle = specter_format::Bundle::open(&args.bundle)?;
+        let experts = specter::arch::ArchConfig::from_config_json(bundle.hyperparameters_json())?
+            .moe
+            .num_experts;
+        let slots = match args.plain_experts {
+            Some(n) => n,
+            None => {
+                (resident + specter::depth_profile::draft_slot_equivalent(&bundle)?).min(experts)
+            }
+        };
+        drop(bundle);
+        let mut plain_opts = opts.clone();
+        plain_opts.with_draft = false;
+        plain_opts.offload = Some((slots, policy));
+        let session = Session::open_with(&args.bundle, &plain_opts)?;
+        let tpot_ms = specter::depth_profile::measure_plain(
+            &session,
+            &args.prompt_ids,
+            args.new_tokens,
+            args.repeats,
+        )?;
+        report.plain = Some(specter::depth_profile::PlainCandidate { slots, tpot_ms });
+    }
     report.save(&args.output)?;
     println!("depth  tpot_ms  acceptance");
     for ((d, t), a) in report
@@ -811,12 +868,25 @@ fn profile(args: ProfileArgs) -> Result<()> {
     {
         println!("{d:>5}  {t:>7.3}  {a:>10.3}");
     }
-    println!(
-        "best depth {} ({}), written to {}",
-        report.best_depth,
-        report.key.residency,
-        args.output.display()
-    );
+    if let Some(p) = &report.plain {
+        println!(
+            "plain, no draft, {} slots per layer: {:.3} ms",
+            p.slots, p.tpot_ms
+        );
+    }
+    match report.prefers_plain() {
+        Some(p) => println!(
+            "best: plain decoding without the draft at {} slots per layer, written to {}",
+            p.slots,
+            args.output.display()
+        ),
+        None => println!(
+            "best depth {} ({}), written to {}",
+            report.best_depth,
+            report.key.residency,
+            args.output.display()
+        ),
+    }
     Ok(())
 }
 

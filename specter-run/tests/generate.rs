@@ -588,6 +588,13 @@ fn a_depth_profile_is_measured_used_and_refused_for_another_bundle() {
     let best = written["best_depth"].as_u64().unwrap();
     assert!([0, 1, 4].contains(&best), "{written}");
     assert!(run.stdout.contains("best depth"), "{run:?}");
+    // Without offloading there is no plain candidate (the draft's memory has nowhere to go).
+    assert_eq!(written["plain"], Value::Null);
+    // The draft's INT4 experts (4 bits a weight plus f16 scales per 128) take the VRAM of about
+    // a quarter of the FP16 experts, rounded down.
+    let b = specter_format::Bundle::open(&converted().bundle).unwrap();
+    let slots = specter::depth_profile::draft_slot_equivalent(&b).unwrap();
+    assert!((1..=EXPERTS / 4).contains(&slots), "{slots}");
 
     let p = profile.display().to_string();
     let target = generate_json(&[
@@ -701,7 +708,8 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
             && table.contains("| auto |")
             && table.contains("| specmoeoff |")
             && table.contains("specter over specmoeoff")
-            && table.contains("KV cache of their own"),
+            && table.contains("KV cache of their own")
+            && table.contains("| floor ms | TPOT/floor |"),
         "{table}"
     );
     assert!(run.stdout.contains("| resident |"), "{run:?}");

@@ -544,6 +544,15 @@ impl CudaBackend {
         }
     }
 
+    /// Bytes of experts issued for copying since the last reset, without waiting for the device
+    /// (`None` without offloading). Cheap enough to call between tokens.
+    pub fn offload_bytes_copied(&self) -> Result<Option<u64>> {
+        match &self.offload {
+            None => Ok(None),
+            Some(o) => Ok(Some(self.lock(o)?.bytes_copied())),
+        }
+    }
+
     /// Copies `experts` of model layer `layer` into the expert cache ahead of use and protects
     /// them until [`Self::clear_plans`]; returns the bytes issued (0 without offloading).
     pub fn prefetch(&self, layer: usize, experts: &[u32]) -> Result<usize> {

@@ -93,6 +93,9 @@ pub struct OffloadStats {
     /// Seconds the background registration of the expert sections took (0 until it is done, and
     /// without registration); copies go through staging until then.
     pub registration_seconds: f64,
+    /// Target-pass hits and misses per model layer (0 for layers without routed experts).
+    pub layer_hits: Vec<u64>,
+    pub layer_misses: Vec<u64>,
 }
 
 impl OffloadStats {
@@ -104,6 +107,16 @@ impl OffloadStats {
     /// Experts target passes needed that the plan held, over those needed.
     pub fn prefetch_recall(&self) -> f64 {
         ratio(self.target_planned, self.target_needed)
+    }
+
+    /// Hit rate of each MoE layer (layers without lookups are left out), in layer order.
+    pub fn layer_hit_rates(&self) -> Vec<f64> {
+        self.layer_hits
+            .iter()
+            .zip(&self.layer_misses)
+            .filter(|(h, m)| **h + **m > 0)
+            .map(|(&h, &m)| h as f64 / (h + m) as f64)
+            .collect()
     }
 
     pub fn hit_rate(&self) -> f64 {
@@ -350,6 +363,8 @@ impl ExpertOffload {
             slots_per_layer: cfg.slots_per_layer,
             slot_bytes,
             slot_vram_bytes: need,
+            layer_hits: vec![0; arch.num_layers],
+            layer_misses: vec![0; arch.num_layers],
             ..Default::default()
         };
         Ok(ExpertOffload {
@@ -423,10 +438,17 @@ impl ExpertOffload {
             slot_bytes: self.stats.slot_bytes,
             slot_vram_bytes: self.stats.slot_vram_bytes,
             registration_seconds: self.stats.registration_seconds,
+            layer_hits: vec![0; self.stats.layer_hits.len()],
+            layer_misses: vec![0; self.stats.layer_misses.len()],
             ..Default::default()
         };
         self.stats = keep;
         self.tick = 0;
+    }
+
+    /// Bytes issued to the copy stream since the last reset (counted at issue: no wait).
+    pub(crate) fn bytes_copied(&self) -> u64 {
+        self.stats.bytes_copied
     }
 
     pub(crate) fn stats(&mut self) -> Result<OffloadStats> {
@@ -550,6 +572,12 @@ impl ExpertOffload {
             }
             self.stats.hits += hits.len() as u64;
             self.stats.misses += misses.len() as u64;
+            if let Some(n) = self.stats.layer_hits.get_mut(layer) {
+                *n += hits.len() as u64;
+            }
+            if let Some(n) = self.stats.layer_misses.get_mut(layer) {
+                *n += misses.len() as u64;
+            }
             if !hits.is_empty() {
                 self.launch_groups(be, layer, plan, &hits, launch)?;
             }
