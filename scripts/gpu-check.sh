@@ -108,7 +108,9 @@ EOF
 # budget PEER_BUDGET_GIB (default: Specter's peak VRAM in the ds_high case, 17.4 GB = 16.2 GiB).
 peer() {
     local dir=$1 out=$2 hf=${HF_DIR:-$1/hf}
-    [ -f "$hf/config.json" ] || { echo "peer: no checkpoint in $hf (run with KEEP_HF=1)"; return 1; }
+    # synth's default seed and these shapes give the weights bench_model's bundle holds.
+    [ -f "$hf/config.json" ] || "$CARRY/specter-pack" synth --preset deepseek-v2-lite \
+        --layers "${LAYERS:-27}" -o "$hf" > "$out/synth-peer.txt"
     python3 "$ROOT/scripts/peer_transformers.py" "$hf" --repeats "${PEER_REPEATS:-3}" \
         --offload-budget-gib "${PEER_BUDGET_GIB:-16.2}" --offload-tokens "${PEER_OFFLOAD_TOKENS:-8}" \
         --json "$out/peer.json" 2> "$out/peer.err" || { tail -5 "$out/peer.err"; return 1; }
