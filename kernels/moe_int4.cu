@@ -32,6 +32,19 @@
 // 2t+1; c2, c3 = column g+8, same items. A chunk of up to 8 items is one n8 tile (NT = 1), up to
 // 16 two (NT = 2); missing items are zero columns of B.
 //
+// Staged activations (STAGED variants). Read straight from global memory, one warp-wide B load
+// touches 8 item rows, about 8 L1 wavefronts, for each n8 tile and tile row; at 16 items that
+// L1 traffic, not DRAM, bounds the kernel. So once per chunk each warp converts the activations
+// of its own K range (coalesced float4 reads, the same f16 rounding) into its part of the
+// block's dynamic shared memory, which only it reads (__syncwarp suffices; gate_up's two passes
+// share one staging). Per tile row it holds 8 words per item slot, the item's 16 features as f16
+// in the order 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15, so lane 4g + t finds b0, b1 of
+// item slot 8 nt + g in the 8 bytes at 32 (8 nt + g) + 8 t = 256 nt + 8 lane: one 64-bit load
+// per n8 tile, 256 contiguous bytes per warp, free of bank conflicts. Tile rows are 8 M + 8
+// words apart (8 mod 32 banks), which keeps the staging stores conflict-free too (see
+// stage_activations). Slots past the chunk's items hold zeros. Size: 2 K (M + 1) bytes per block,
+// 68 KB for the 16 variant at K = 2048, which is why it is dynamic (static is capped at 48 KB).
+//
 // Numerics (W4A16 as Marlin defines it: FP16 compute, FP32 accumulation). Each activation (f32
 // in memory: x for gate_up, h for down) is rounded once to f16, to nearest even
 // (cvt.rn.f16x2.f32): relative error at most 2^-11 (absolute 2^-25 below 2^-14, where f16 is
@@ -53,7 +66,8 @@
 // NVIDIA's mma units; tests/cuda_moe_int4.rs checks it by comparing an item alone, in a 16-item
 // chunk and reordered).
 //
-// Alignment: qweight and scales must be 16-byte aligned (device allocations are 256-byte aligned).
+// Alignment: qweight, scales, x and h must be 16-byte aligned (device allocations are 256-byte
+// aligned; the host checks x and h).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -76,6 +90,9 @@ static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct
 #define MOE_STAGES 8
 // Row stride of the reduction buffer: 68 words puts the 32 lanes' writes in distinct banks.
 #define MOE_RED_STRIDE 68
+// Words per tile row of a warp's staged activations (see "Staged activations"): 8 per item slot
+// plus 8 of padding, so the stride is 8 (mod 32) banks.
+#define MOE_XS_STRIDE(MAXI) (8 * (MAXI) + 8)
 
 // One warp's shared memory: its load ring during the K loop, then its partial sums. The two are
 // never live together (the warp finishes reading the ring before it writes sums).
@@ -176,13 +193,57 @@ __device__ __forceinline__ void flush_group(const uint4 s, float (&part)[NT][4][
     }
 }
 
+// Converts this warp's K range (tile rows tr_begin .. tr_begin + rows) of the chunk's first
+// 8 NT activation rows to f16 B fragments in its staging buffer xs (item slots past `count` get
+// zeros). Lane i reads float4 number w = i + 32 j of an item's range: features 4q .. 4q+3 of
+// tile row w / 4 (q = i % 4), i.e. feature pairs 2q and 2q+1, which go to words
+// 4 (q % 2) + q / 2 and that + 2 of the item's 8. Bank of a store: 8 (tile row % 4) + that word
+// (the stride is 8 mod 32; the item's 8 m is common to the warp), tile row % 8 = i / 4. Lanes
+// 16..31 (tile rows 4..7 mod 8) store their second word first, so each store instruction's 32
+// words fill the 32 banks once: lanes 0..15 cover words {0, 1, 4, 5} of all four tile rows mod
+// 4 and lanes 16..31 words {2, 3, 6, 7}.
+template <int NT, int MAXI>
+__device__ __forceinline__ void stage_activations(u32* xs, const float* const* item_rows,
+                                                  u32 count, u32 tr_begin, u32 rows) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 q = lane & 3;
+    const u32 word = 4u * (q & 1u) + (q >> 1);
+    const u32 first = (lane & 16u) ? 2u : 0u;
+    const u32 quads = 4u * rows;  // float4 per item in this range
+    const u32 feature0 = 16u * tr_begin;
+#pragma unroll 1
+    for (u32 w = lane; w < quads; w += 32) {
+        // All items' loads first, so their latencies overlap.
+        float4 v[8 * NT];
+#pragma unroll
+        for (int m = 0; m < 8 * NT; ++m) {
+            v[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if ((u32)m < count) {
+                v[m] = __ldg(reinterpret_cast<const float4*>(item_rows[m] + feature0) + w);
+            }
+        }
+        u32* d = xs + (w >> 2) * MOE_XS_STRIDE(MAXI) + word;
+#pragma unroll
+        for (int m = 0; m < 8 * NT; ++m) {
+            const u32 lo = pack_half2(v[m].x, v[m].y);  // pair 2q
+            const u32 hi = pack_half2(v[m].z, v[m].w);  // pair 2q + 1
+            d[8 * m + first] = first ? hi : lo;
+            d[8 * m + 2 - first] = first ? lo : hi;
+        }
+    }
+}
+
 // This warp's sums over its K range for the 64 columns of block column `b` and the chunk's
 // `count` items (rows in sh.rows), written to its sh.warp[].red (the caller synchronises before
-// reading them). NT n8 item tiles cover the chunk (count <= 8 NT).
-template <int NT, int MAXI>
+// reading them). NT n8 item tiles cover the chunk (count <= 8 NT). With STAGED the B fragments
+// come from this warp's part of `staged` (the block's dynamic shared memory), which the pass
+// first fills if `stage` (else it holds this chunk's activations from an earlier pass); without,
+// straight from global memory.
+template <int NT, int MAXI, bool STAGED>
 __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
                                            const uint4* __restrict__ scales, u32 n, u32 k,
-                                           u32 b, u32 count, MoeShared<MAXI>& sh) {
+                                           u32 b, u32 count, MoeShared<MAXI>& sh,
+                                           u32* staged, bool stage) {
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
     const u32 g = lane >> 2;
@@ -194,6 +255,7 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     const uint4* wp = qweight + (u64)tr_begin * row_vecs + 32u * b + lane;
     const uint4* sp = scales + 8u * b + g;
     uint4(&ring)[MOE_STAGES][32] = sh.warp[warp].ring;
+    u32* xs = staged + warp * rows * MOE_XS_STRIDE(MAXI);
 
 #pragma unroll
     for (u32 s = 0; s < MOE_STAGES; ++s) {
@@ -203,11 +265,20 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
 
     // Lane's B column: item 8 nt + g of the chunk (null past the chunk: zero operand).
     const float* xr[NT];
+    if constexpr (STAGED) {
+        if (stage) {
+            stage_activations<NT, MAXI>(xs, sh.rows, count, tr_begin, rows);
+            __syncwarp();
+        }
+    } else {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const u32 m = 8u * nt + g;
-        xr[nt] = m < count ? sh.rows[m] + 2u * t : nullptr;
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 m = 8u * nt + g;
+            xr[nt] = m < count ? sh.rows[m] + 2u * t : nullptr;
+        }
     }
+    // Lane i's B fragment of tile row r, n8 tile nt: the 8 bytes at xb[r * stride / 2 + 32 nt].
+    const uint2* xb = reinterpret_cast<const uint2*>(xs) + lane;
 
     float acc[NT][4][4];
     float part[NT][4][4];
@@ -231,13 +302,19 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
         u32 bx[NT][2];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
-            if (xr[nt] != nullptr) {
-                x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
-                x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
+            if constexpr (STAGED) {
+                const uint2 v = xb[i * (MOE_XS_STRIDE(MAXI) / 2) + 32u * nt];
+                bx[nt][0] = v.x;
+                bx[nt][1] = v.y;
+            } else {
+                float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
+                if (xr[nt] != nullptr) {
+                    x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
+                    x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
+                }
+                bx[nt][0] = pack_half2(x0.x, x0.y);
+                bx[nt][1] = pack_half2(x8.x, x8.y);
             }
-            bx[nt][0] = pack_half2(x0.x, x0.y);
-            bx[nt][1] = pack_half2(x8.x, x8.y);
         }
         // A new quantization group starts every 8 tile rows; its scales are needed only when
         // the group ends, so the load has time to arrive.
@@ -293,12 +370,12 @@ __device__ __forceinline__ float warp_sum(const MoeShared<MAXI>& sh, u32 m, u32 
 
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + expf(-a)); }
 
-template <int NT, int MAXI>
+template <int NT, int MAXI, bool STAGED>
 __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                               const float* __restrict__ x,
                                               const u32* __restrict__ item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
-                                              MoeShared<MAXI>& sh) {
+                                              MoeShared<MAXI>& sh, u32* staged) {
     if (threadIdx.x < count) {
         sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
     }
@@ -306,11 +383,11 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     const uint4* qweight = reinterpret_cast<const uint4*>(g.gate_up);
     const uint4* scales = reinterpret_cast<const uint4*>(g.gate_up_scales);
     const u32 n = 2 * inter;
-    // Pass 0: gate block x; pass 1: the up block inter/64 blocks further.
+    // Pass 0: gate block x; pass 1: the up block inter/64 blocks further, on the same staged x.
 #pragma unroll 1
     for (u32 pass = 0; pass < 2; ++pass) {
         const u32 b = blockIdx.x + pass * (inter / MOE_COLS);
-        block_pass<NT, MAXI>(qweight, scales, n, hidden, b, count, sh);
+        block_pass<NT, MAXI, STAGED>(qweight, scales, n, hidden, b, count, sh, staged, pass == 0);
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
@@ -322,22 +399,23 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
                     __fmul_rn(silu(sh.gate[m][c]), v);
             }
         }
-        // The warp spaces are rewritten by the next pass, sh.rows by the next chunk.
+        // The warp spaces are rewritten by the next pass, sh.rows and the staged activations by
+        // the next chunk.
         __syncthreads();
     }
 }
 
-template <int NT, int MAXI>
+template <int NT, int MAXI, bool STAGED>
 __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                            const float* __restrict__ h,
                                            const float* __restrict__ item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
-                                           MoeShared<MAXI>& sh) {
+                                           MoeShared<MAXI>& sh, u32* staged) {
     if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
     __syncthreads();
-    block_pass<NT, MAXI>(reinterpret_cast<const uint4*>(g.down),
-                         reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
-                         blockIdx.x, count, sh);
+    block_pass<NT, MAXI, STAGED>(reinterpret_cast<const uint4*>(g.down),
+                                 reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
+                                 blockIdx.x, count, sh, staged, true);
     __syncthreads();
     for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
@@ -348,63 +426,74 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
     __syncthreads();
 }
 
+// The block's dynamic shared memory: the staged activations of its 8 warps, when STAGED.
+extern __shared__ uint4 moe_staged[];
+
 // grid = (inter / 64, groups), block = 256. Chunks of MAXI items; a chunk of at most 8 items
 // takes the one-tile path (same bits, half the mma work).
-template <int MAXI>
+template <int MAXI, bool STAGED>
 __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* __restrict__ groups,
                                                const float* __restrict__ x,
                                                const u32* __restrict__ item_row,
                                                float* __restrict__ h, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
+    u32* staged = reinterpret_cast<u32*>(moe_staged);
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
-                gate_up_chunk<2, MAXI>(g, g.first + done, n, x, item_row, h, hidden, inter, sh);
+                gate_up_chunk<2, MAXI, STAGED>(g, g.first + done, n, x, item_row, h, hidden,
+                                               inter, sh, staged);
                 continue;
             }
         }
-        gate_up_chunk<1, MAXI>(g, g.first + done, n, x, item_row, h, hidden, inter, sh);
+        gate_up_chunk<1, MAXI, STAGED>(g, g.first + done, n, x, item_row, h, hidden, inter, sh,
+                                       staged);
     }
 }
 
 // grid = (hidden / 64, groups), block = 256.
-template <int MAXI>
+template <int MAXI, bool STAGED>
 __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ groups,
                                             const float* __restrict__ h,
                                             const float* __restrict__ item_weight,
                                             float* __restrict__ out, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
+    u32* staged = reinterpret_cast<u32*>(moe_staged);
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
-                down_chunk<2, MAXI>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh);
+                down_chunk<2, MAXI, STAGED>(g, g.first + done, n, h, item_weight, out, hidden,
+                                            inter, sh, staged);
                 continue;
             }
         }
-        down_chunk<1, MAXI>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh);
+        down_chunk<1, MAXI, STAGED>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh,
+                                    staged);
     }
 }
 
 // Register caps keep several blocks resident per SM, so loads of other blocks overlap one
 // block's reduction and its pipeline start. The 16-item variant stays at 2: its acc and partial
 // fragments alone take 64 registers, and a cap of 3 blocks (80 registers) makes ptxas spill.
-#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS)                                                         \
+// STAGED (true or false) must match `STAGED` in src/backend/cuda/moe_int4.rs, which sizes the dynamic
+// shared memory of a launch: 2 K (MAXI + 1) bytes when staged, else none.
+#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED)                                                 \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \
                                 const float* __restrict__ x, const u32* __restrict__ item_row,    \
                                 float* __restrict__ h, u32 hidden, u32 inter) {                   \
-        gate_up_kernel<MAXI>(groups, x, item_row, h, hidden, inter);                              \
+        gate_up_kernel<MAXI, STAGED>(groups, x, item_row, h, hidden, inter);                      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_down_##MAXI(const ExpertGroup* __restrict__ groups, const float* __restrict__ h, \
                              const float* __restrict__ item_weight, float* __restrict__ out,      \
                              u32 hidden, u32 inter) {                                             \
-        down_kernel<MAXI>(groups, h, item_weight, out, hidden, inter);                            \
+        down_kernel<MAXI, STAGED>(groups, h, item_weight, out, hidden, inter);                    \
     }
 
-MOE_INT4_KERNELS(8, 3)
-MOE_INT4_KERNELS(16, 2)
+MOE_INT4_KERNELS(8, 3, true)
+MOE_INT4_KERNELS(16, 2, true)
