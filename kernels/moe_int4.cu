@@ -35,15 +35,16 @@
 // Staged activations (STAGED variants). Read straight from global memory, one warp-wide B load
 // touches 8 item rows, about 8 L1 wavefronts, for each n8 tile and tile row; at 16 items that
 // L1 traffic, not DRAM, bounds the kernel. So once per chunk each warp converts the activations
-// of its own K range (coalesced float4 reads, the same f16 rounding) into its part of the
-// block's dynamic shared memory, which only it reads (__syncwarp suffices; gate_up's two passes
-// share one staging). Per tile row it holds 8 words per item slot, the item's 16 features as f16
-// in the order 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15, so lane 4g + t finds b0, b1 of
-// item slot 8 nt + g in the 8 bytes at 32 (8 nt + g) + 8 t = 256 nt + 8 lane: one 64-bit load
-// per n8 tile, 256 contiguous bytes per warp, free of bank conflicts. Tile rows are 8 M + 8
-// words apart (8 mod 32 banks), which keeps the staging stores conflict-free too (see
+// of its own K range (whole-sector reads, the same f16 rounding) into its part of the block's
+// dynamic shared memory, which only it reads (__syncwarp suffices; gate_up's two passes share
+// one staging). Per tile row it holds 8 words per item slot, the item's 16 features as f16 in
+// the order 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15, so lane 4g + t finds b0, b1 of item
+// slot 8 nt + g in the 8 bytes at 32 (8 nt + g) + 8 t = 256 nt + 8 lane: one 64-bit load per
+// n8 tile, 256 contiguous bytes per warp, free of bank conflicts. Tile rows are 8 M + 8 words
+// apart (8 mod 32 banks), which keeps the staging stores conflict-free too (see
 // stage_activations). Slots past the chunk's items hold zeros. Size: 2 K (M + 1) bytes per block,
 // 68 KB for the 16 variant at K = 2048, which is why it is dynamic (static is capped at 48 KB).
+// It also takes the activation loads, their conversion and pointer upkeep out of the K loop.
 //
 // Numerics (W4A16 as Marlin defines it: FP16 compute, FP32 accumulation). Each activation (f32
 // in memory: x for gate_up, h for down) is rounded once to f16, to nearest even
@@ -66,8 +67,8 @@
 // NVIDIA's mma units; tests/cuda_moe_int4.rs checks it by comparing an item alone, in a 16-item
 // chunk and reordered).
 //
-// Alignment: qweight, scales, x and h must be 16-byte aligned (device allocations are 256-byte
-// aligned; the host checks x and h).
+// Alignment: qweight and scales must be 16-byte aligned, x and h 8-byte aligned (device
+// allocations are 256-byte aligned; the host checks x and h).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -115,12 +116,13 @@ __device__ __forceinline__ u32 shared_addr(const void* p) {
     return a;
 }
 
-// 16 bytes global -> shared, past L1 (weights are read once per chunk). cp.async wants a
-// .global address; the conversion from the generic one is free on current GPUs.
-__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+// 16 bytes global -> shared (`dst` a shared window address), past L1 (weights are read once
+// per chunk). cp.async wants a .global address; the conversion from the generic one is free on
+// current GPUs.
+__device__ __forceinline__ void copy_async(u32 dst, const void* src) {
     asm volatile(
         "{ .reg .u64 g; cvta.to.global.u64 g, %1; cp.async.cg.shared.global [%0], [g], 16; }" ::"r"(
-            shared_addr(dst)),
+            dst),
         "l"(src)
         : "memory");
 }
@@ -148,9 +150,18 @@ __device__ __forceinline__ u32 pack_half2(float lo_elem, float hi_elem) {
     return r;
 }
 
+// (w & mask) | 0x64006400 in one LOP3 (written as and + or, ptxas keeps two instructions, as
+// each can hold only one 32-bit immediate).
+template <u32 MASK>
+__device__ __forceinline__ u32 mask_or_1024(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(MASK), "r"(0x64006400u));
+    return r;
+}
+
 // q - 8 for the two low-nibble codes (bits 0..3 and 16..19) of w: (1024 + q) - 1032, exact.
 __device__ __forceinline__ u32 codes_low(u32 w) {
-    const u32 v = (w & 0x000F000Fu) | 0x64006400u;
+    const u32 v = mask_or_1024<0x000F000Fu>(w);
     u32 r;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64086408u));
     return r;
@@ -158,7 +169,7 @@ __device__ __forceinline__ u32 codes_low(u32 w) {
 
 // q - 8 for the two codes at bits 4..7 and 20..23: (1024 + 16 q) / 16 - 72, exact.
 __device__ __forceinline__ u32 codes_high(u32 w) {
-    const u32 v = (w & 0x00F000F0u) | 0x64006400u;
+    const u32 v = mask_or_1024<0x00F000F0u>(w);
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x2C002C00u), "r"(0xD480D480u));
     return r;
@@ -195,40 +206,33 @@ __device__ __forceinline__ void flush_group(const uint4 s, float (&part)[NT][4][
 
 // Converts this warp's K range (tile rows tr_begin .. tr_begin + rows) of the chunk's first
 // 8 NT activation rows to f16 B fragments in its staging buffer xs (item slots past `count` get
-// zeros). Lane i reads float4 number w = i + 32 j of an item's range: features 4q .. 4q+3 of
-// tile row w / 4 (q = i % 4), i.e. feature pairs 2q and 2q+1, which go to words
-// 4 (q % 2) + q / 2 and that + 2 of the item's 8. Bank of a store: 8 (tile row % 4) + that word
-// (the stride is 8 mod 32; the item's 8 m is common to the warp), tile row % 8 = i / 4. Lanes
-// 16..31 (tile rows 4..7 mod 8) store their second word first, so each store instruction's 32
-// words fill the 32 banks once: lanes 0..15 cover words {0, 1, 4, 5} of all four tile rows mod
-// 4 and lanes 16..31 words {2, 3, 6, 7}.
+// zeros). Lane 4 r + t takes tile rows r, r + 8, ...: it reads the feature pairs 2t, 2t+1 and
+// 2t+8, 2t+9 (two float2; the warp's 32 lanes read 8 whole 32-byte sectors each time) and
+// writes them as the 8 bytes it will itself load in the K loop. Each 64-bit store covers, per
+// half-warp, 4 tile rows (8 mod 32 banks apart) x 4 lanes x 2 words: all 32 banks once.
 template <int NT, int MAXI>
 __device__ __forceinline__ void stage_activations(u32* xs, const float* const* item_rows,
                                                   u32 count, u32 tr_begin, u32 rows) {
     const u32 lane = threadIdx.x & 31;
-    const u32 q = lane & 3;
-    const u32 word = 4u * (q & 1u) + (q >> 1);
-    const u32 first = (lane & 16u) ? 2u : 0u;
-    const u32 quads = 4u * rows;  // float4 per item in this range
-    const u32 feature0 = 16u * tr_begin;
+    const u32 r = lane >> 2;
+    const u32 feature = 16u * (tr_begin + r) + 2u * (lane & 3u);
+    uint2* d = reinterpret_cast<uint2*>(xs + r * MOE_XS_STRIDE(MAXI)) + (lane & 3u);
 #pragma unroll 1
-    for (u32 w = lane; w < quads; w += 32) {
+    for (u32 i = r, f = feature; i < rows; i += 8, f += 128, d += 4 * MOE_XS_STRIDE(MAXI)) {
         // All items' loads first, so their latencies overlap.
-        float4 v[8 * NT];
+        float2 v0[8 * NT], v8[8 * NT];
 #pragma unroll
         for (int m = 0; m < 8 * NT; ++m) {
-            v[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v0[m] = v8[m] = make_float2(0.0f, 0.0f);
             if ((u32)m < count) {
-                v[m] = __ldg(reinterpret_cast<const float4*>(item_rows[m] + feature0) + w);
+                const float* x = item_rows[m] + f;
+                v0[m] = __ldg(reinterpret_cast<const float2*>(x));
+                v8[m] = __ldg(reinterpret_cast<const float2*>(x + 8));
             }
         }
-        u32* d = xs + (w >> 2) * MOE_XS_STRIDE(MAXI) + word;
 #pragma unroll
         for (int m = 0; m < 8 * NT; ++m) {
-            const u32 lo = pack_half2(v[m].x, v[m].y);  // pair 2q
-            const u32 hi = pack_half2(v[m].z, v[m].w);  // pair 2q + 1
-            d[8 * m + first] = first ? hi : lo;
-            d[8 * m + 2 - first] = first ? lo : hi;
+            d[4 * m] = make_uint2(pack_half2(v0[m].x, v0[m].y), pack_half2(v8[m].x, v8[m].y));
         }
     }
 }
@@ -255,13 +259,19 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     const uint4* wp = qweight + (u64)tr_begin * row_vecs + 32u * b + lane;
     const uint4* sp = scales + 8u * b + g;
     uint4(&ring)[MOE_STAGES][32] = sh.warp[warp].ring;
+    // Shared address of this lane's 16 bytes in ring slot 0 (slot s: + sizeof(ring[0]) s).
+    const u32 ring_lane = shared_addr(&ring[0][lane]);
     u32* xs = staged + warp * rows * MOE_XS_STRIDE(MAXI);
 
 #pragma unroll
     for (u32 s = 0; s < MOE_STAGES; ++s) {
-        if (s < rows) copy_async(&ring[s][lane], wp + (u64)s * row_vecs);
+        if (s < rows) copy_async(ring_lane + s * sizeof(ring[0]), wp + (u64)s * row_vecs);
         copy_commit();
     }
+    // The loop steps these pointers (the refill source; the next group's scales) rather than
+    // recomputing them, which keeps its integer work small.
+    const uint4* refill = wp + (u64)MOE_STAGES * row_vecs;
+    const uint4* next_scales = sp + (u64)(tr_begin / 8 + 1) * scale_vecs;
 
     // Lane's B column: item 8 nt + g of the chunk (null past the chunk: zero operand).
     const float* xr[NT];
@@ -293,12 +303,12 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
             }
         }
     }
-    uint4 s = __ldg(sp + (u64)(tr_begin / 8) * scale_vecs);
+    uint4 s = __ldg(next_scales - scale_vecs);
 
 #pragma unroll 1
     for (u32 i = 0; i < rows; ++i) {
         const u32 tr = tr_begin + i;
-        // Activations first: their (cached) loads overlap the wait for the weights.
+        // Activations first: their loads overlap the wait for the weights.
         u32 bx[NT][2];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -318,7 +328,10 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
         }
         // A new quantization group starts every 8 tile rows; its scales are needed only when
         // the group ends, so the load has time to arrive.
-        if ((tr & 7u) == 0u && i != 0) s = __ldg(sp + (u64)(tr >> 3) * scale_vecs);
+        if ((tr & 7u) == 0u && i != 0) {
+            s = __ldg(next_scales);
+            next_scales += scale_vecs;
+        }
 
         // Group i is complete once at most STAGES - 1 later groups are pending.
         copy_wait<MOE_STAGES - 1>();
@@ -336,8 +349,9 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
         }
         // Refill the slot just read (its value is consumed above, so the read has completed).
         if (i + MOE_STAGES < rows) {
-            copy_async(&ring[i % MOE_STAGES][lane], wp + (u64)(i + MOE_STAGES) * row_vecs);
+            copy_async(ring_lane + (i % MOE_STAGES) * sizeof(ring[0]), refill);
         }
+        refill += row_vecs;
         copy_commit();
         if ((tr & 7u) == 7u || i + 1 == rows) flush_group<NT>(s, part, acc);
     }
