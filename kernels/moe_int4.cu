@@ -32,6 +32,20 @@
 // 2t+1; c2, c3 = column g+8, same items. A chunk of up to 8 items is one n8 tile (NT = 1), up to
 // 16 two (NT = 2); missing items are zero columns of B.
 //
+// Staged activations (STAGED variants). Read straight from global memory, one warp-wide B load
+// touches 8 item rows, about 8 L1 wavefronts, for each n8 tile and tile row; at 16 items that
+// L1 traffic, not DRAM, bounds the kernel. So once per chunk each warp converts the activations
+// of its own K range (whole-sector reads, the same f16 rounding) into its part of the block's
+// dynamic shared memory, which only it reads (__syncwarp suffices; gate_up's two passes share
+// one staging). Per tile row it holds 8 words per item slot, the item's 16 features as f16 in
+// the order 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15, so lane 4g + t finds b0, b1 of item
+// slot 8 nt + g in the 8 bytes at 32 (8 nt + g) + 8 t = 256 nt + 8 lane: one 64-bit load per
+// n8 tile, 256 contiguous bytes per warp, free of bank conflicts. Tile rows are 8 M + 8 words
+// apart (8 mod 32 banks), which keeps the staging stores conflict-free too (see
+// stage_activations). Slots past the chunk's items hold zeros. Size: 2 K (M + 1) bytes per block,
+// 68 KB for the 16 variant at K = 2048, which is why it is dynamic (static is capped at 48 KB).
+// It also takes the activation loads, their conversion and pointer upkeep out of the K loop.
+//
 // Numerics (W4A16 as Marlin defines it: FP16 compute, FP32 accumulation). Each activation (f32
 // in memory: x for gate_up, h for down) is rounded once to f16, to nearest even
 // (cvt.rn.f16x2.f32): relative error at most 2^-11 (absolute 2^-25 below 2^-14, where f16 is
@@ -53,7 +67,8 @@
 // NVIDIA's mma units; tests/cuda_moe_int4.rs checks it by comparing an item alone, in a 16-item
 // chunk and reordered).
 //
-// Alignment: qweight and scales must be 16-byte aligned (device allocations are 256-byte aligned).
+// Alignment: qweight and scales must be 16-byte aligned, x and h 8-byte aligned (device
+// allocations are 256-byte aligned; the host checks x and h).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -76,6 +91,9 @@ static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct
 #define MOE_STAGES 8
 // Row stride of the reduction buffer: 68 words puts the 32 lanes' writes in distinct banks.
 #define MOE_RED_STRIDE 68
+// Words per tile row of a warp's staged activations (see "Staged activations"): 8 per item slot
+// plus 8 of padding, so the stride is 8 (mod 32) banks.
+#define MOE_XS_STRIDE(MAXI) (8 * (MAXI) + 8)
 
 // One warp's shared memory: its load ring during the K loop, then its partial sums. The two are
 // never live together (the warp finishes reading the ring before it writes sums).
@@ -98,12 +116,13 @@ __device__ __forceinline__ u32 shared_addr(const void* p) {
     return a;
 }
 
-// 16 bytes global -> shared, past L1 (weights are read once per chunk). cp.async wants a
-// .global address; the conversion from the generic one is free on current GPUs.
-__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+// 16 bytes global -> shared (`dst` a shared window address), past L1 (weights are read once
+// per chunk). cp.async wants a .global address; the conversion from the generic one is free on
+// current GPUs.
+__device__ __forceinline__ void copy_async(u32 dst, const void* src) {
     asm volatile(
         "{ .reg .u64 g; cvta.to.global.u64 g, %1; cp.async.cg.shared.global [%0], [g], 16; }" ::"r"(
-            shared_addr(dst)),
+            dst),
         "l"(src)
         : "memory");
 }
@@ -131,9 +150,18 @@ __device__ __forceinline__ u32 pack_half2(float lo_elem, float hi_elem) {
     return r;
 }
 
+// (w & mask) | 0x64006400 in one LOP3 (written as and + or, ptxas keeps two instructions, as
+// each can hold only one 32-bit immediate).
+template <u32 MASK>
+__device__ __forceinline__ u32 mask_or_1024(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(MASK), "r"(0x64006400u));
+    return r;
+}
+
 // q - 8 for the two low-nibble codes (bits 0..3 and 16..19) of w: (1024 + q) - 1032, exact.
 __device__ __forceinline__ u32 codes_low(u32 w) {
-    const u32 v = (w & 0x000F000Fu) | 0x64006400u;
+    const u32 v = mask_or_1024<0x000F000Fu>(w);
     u32 r;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64086408u));
     return r;
@@ -141,7 +169,7 @@ __device__ __forceinline__ u32 codes_low(u32 w) {
 
 // q - 8 for the two codes at bits 4..7 and 20..23: (1024 + 16 q) / 16 - 72, exact.
 __device__ __forceinline__ u32 codes_high(u32 w) {
-    const u32 v = (w & 0x00F000F0u) | 0x64006400u;
+    const u32 v = mask_or_1024<0x00F000F0u>(w);
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x2C002C00u), "r"(0xD480D480u));
     return r;
@@ -176,13 +204,50 @@ __device__ __forceinline__ void flush_group(const uint4 s, float (&part)[NT][4][
     }
 }
 
+// Converts this warp's K range (tile rows tr_begin .. tr_begin + rows) of the chunk's first
+// 8 NT activation rows to f16 B fragments in its staging buffer xs (item slots past `count` get
+// zeros). Lane 4 r + t takes tile rows r, r + 8, ...: it reads the feature pairs 2t, 2t+1 and
+// 2t+8, 2t+9 (two float2; the warp's 32 lanes read 8 whole 32-byte sectors each time) and
+// writes them as the 8 bytes it will itself load in the K loop. Each 64-bit store covers, per
+// half-warp, 4 tile rows (8 mod 32 banks apart) x 4 lanes x 2 words: all 32 banks once.
+template <int NT, int MAXI>
+__device__ __forceinline__ void stage_activations(u32* xs, const float* const* item_rows,
+                                                  u32 count, u32 tr_begin, u32 rows) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 r = lane >> 2;
+    const u32 feature = 16u * (tr_begin + r) + 2u * (lane & 3u);
+    uint2* d = reinterpret_cast<uint2*>(xs + r * MOE_XS_STRIDE(MAXI)) + (lane & 3u);
+#pragma unroll 1
+    for (u32 i = r, f = feature; i < rows; i += 8, f += 128, d += 4 * MOE_XS_STRIDE(MAXI)) {
+        // All items' loads first, so their latencies overlap.
+        float2 v0[8 * NT], v8[8 * NT];
+#pragma unroll
+        for (int m = 0; m < 8 * NT; ++m) {
+            v0[m] = v8[m] = make_float2(0.0f, 0.0f);
+            if ((u32)m < count) {
+                const float* x = item_rows[m] + f;
+                v0[m] = __ldg(reinterpret_cast<const float2*>(x));
+                v8[m] = __ldg(reinterpret_cast<const float2*>(x + 8));
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 8 * NT; ++m) {
+            d[4 * m] = make_uint2(pack_half2(v0[m].x, v0[m].y), pack_half2(v8[m].x, v8[m].y));
+        }
+    }
+}
+
 // This warp's sums over its K range for the 64 columns of block column `b` and the chunk's
 // `count` items (rows in sh.rows), written to its sh.warp[].red (the caller synchronises before
-// reading them). NT n8 item tiles cover the chunk (count <= 8 NT).
-template <int NT, int MAXI>
+// reading them). NT n8 item tiles cover the chunk (count <= 8 NT). With STAGED the B fragments
+// come from this warp's part of `staged` (the block's dynamic shared memory), which the pass
+// first fills if `stage` (else it holds this chunk's activations from an earlier pass); without,
+// straight from global memory.
+template <int NT, int MAXI, bool STAGED>
 __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
                                            const uint4* __restrict__ scales, u32 n, u32 k,
-                                           u32 b, u32 count, MoeShared<MAXI>& sh) {
+                                           u32 b, u32 count, MoeShared<MAXI>& sh,
+                                           u32* staged, bool stage) {
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
     const u32 g = lane >> 2;
@@ -194,20 +259,36 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     const uint4* wp = qweight + (u64)tr_begin * row_vecs + 32u * b + lane;
     const uint4* sp = scales + 8u * b + g;
     uint4(&ring)[MOE_STAGES][32] = sh.warp[warp].ring;
+    // Shared address of this lane's 16 bytes in ring slot 0 (slot s: + sizeof(ring[0]) s).
+    const u32 ring_lane = shared_addr(&ring[0][lane]);
+    u32* xs = staged + warp * rows * MOE_XS_STRIDE(MAXI);
 
 #pragma unroll
     for (u32 s = 0; s < MOE_STAGES; ++s) {
-        if (s < rows) copy_async(&ring[s][lane], wp + (u64)s * row_vecs);
+        if (s < rows) copy_async(ring_lane + s * sizeof(ring[0]), wp + (u64)s * row_vecs);
         copy_commit();
     }
+    // The loop steps these pointers (the refill source; the next group's scales) rather than
+    // recomputing them, which keeps its integer work small.
+    const uint4* refill = wp + (u64)MOE_STAGES * row_vecs;
+    const uint4* next_scales = sp + (u64)(tr_begin / 8 + 1) * scale_vecs;
 
     // Lane's B column: item 8 nt + g of the chunk (null past the chunk: zero operand).
     const float* xr[NT];
+    if constexpr (STAGED) {
+        if (stage) {
+            stage_activations<NT, MAXI>(xs, sh.rows, count, tr_begin, rows);
+            __syncwarp();
+        }
+    } else {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const u32 m = 8u * nt + g;
-        xr[nt] = m < count ? sh.rows[m] + 2u * t : nullptr;
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 m = 8u * nt + g;
+            xr[nt] = m < count ? sh.rows[m] + 2u * t : nullptr;
+        }
     }
+    // Lane i's B fragment of tile row r, n8 tile nt: the 8 bytes at xb[r * stride / 2 + 32 nt].
+    const uint2* xb = reinterpret_cast<const uint2*>(xs) + lane;
 
     float acc[NT][4][4];
     float part[NT][4][4];
@@ -222,26 +303,35 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
             }
         }
     }
-    uint4 s = __ldg(sp + (u64)(tr_begin / 8) * scale_vecs);
+    uint4 s = __ldg(next_scales - scale_vecs);
 
 #pragma unroll 1
     for (u32 i = 0; i < rows; ++i) {
         const u32 tr = tr_begin + i;
-        // Activations first: their (cached) loads overlap the wait for the weights.
+        // Activations first: their loads overlap the wait for the weights.
         u32 bx[NT][2];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
-            if (xr[nt] != nullptr) {
-                x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
-                x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
+            if constexpr (STAGED) {
+                const uint2 v = xb[i * (MOE_XS_STRIDE(MAXI) / 2) + 32u * nt];
+                bx[nt][0] = v.x;
+                bx[nt][1] = v.y;
+            } else {
+                float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
+                if (xr[nt] != nullptr) {
+                    x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
+                    x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
+                }
+                bx[nt][0] = pack_half2(x0.x, x0.y);
+                bx[nt][1] = pack_half2(x8.x, x8.y);
             }
-            bx[nt][0] = pack_half2(x0.x, x0.y);
-            bx[nt][1] = pack_half2(x8.x, x8.y);
         }
         // A new quantization group starts every 8 tile rows; its scales are needed only when
         // the group ends, so the load has time to arrive.
-        if ((tr & 7u) == 0u && i != 0) s = __ldg(sp + (u64)(tr >> 3) * scale_vecs);
+        if ((tr & 7u) == 0u && i != 0) {
+            s = __ldg(next_scales);
+            next_scales += scale_vecs;
+        }
 
         // Group i is complete once at most STAGES - 1 later groups are pending.
         copy_wait<MOE_STAGES - 1>();
@@ -259,8 +349,9 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
         }
         // Refill the slot just read (its value is consumed above, so the read has completed).
         if (i + MOE_STAGES < rows) {
-            copy_async(&ring[i % MOE_STAGES][lane], wp + (u64)(i + MOE_STAGES) * row_vecs);
+            copy_async(ring_lane + (i % MOE_STAGES) * sizeof(ring[0]), refill);
         }
+        refill += row_vecs;
         copy_commit();
         if ((tr & 7u) == 7u || i + 1 == rows) flush_group<NT>(s, part, acc);
     }
@@ -293,12 +384,12 @@ __device__ __forceinline__ float warp_sum(const MoeShared<MAXI>& sh, u32 m, u32 
 
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + expf(-a)); }
 
-template <int NT, int MAXI>
+template <int NT, int MAXI, bool STAGED>
 __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                               const float* __restrict__ x,
                                               const u32* __restrict__ item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
-                                              MoeShared<MAXI>& sh) {
+                                              MoeShared<MAXI>& sh, u32* staged) {
     if (threadIdx.x < count) {
         sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
     }
@@ -306,11 +397,11 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     const uint4* qweight = reinterpret_cast<const uint4*>(g.gate_up);
     const uint4* scales = reinterpret_cast<const uint4*>(g.gate_up_scales);
     const u32 n = 2 * inter;
-    // Pass 0: gate block x; pass 1: the up block inter/64 blocks further.
+    // Pass 0: gate block x; pass 1: the up block inter/64 blocks further, on the same staged x.
 #pragma unroll 1
     for (u32 pass = 0; pass < 2; ++pass) {
         const u32 b = blockIdx.x + pass * (inter / MOE_COLS);
-        block_pass<NT, MAXI>(qweight, scales, n, hidden, b, count, sh);
+        block_pass<NT, MAXI, STAGED>(qweight, scales, n, hidden, b, count, sh, staged, pass == 0);
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
@@ -322,22 +413,23 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
                     __fmul_rn(silu(sh.gate[m][c]), v);
             }
         }
-        // The warp spaces are rewritten by the next pass, sh.rows by the next chunk.
+        // The warp spaces are rewritten by the next pass, sh.rows and the staged activations by
+        // the next chunk.
         __syncthreads();
     }
 }
 
-template <int NT, int MAXI>
+template <int NT, int MAXI, bool STAGED>
 __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                            const float* __restrict__ h,
                                            const float* __restrict__ item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
-                                           MoeShared<MAXI>& sh) {
+                                           MoeShared<MAXI>& sh, u32* staged) {
     if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
     __syncthreads();
-    block_pass<NT, MAXI>(reinterpret_cast<const uint4*>(g.down),
-                         reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
-                         blockIdx.x, count, sh);
+    block_pass<NT, MAXI, STAGED>(reinterpret_cast<const uint4*>(g.down),
+                                 reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
+                                 blockIdx.x, count, sh, staged, true);
     __syncthreads();
     for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
@@ -348,63 +440,74 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
     __syncthreads();
 }
 
+// The block's dynamic shared memory: the staged activations of its 8 warps, when STAGED.
+extern __shared__ uint4 moe_staged[];
+
 // grid = (inter / 64, groups), block = 256. Chunks of MAXI items; a chunk of at most 8 items
 // takes the one-tile path (same bits, half the mma work).
-template <int MAXI>
+template <int MAXI, bool STAGED>
 __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* __restrict__ groups,
                                                const float* __restrict__ x,
                                                const u32* __restrict__ item_row,
                                                float* __restrict__ h, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
+    u32* staged = reinterpret_cast<u32*>(moe_staged);
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
-                gate_up_chunk<2, MAXI>(g, g.first + done, n, x, item_row, h, hidden, inter, sh);
+                gate_up_chunk<2, MAXI, STAGED>(g, g.first + done, n, x, item_row, h, hidden,
+                                               inter, sh, staged);
                 continue;
             }
         }
-        gate_up_chunk<1, MAXI>(g, g.first + done, n, x, item_row, h, hidden, inter, sh);
+        gate_up_chunk<1, MAXI, STAGED>(g, g.first + done, n, x, item_row, h, hidden, inter, sh,
+                                       staged);
     }
 }
 
 // grid = (hidden / 64, groups), block = 256.
-template <int MAXI>
+template <int MAXI, bool STAGED>
 __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ groups,
                                             const float* __restrict__ h,
                                             const float* __restrict__ item_weight,
                                             float* __restrict__ out, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
+    u32* staged = reinterpret_cast<u32*>(moe_staged);
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
-                down_chunk<2, MAXI>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh);
+                down_chunk<2, MAXI, STAGED>(g, g.first + done, n, h, item_weight, out, hidden,
+                                            inter, sh, staged);
                 continue;
             }
         }
-        down_chunk<1, MAXI>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh);
+        down_chunk<1, MAXI, STAGED>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh,
+                                    staged);
     }
 }
 
 // Register caps keep several blocks resident per SM, so loads of other blocks overlap one
 // block's reduction and its pipeline start. The 16-item variant stays at 2: its acc and partial
 // fragments alone take 64 registers, and a cap of 3 blocks (80 registers) makes ptxas spill.
-#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS)                                                         \
+// STAGED (true or false) must match `STAGED` in src/backend/cuda/moe_int4.rs, which sizes the dynamic
+// shared memory of a launch: 2 K (MAXI + 1) bytes when staged, else none.
+#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED)                                                 \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \
                                 const float* __restrict__ x, const u32* __restrict__ item_row,    \
                                 float* __restrict__ h, u32 hidden, u32 inter) {                   \
-        gate_up_kernel<MAXI>(groups, x, item_row, h, hidden, inter);                              \
+        gate_up_kernel<MAXI, STAGED>(groups, x, item_row, h, hidden, inter);                      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_down_##MAXI(const ExpertGroup* __restrict__ groups, const float* __restrict__ h, \
                              const float* __restrict__ item_weight, float* __restrict__ out,      \
                              u32 hidden, u32 inter) {                                             \
-        down_kernel<MAXI>(groups, h, item_weight, out, hidden, inter);                            \
+        down_kernel<MAXI, STAGED>(groups, h, item_weight, out, hidden, inter);                    \
     }
 
-MOE_INT4_KERNELS(8, 3)
-MOE_INT4_KERNELS(16, 2)
+MOE_INT4_KERNELS(8, 3, true)
+MOE_INT4_KERNELS(16, 2, true)

@@ -6,7 +6,14 @@
 //! depend on its group's size). Each entry comes in variants that take up to 8 or 16 items per
 //! block at a time; the launch picks the smallest that covers the largest group, and both compute
 //! the same bits for an item.
+//!
+//! A variant may stage its block's activations in dynamic shared memory (sized per launch from
+//! K); [`MoeInt4Kernels::new`] raises each such function's dynamic shared memory limit to what
+//! the device allows, and a launch that would need more is refused with [`Error::Backend`].
 
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+
+use super::device::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
 use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use crate::{Error, Result};
@@ -16,6 +23,10 @@ const MODULE: &str = "moe_int4";
 
 /// Items one block handles at a time (one chunk: one or two n8 mma tiles), per variant.
 const VARIANTS: [usize; 2] = [8, 16];
+
+/// Whether each variant stages its activations in dynamic shared memory: must match the STAGED
+/// argument of `MOE_INT4_KERNELS` in kernels/moe_int4.cu.
+const STAGED: [bool; 2] = [true, true];
 
 /// Threads per block (eight warps splitting K).
 const THREADS: u32 = 256;
@@ -32,10 +43,16 @@ const MAX_GRID_Y: usize = 65_535;
 // kernels/moe_int4.cu reads the groups as a 40-byte struct (it asserts the same size).
 const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
 
+/// One kernel function and the most dynamic shared memory a launch of it may ask for.
+struct Kernel {
+    func: CudaFunction,
+    max_dynamic_shared: usize,
+}
+
 /// The gate/up and down kernels of every variant, loaded from one device.
 pub struct MoeInt4Kernels {
-    gate_up: [CudaFunction; 2],
-    down: [CudaFunction; 2],
+    gate_up: [Kernel; 2],
+    down: [Kernel; 2],
 }
 
 impl std::fmt::Debug for MoeInt4Kernels {
@@ -118,6 +135,14 @@ pub fn check_int4_launch(l: &MoeLaunch) -> Result<()> {
         if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
             return bad(format!("device pointer {name} is null"));
         }
+        // The kernels read activation rows (of x and h) as float2.
+        for (name, p) in [("x", l.x), ("h", l.h)] {
+            if !p.is_multiple_of(8) {
+                return bad(format!(
+                    "device pointer {name}={p:#x} is not 8-byte aligned"
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -130,12 +155,77 @@ fn variant_for(max_count: usize) -> usize {
         .unwrap_or(VARIANTS.len() - 1)
 }
 
+/// Dynamic shared memory of one block of `variant` for a matrix with `k` input features: when
+/// staged, each of the eight warps holds its `k / 128` tile rows as f16, `8 M + 8` words per tile
+/// row (`MOE_XS_STRIDE`), so 8 (k / 128) (8 M + 8) 4 = 2 k (M + 1) bytes.
+fn dynamic_shared_bytes(variant: usize, k: usize) -> usize {
+    if STAGED[variant] {
+        2 * k * (VARIANTS[variant] + 1)
+    } else {
+        0
+    }
+}
+
+impl Kernel {
+    /// Loads `name` and, if it takes dynamic shared memory, allows it all the device offers a
+    /// block beside the function's static shared memory.
+    fn load(device: &CudaDevice, name: &str, staged: bool) -> Result<Self> {
+        let func = device.function(MODULE, name)?;
+        if !staged {
+            return Ok(Kernel {
+                func,
+                max_dynamic_shared: 0,
+            });
+        }
+        let optin = device
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let fixed = guarded(&format!("static shared memory of {name}"), || {
+            func.shared_size_bytes()
+        })?;
+        let max = optin.saturating_sub(fixed).max(0);
+        guarded(
+            &format!("allowing {max} bytes of dynamic shared memory to {name}"),
+            || {
+                func.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max,
+                )
+            },
+        )?;
+        Ok(Kernel {
+            func,
+            max_dynamic_shared: usize::try_from(max).unwrap_or(0),
+        })
+    }
+
+    /// The dynamic shared memory of a launch of variant `variant` with K = `k`, checked against
+    /// what this function was allowed.
+    fn dynamic_shared(&self, variant: usize, k: usize, stage: &str) -> Result<u32> {
+        let bytes = dynamic_shared_bytes(variant, k);
+        if bytes > self.max_dynamic_shared {
+            return Err(Error::Backend(format!(
+                "INT4 MoE launch: the {stage} kernel with K={k} and {}-item chunks needs {bytes} \
+                 bytes of dynamic shared memory per block, the device allows {}",
+                VARIANTS[variant], self.max_dynamic_shared
+            )));
+        }
+        // max_dynamic_shared came from an i32.
+        Ok(bytes as u32)
+    }
+}
+
 impl MoeInt4Kernels {
     /// Loads (compiling on first use) the kernels from `device`.
     pub fn new(device: &CudaDevice) -> Result<Self> {
-        let load = |stage: &str| -> Result<[CudaFunction; 2]> {
-            let f = |m: usize| device.function(MODULE, &format!("moe_int4_{stage}_{m}"));
-            Ok([f(VARIANTS[0])?, f(VARIANTS[1])?])
+        let load = |stage: &str| -> Result<[Kernel; 2]> {
+            let f = |v: usize| {
+                Kernel::load(
+                    device,
+                    &format!("moe_int4_{stage}_{}", VARIANTS[v]),
+                    STAGED[v],
+                )
+            };
+            Ok([f(0)?, f(1)?])
         };
         Ok(MoeInt4Kernels {
             gate_up: load("gate_up")?,
@@ -152,7 +242,8 @@ impl MoeInt4Kernels {
     /// Issues gate/up then down for every group of `l` on `stream` (asynchronously).
     ///
     /// `l.max_count` only selects the variant: a group larger than it is still computed in full,
-    /// in more chunks. Expert `qweight` and scale pointers must be 16-byte aligned.
+    /// in more chunks. Expert `qweight` and scale pointers must be 16-byte aligned, `x` and `h`
+    /// 8-byte aligned.
     pub fn launch(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
         self.launch_gate_up(stream, l)?;
         self.launch_down(stream, l)
@@ -165,13 +256,14 @@ impl MoeInt4Kernels {
             return Ok(());
         }
         let (hidden, inter) = (l.hidden as u32, l.inter as u32);
-        let func = &self.gate_up[variant_for(l.max_count)];
+        let variant = variant_for(l.max_count);
+        let kernel = &self.gate_up[variant];
         let cfg = LaunchConfig {
             grid_dim: ((l.inter / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: kernel.dynamic_shared(variant, l.hidden, "gate/up")?,
         };
-        let mut b = stream.launch_builder(func);
+        let mut b = stream.launch_builder(&kernel.func);
         b.arg(&l.groups)
             .arg(&l.x)
             .arg(&l.item_row)
@@ -181,7 +273,9 @@ impl MoeInt4Kernels {
         // SAFETY: the arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x,
         // const u32* item_row, float* h, u32 hidden, u32 inter); the shapes were checked above, and
         // the caller's MoeLaunch promises device buffers of the sizes it documents, groups whose
-        // items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter matrix.
+        // items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter matrix. The
+        // dynamic shared memory is the staging buffer the variant needs for K = hidden, within
+        // the limit set on the function at load.
         unsafe { b.launch(cfg) }
             .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))?;
         Ok(())
@@ -194,13 +288,14 @@ impl MoeInt4Kernels {
             return Ok(());
         }
         let (hidden, inter) = (l.hidden as u32, l.inter as u32);
-        let func = &self.down[variant_for(l.max_count)];
+        let variant = variant_for(l.max_count);
+        let kernel = &self.down[variant];
         let cfg = LaunchConfig {
             grid_dim: ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: kernel.dynamic_shared(variant, l.inter, "down")?,
         };
-        let mut b = stream.launch_builder(func);
+        let mut b = stream.launch_builder(&kernel.func);
         b.arg(&l.groups)
             .arg(&l.h)
             .arg(&l.item_weight)
@@ -209,7 +304,8 @@ impl MoeInt4Kernels {
             .arg(&inter);
         // SAFETY: the arguments match moe_int4_down_<M>(const ExpertGroup*, const float* h,
         // const float* item_weight, float* out, u32 hidden, u32 inter); shapes checked above and
-        // buffers as MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix).
+        // buffers as MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix);
+        // dynamic shared memory as the variant needs for K = inter, within the function's limit.
         unsafe { b.launch(cfg) }
             .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))?;
         Ok(())
@@ -271,6 +367,19 @@ mod tests {
         let mut l = launch(256, 128);
         l.h = 0;
         assert!(message(&l).contains("pointer h"));
+        let mut l = launch(256, 128);
+        l.x += 4;
+        assert!(message(&l).contains("x=0x1004 is not 8-byte aligned"));
+    }
+
+    #[test]
+    fn dynamic_shared_memory_fits_the_model_shapes() {
+        // DeepSeek-V2-Lite: gate/up K = 2048, down K = 1408.
+        assert_eq!(dynamic_shared_bytes(1, 2048), 69_632);
+        assert_eq!(dynamic_shared_bytes(1, 1408), 47_872);
+        assert_eq!(dynamic_shared_bytes(0, 2048), 36_864);
+        // Within an H100/H200 block's 227 KiB beside the ~38 KB of static shared memory.
+        assert!(dynamic_shared_bytes(1, 2048) + 39_040 <= 227 * 1024);
     }
 
     #[test]
