@@ -21,7 +21,8 @@
 #   kprofile  per-kernel GPU time of all-resident decode steps (Nsight Compute) on the bench model
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
-#             lossless check on 10 prompts (specter against target-only, all resident)
+#             lossless check on 10 prompts (specter against target-only, all resident; LOSSLESS=0
+#             skips it)
 #   trained   trains a DeepSeek-V2-Lite-width MoE (scripts/train_routed_moe.py, $TRAIN_MINUTES),
 #             converts it and runs both cases on it, with text prompts
 #   ttft      time to first token from process start, page cache warm and cold, all resident and
@@ -194,10 +195,12 @@ cases() {
     local dir=$1 out=$2
     local run="$CARRY/specter-run"
     bench_model "$dir" "$out"
-    echo "== lossless: specter (depth 16) against target-only, all resident, 10 prompts"
-    "$run" bench "$dir/dsv2.specter" --case custom --depth 16 --resident-experts 64 \
-        --matched-experts 64 --modes resident,specter --num-prompts 10 --repeats 1 \
-        --json "$out/lossless10.json" 2> "$out/lossless10.err" | tail -4
+    if [ "${LOSSLESS:-1}" = 1 ]; then
+        echo "== lossless: specter (depth 16) against target-only, all resident, 10 prompts"
+        "$run" bench "$dir/dsv2.specter" --case custom --depth 16 --resident-experts 64 \
+            --matched-experts 64 --modes resident,specter --num-prompts 10 --repeats 1 \
+            --json "$out/lossless10.json" 2> "$out/lossless10.err" | tail -4
+    fi
     bench_cases "$dir/dsv2.specter" "$out" random --num-prompts "${PROMPTS:-2}"
 }
 

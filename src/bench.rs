@@ -337,22 +337,30 @@ pub fn run(
             stop_at_eos: false,
         };
         // Automatic depth starts from the case's depth, or from what its calibration measured.
-        let mut auto_start = (mode == BenchMode::Auto).then_some(gen.depth);
+        let mut auto_start = (mode == BenchMode::Auto).then(|| AutoStart {
+            depth: gen.depth,
+            profile: Vec::new(),
+        });
         let mut auto_choice = None;
         let session = if mode == BenchMode::Auto
             && opts.backend == BackendKind::Cuda
             && opts.case.resident < opts.case.matched
         {
             let (session, choice) = calibrate_auto(path, opts, &session_opts)?;
+            auto_choice = Some(choice.describe());
             match choice {
                 AutoChoice::Plain { slots } => {
                     resident = Some((slots, SlotPolicy::Lru));
                     gen.mode = Mode::Target;
                     auto_start = None;
                 }
-                AutoChoice::Draft { start_depth } => auto_start = Some(start_depth),
+                AutoChoice::Draft { profile } => {
+                    auto_start = Some(AutoStart {
+                        depth: gen.depth,
+                        profile,
+                    })
+                }
             }
-            auto_choice = Some(choice.describe());
             session
         } else {
             Session::open_with(path, &session_opts)?
@@ -372,7 +380,7 @@ pub fn run(
                     // The initial (empty) residency and zeroed counters, outside the timed region.
                     g.reset_offload()?;
                 }
-                let (out, bytes_at_first) = run_one(&session, prompt, &gen, auto_start)?;
+                let (out, bytes_at_first) = run_one(&session, prompt, &gen, auto_start.as_ref())?;
                 if mode == reference_mode && repeat == 0 {
                     reference.push(out.tokens.clone());
                 }
@@ -503,12 +511,12 @@ pub fn run(
 
 /// One generation; also returns the expert bytes the copy stream had been given when the first
 /// token committed (offloaded CUDA runs), so that the TPOT window's copies can be told apart.
-/// `auto`: run under automatic depth control starting at that depth.
+/// `auto`: run under automatic depth control.
 fn run_one(
     session: &Session,
     prompt: &[u32],
     gen: &GenerateOptions,
-    auto: Option<usize>,
+    auto: Option<&AutoStart>,
 ) -> Result<(GenerateOutput, Option<u64>)> {
     let started = Instant::now();
     let mut bytes_at_first = None;
@@ -516,7 +524,7 @@ fn run_one(
         SessionModel::Cpu(m) => {
             if let Some(start) = auto {
                 let mut quiet = NoHook;
-                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, start);
+                let mut ctl = start.controller(&mut quiet);
                 generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
             } else {
                 generate(m.as_ref(), prompt, gen, &mut NoHook, &mut |_| {})?
@@ -533,7 +541,7 @@ fn run_one(
             if gen.mode == Mode::Specter && gpu.offload_slots()?.is_some() {
                 let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
                 let out = if let Some(start) = auto {
-                    let mut ctl = AutoDepth::new(&mut prefetcher, gen.depth, start);
+                    let mut ctl = start.controller(&mut prefetcher);
                     generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut on_token)?
                 } else {
                     generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut on_token)?
@@ -552,7 +560,7 @@ fn run_one(
                 out
             } else if let Some(start) = auto {
                 let mut quiet = NoHook;
-                let mut ctl = AutoDepth::new(&mut quiet, gen.depth, start);
+                let mut ctl = start.controller(&mut quiet);
                 generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut on_token)?
             } else {
                 generate(m.as_ref(), prompt, gen, &mut NoHook, &mut on_token)?
@@ -566,29 +574,49 @@ fn run_one(
     Ok((out, bytes_at_first))
 }
 
-/// New tokens per calibration measurement of `auto`.
-const AUTO_CALIBRATION_TOKENS: usize = 32;
+/// How `auto` runs with the draft: the most depth, and measured depths to seed control with.
+struct AutoStart {
+    depth: usize,
+    profile: Vec<(usize, f64)>,
+}
+
+impl AutoStart {
+    fn controller<'a>(&self, inner: &'a mut dyn crate::decode::DecodeObserver) -> AutoDepth<'a> {
+        let mut ctl = AutoDepth::new(inner, self.depth, self.depth);
+        ctl.seed(&self.profile);
+        ctl
+    }
+}
 
 /// What `auto`'s calibration chose.
 #[derive(Clone, Debug, PartialEq)]
 pub enum AutoChoice {
     /// Plain decoding without the draft, its VRAM given to the expert cache.
     Plain { slots: usize },
-    /// The draft, with automatic depth control starting here.
-    Draft { start_depth: usize },
+    /// The draft, with automatic depth control starting from the profile: each measured depth
+    /// and its seconds per token.
+    Draft { profile: Vec<(usize, f64)> },
 }
 
 impl AutoChoice {
     fn describe(&self) -> String {
         match self {
             AutoChoice::Plain { slots } => format!("plain lru, {slots} slots, no draft"),
-            AutoChoice::Draft { start_depth } => format!("draft, start depth {start_depth}"),
+            AutoChoice::Draft { profile } => {
+                let best = profile
+                    .iter()
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
+                    .map_or(0, |p| p.0);
+                format!("draft, start depth {best}")
+            }
         }
     }
 }
 
 /// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first
-/// prompt, outside the timed runs. It sweeps the depths with the draft at the case's residency,
+/// prompt with the bench's token count (shorter runs favour speculation: an LRU cache is still
+/// filling), outside the timed runs. It sweeps automatic depth's candidate depths with the draft
+/// at the case's residency,
 /// then measures plain decoding without the draft at the case's matched residency (the draft's
 /// memory as slots), keeping one session open at a time so the VRAM budget holds, and returns
 /// the session of the faster choice.
@@ -598,16 +626,8 @@ pub fn calibrate_auto(
     draft_opts: &SessionOptions,
 ) -> Result<(Session, AutoChoice)> {
     let prompt = &opts.prompts[0];
-    let tokens = opts.new_tokens.min(AUTO_CALIBRATION_TOKENS);
-    let mut depths = vec![0];
-    let mut d = 1;
-    while d <= opts.case.depth {
-        depths.push(d);
-        d *= 2;
-    }
-    if *depths.last().unwrap_or(&0) != opts.case.depth {
-        depths.push(opts.case.depth);
-    }
+    let tokens = opts.new_tokens;
+    let depths = crate::decode::candidate_depths(opts.case.depth);
     let profile = {
         let session = Session::open_with(path, draft_opts)?;
         crate::depth_profile::sweep(&session, prompt, tokens, &depths, 1)?
@@ -635,7 +655,7 @@ pub fn calibrate_auto(
     Ok((
         Session::open_with(path, draft_opts)?,
         AutoChoice::Draft {
-            start_depth: profile.best_depth,
+            profile: profile.seconds_per_token(),
         },
     ))
 }

@@ -215,6 +215,15 @@ impl DepthProfile {
         self.tpot_ms.iter().copied().fold(f64::INFINITY, f64::min)
     }
 
+    /// Each measured depth with its TPOT in seconds: a start for [`crate::decode::AutoDepth::seed`].
+    pub fn seconds_per_token(&self) -> Vec<(usize, f64)> {
+        self.depths
+            .iter()
+            .zip(&self.tpot_ms)
+            .map(|(&d, &ms)| (d, ms / 1e3))
+            .collect()
+    }
+
     /// Plain decoding without the draft measured faster than every depth with it.
     pub fn prefers_plain(&self) -> Option<&PlainCandidate> {
         self.plain

@@ -489,12 +489,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
         _ => None,
     };
     let auto_depth = args.auto_depth && plain.is_none();
+    // The profile's measured depths seed automatic control (once it is known to fit).
+    let mut seed = Vec::new();
     let start_depth = match (&profile, &args.profile) {
         (Some(p), Some(path)) if plain.is_some() => {
             p.check_machine(&session, path)?;
             0
         }
-        (Some(p), Some(path)) => p.start_depth_for(&session, path)?.min(opts.depth),
+        (Some(p), Some(path)) => {
+            let start = p.start_depth_for(&session, path)?.min(opts.depth);
+            seed = p.seconds_per_token();
+            start
+        }
         _ => opts.depth,
     };
     let mut draft_step_ms = None;
@@ -513,6 +519,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 CudaPrefetcher::new(m.backend(), m.info(), args.bandwidth_gbps * 1e9)?;
             let out = if auto_depth {
                 let mut auto = AutoDepth::new(&mut prefetcher, opts.depth, start_depth);
+                auto.seed(&seed);
                 let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token)?;
                 auto_report = Some(auto.report());
                 out
@@ -528,6 +535,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, None) if auto_depth => with_session_model!(session, |m| {
             let mut quiet = NoHook;
             let mut auto = AutoDepth::new(&mut quiet, opts.depth, start_depth);
+            auto.seed(&seed);
             let out = decode::generate_observed(m, &prompt, &opts, &mut auto, &mut on_token);
             auto_report = Some(auto.report());
             out

@@ -20,6 +20,21 @@ const EXPLORE_EVERY: usize = 8;
 /// Weight of the newest sample in a depth's moving average.
 const EMA_WEIGHT: f64 = 0.3;
 
+/// The depths automatic control chooses among: 0 (plain target decoding), then powers of two up
+/// to `max_depth`, and `max_depth` itself.
+pub fn candidate_depths(max_depth: usize) -> Vec<usize> {
+    let mut depths = vec![0];
+    let mut d = 1;
+    while d <= max_depth {
+        depths.push(d);
+        d *= 2;
+    }
+    if *depths.last().unwrap_or(&0) != max_depth && max_depth > 0 {
+        depths.push(max_depth);
+    }
+    depths
+}
+
 /// How the rounds went, per candidate depth.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct AutoDepthReport {
@@ -67,15 +82,7 @@ impl<'a> AutoDepth<'a> {
         start: usize,
         clock: Box<dyn FnMut() -> f64 + 'a>,
     ) -> Self {
-        let mut depths = vec![0];
-        let mut d = 1;
-        while d <= max_depth {
-            depths.push(d);
-            d *= 2;
-        }
-        if *depths.last().unwrap_or(&0) != max_depth && max_depth > 0 {
-            depths.push(max_depth);
-        }
+        let depths = candidate_depths(max_depth);
         let current = depths.iter().rposition(|&d| d <= start).unwrap_or(0);
         let n = depths.len();
         AutoDepth {
@@ -88,6 +95,34 @@ impl<'a> AutoDepth<'a> {
             running: current,
             round_started: None,
             clock,
+        }
+    }
+
+    /// Takes measured seconds per committed token of some candidates (an offline profile's) as
+    /// their starting costs, so a short generation does not spend its rounds re-measuring them;
+    /// the cheapest measured candidate becomes the current one.
+    pub fn seed(&mut self, measured: &[(usize, f64)]) {
+        for &(depth, seconds) in measured {
+            if let Some(i) = self.depths.iter().position(|&d| d == depth) {
+                if seconds.is_finite() && seconds > 0.0 {
+                    self.cost[i] = Some(seconds);
+                }
+            }
+        }
+        self.settle();
+    }
+
+    /// The cheapest measured candidate becomes the current one.
+    fn settle(&mut self) {
+        if let Some(best) = (0..self.depths.len())
+            .filter(|&j| self.cost[j].is_some())
+            .min_by(|&a, &b| {
+                self.cost[a]
+                    .unwrap_or(f64::MAX)
+                    .total_cmp(&self.cost[b].unwrap_or(f64::MAX))
+            })
+        {
+            self.current = best;
         }
     }
 
@@ -194,17 +229,7 @@ impl DecodeObserver for AutoDepth<'_> {
             None => per_token,
             Some(c) => (1.0 - EMA_WEIGHT) * c + EMA_WEIGHT * per_token,
         });
-        // The best measured depth becomes the current one.
-        if let Some(best) = (0..self.depths.len())
-            .filter(|&j| self.cost[j].is_some())
-            .min_by(|&a, &b| {
-                self.cost[a]
-                    .unwrap_or(f64::MAX)
-                    .total_cmp(&self.cost[b].unwrap_or(f64::MAX))
-            })
-        {
-            self.current = best;
-        }
+        self.settle();
     }
 }
 
@@ -258,6 +283,29 @@ mod tests {
         let r = drive(300, 1, |d| 0.040 + 0.002 * d as f64, committed);
         assert_eq!(r.chosen, 4, "{r:?}");
         assert_eq!(r.depths, vec![0, 1, 2, 4, 8, 16]);
+    }
+
+    #[test]
+    fn a_seeded_controller_starts_at_the_profiled_best_and_rarely_leaves_it() {
+        // Depth 16 is cheapest (as profiled); the others cost more per token.
+        let cost = |d: usize| if d == 16 { 0.010 } else { 0.030 };
+        let now = Cell::new(0.0f64);
+        let mut inner = Quiet;
+        let mut auto = AutoDepth::with_clock(&mut inner, 16, 0, Box::new(|| now.get()));
+        let profile: Vec<(usize, f64)> =
+            candidate_depths(16).iter().map(|&d| (d, cost(d))).collect();
+        auto.seed(&profile);
+        assert_eq!(auto.report().chosen, 16);
+        let mut at_best = 0;
+        for _ in 0..16 {
+            let d = auto.next_depth(16);
+            at_best += usize::from(d == 16);
+            now.set(now.get() + cost(d));
+            auto.on_commit(0, 1);
+        }
+        // Only the periodic exploration rounds leave depth 16: nothing is re-measured first.
+        assert!(at_best >= 14, "{at_best} of 16 rounds at the best depth");
+        assert_eq!(auto.report().chosen, 16);
     }
 
     #[test]

@@ -11,7 +11,7 @@
 mod depth;
 mod sampling;
 
-pub use depth::{AutoDepth, AutoDepthReport};
+pub use depth::{candidate_depths, AutoDepth, AutoDepthReport};
 pub use sampling::{accept_or_resample, argmax, distribution, sample, Sampling};
 
 use std::time::Instant;
