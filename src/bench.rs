@@ -25,6 +25,7 @@ use crate::decode::{
     generate, generate_observed, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling,
     SPECMOEOFF_DEPTH,
 };
+use crate::depth_profile::{DepthProfile, PlainCandidate};
 use crate::model::{LanguageModel, NoHook};
 use crate::session::{BackendKind, Session, SessionModel, SessionOptions};
 use crate::{Error, Result};
@@ -216,8 +217,10 @@ pub struct ModeSummary {
     pub layer_hit_rates: Vec<f64>,
     pub peak_vram_bytes: Option<u64>,
     pub agreement: f64,
-    /// `auto` with offloaded experts: what its calibration chose (see [`calibrate_auto`]).
+    /// `auto` with offloaded experts: what its calibration chose (see [`calibrate_auto`]) ...
     pub auto_choice: Option<String>,
+    /// ... and what it measured: every depth with the draft, and plain decoding without it.
+    pub auto_calibration: Option<DepthProfile>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -342,12 +345,14 @@ pub fn run(
             profile: Vec::new(),
         });
         let mut auto_choice = None;
+        let mut auto_calibration = None;
         let session = if mode == BenchMode::Auto
             && opts.backend == BackendKind::Cuda
             && opts.case.resident < opts.case.matched
         {
-            let (session, choice) = calibrate_auto(path, opts, &session_opts)?;
+            let (session, choice, profile) = calibrate_auto(path, opts, &session_opts)?;
             auto_choice = Some(choice.describe());
+            auto_calibration = Some(profile);
             match choice {
                 AutoChoice::Plain { slots } => {
                     resident = Some((slots, SlotPolicy::Lru));
@@ -475,6 +480,7 @@ pub fn run(
             peak_vram_bytes: session.cuda().map(|g| g.vram_peak_bytes()).transpose()?,
             agreement: agree as f64 / tpots.len().max(1) as f64,
             auto_choice,
+            auto_calibration,
         });
     }
     let over_specmoeoff = |name: &str| {
@@ -616,19 +622,18 @@ impl AutoChoice {
 /// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first
 /// prompt with the bench's token count (shorter runs favour speculation: an LRU cache is still
 /// filling), outside the timed runs. It sweeps automatic depth's candidate depths with the draft
-/// at the case's residency,
-/// then measures plain decoding without the draft at the case's matched residency (the draft's
-/// memory as slots), keeping one session open at a time so the VRAM budget holds, and returns
-/// the session of the faster choice.
+/// at the case's residency, then measures plain decoding without the draft at the case's matched
+/// residency (the draft's memory as slots), keeping one session open at a time so the VRAM
+/// budget holds. Returns the session of the faster choice, the choice and the profile.
 pub fn calibrate_auto(
     path: &std::path::Path,
     opts: &BenchOptions,
     draft_opts: &SessionOptions,
-) -> Result<(Session, AutoChoice)> {
+) -> Result<(Session, AutoChoice, DepthProfile)> {
     let prompt = &opts.prompts[0];
     let tokens = opts.new_tokens;
     let depths = crate::decode::candidate_depths(opts.case.depth);
-    let profile = {
+    let mut profile = {
         let session = Session::open_with(path, draft_opts)?;
         crate::depth_profile::sweep(&session, prompt, tokens, &depths, 1)?
     };
@@ -637,27 +642,19 @@ pub fn calibrate_auto(
     plain_opts.offload = Some((opts.case.matched, SlotPolicy::Lru));
     let plain = Session::open_with(path, &plain_opts)?;
     let plain_ms = crate::depth_profile::measure_plain(&plain, prompt, tokens, 1)?;
-    tracing::info!(
-        "auto calibration: plain at {} slots {plain_ms:.2} ms; with the draft {:?} -> {:?} ms",
-        opts.case.matched,
-        profile.depths,
-        profile.tpot_ms
-    );
-    if plain_ms < profile.best_tpot_ms() {
-        return Ok((
-            plain,
-            AutoChoice::Plain {
-                slots: opts.case.matched,
-            },
-        ));
+    profile.plain = Some(PlainCandidate {
+        slots: opts.case.matched,
+        tpot_ms: plain_ms,
+    });
+    if let Some(p) = profile.prefers_plain() {
+        let choice = AutoChoice::Plain { slots: p.slots };
+        return Ok((plain, choice, profile));
     }
     drop(plain);
-    Ok((
-        Session::open_with(path, draft_opts)?,
-        AutoChoice::Draft {
-            profile: profile.seconds_per_token(),
-        },
-    ))
+    let choice = AutoChoice::Draft {
+        profile: profile.seconds_per_token(),
+    };
+    Ok((Session::open_with(path, draft_opts)?, choice, profile))
 }
 
 /// A markdown table of the modes.
