@@ -725,6 +725,9 @@ pub fn render_markdown(r: &BenchReport) -> String {
                 m.mode
             );
         }
+        if let Some(p) = &m.auto_calibration {
+            s += &calibration_line(p);
+        }
     }
     let with_layers: Vec<&ModeSummary> = r
         .modes
@@ -759,6 +762,26 @@ pub fn render_markdown(r: &BenchReport) -> String {
     s
 }
 
+/// What `auto`'s calibration measured, as one markdown line.
+fn calibration_line(p: &DepthProfile) -> String {
+    let depths: Vec<String> = p
+        .depths
+        .iter()
+        .zip(&p.tpot_ms)
+        .map(|(d, t)| format!("depth {d} {t:.2}"))
+        .collect();
+    let plain = p.plain.as_ref().map_or(String::new(), |plain| {
+        format!(
+            "; plain without it at {} slots: {:.2}",
+            plain.slots, plain.tpot_ms
+        )
+    });
+    format!(
+        "Calibration TPOT ms with the draft: {}{plain}.\n",
+        depths.join(", ")
+    )
+}
+
 /// An SVG bar chart of mean TPOT per mode.
 pub fn render_svg(r: &BenchReport) -> String {
     let (w, bar_h, gap, left, top) = (640.0, 28.0, 10.0, 110.0, 40.0);
@@ -788,4 +811,37 @@ pub fn render_svg(r: &BenchReport) -> String {
         );
     }
     s + "</svg>\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::depth_profile::ProfileKey;
+
+    #[test]
+    fn the_calibration_line_names_every_depth_and_the_plain_candidate() {
+        let profile = DepthProfile {
+            key: ProfileKey {
+                manifest_sha256: "ab".into(),
+                backend: "cuda".into(),
+                device: "gpu".into(),
+                residency: "16 of 64".into(),
+            },
+            prompt_tokens: 16,
+            new_tokens: 128,
+            depths: vec![0, 4, 16],
+            tpot_ms: vec![38.9, 44.7, 42.0],
+            acceptance: vec![0.0, 0.8, 0.6],
+            best_depth: 0,
+            plain: Some(PlainCandidate {
+                slots: 32,
+                tpot_ms: 23.7,
+            }),
+        };
+        assert_eq!(
+            calibration_line(&profile),
+            "Calibration TPOT ms with the draft: depth 0 38.90, depth 4 44.70, depth 16 42.00; \
+             plain without it at 32 slots: 23.70.\n"
+        );
+    }
 }
