@@ -816,28 +816,14 @@ pub fn render_svg(r: &BenchReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::depth_profile::ProfileKey;
 
     #[test]
     fn the_calibration_line_names_every_depth_and_the_plain_candidate() {
-        let profile = DepthProfile {
-            key: ProfileKey {
-                manifest_sha256: "ab".into(),
-                backend: "cuda".into(),
-                device: "gpu".into(),
-                residency: "16 of 64".into(),
-            },
-            prompt_tokens: 16,
-            new_tokens: 128,
-            depths: vec![0, 4, 16],
-            tpot_ms: vec![38.9, 44.7, 42.0],
-            acceptance: vec![0.0, 0.8, 0.6],
-            best_depth: 0,
-            plain: Some(PlainCandidate {
-                slots: 32,
-                tpot_ms: 23.7,
-            }),
-        };
+        let profile = crate::depth_profile::sample_profile(
+            vec![0, 4, 16],
+            vec![38.9, 44.7, 42.0],
+            Some(23.7),
+        );
         assert_eq!(
             calibration_line(&profile),
             "Calibration TPOT ms with the draft: depth 0 38.90, depth 4 44.70, depth 16 42.00; \

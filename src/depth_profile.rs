@@ -281,26 +281,36 @@ fn mismatch(path: &Path, profiled: &ProfileKey, here: &ProfileKey) -> Error {
     ))
 }
 
+/// A profile measured at `depths` with these TPOTs (ms), and a plain candidate at 32 slots.
+#[cfg(test)]
+pub(crate) fn sample_profile(
+    depths: Vec<usize>,
+    tpot_ms: Vec<f64>,
+    plain: Option<f64>,
+) -> DepthProfile {
+    DepthProfile {
+        key: ProfileKey {
+            manifest_sha256: "ab".into(),
+            backend: "cuda".into(),
+            device: "gpu".into(),
+            residency: "16 of 64".into(),
+        },
+        prompt_tokens: 16,
+        new_tokens: 32,
+        acceptance: vec![0.5; depths.len()],
+        best_depth: 1,
+        depths,
+        tpot_ms,
+        plain: plain.map(|tpot_ms| PlainCandidate { slots: 32, tpot_ms }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn profile(tpot_ms: Vec<f64>, plain: Option<f64>) -> DepthProfile {
-        DepthProfile {
-            key: ProfileKey {
-                manifest_sha256: "ab".into(),
-                backend: "cuda".into(),
-                device: "gpu".into(),
-                residency: "16 of 64".into(),
-            },
-            prompt_tokens: 16,
-            new_tokens: 32,
-            depths: (0..tpot_ms.len()).collect(),
-            tpot_ms,
-            acceptance: vec![0.5; 3],
-            best_depth: 1,
-            plain: plain.map(|tpot_ms| PlainCandidate { slots: 32, tpot_ms }),
-        }
+        sample_profile((0..tpot_ms.len()).collect(), tpot_ms, plain)
     }
 
     #[test]
