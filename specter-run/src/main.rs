@@ -381,8 +381,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
         Some(path) => Some(specter::depth_profile::DepthProfile::load(path)?),
         None => None,
     };
+    // Only where experts are offloaded at all: an all-resident run has no cache to give it to.
+    let offloading = args.resident_experts.is_some() || args.vram_budget.is_some();
     let plain = match (&profile, args.backend) {
-        (Some(p), BackendArg::Cuda) => p.prefers_plain().cloned(),
+        (Some(p), BackendArg::Cuda) if offloading => p.prefers_plain().cloned(),
         _ => None,
     };
     if plain.is_some() {
