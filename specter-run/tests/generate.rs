@@ -638,6 +638,43 @@ fn a_depth_profile_is_measured_used_and_refused_for_another_bundle() {
         &o,
     ]);
     assert_clean_failure(&run, &["profile", "another bundle"]);
+
+    // A plain candidate faster than every depth only applies to offloaded CUDA runs: here the
+    // profile's depths seed automatic control and the draft still runs.
+    let mut with_plain = written.clone();
+    with_plain["plain"] = serde_json::json!({"slots": 8, "tpot_ms": 1e-9});
+    let plain_path = dir.path().join("plain.json");
+    std::fs::write(&plain_path, with_plain.to_string()).unwrap();
+    let record = generate_json(&[
+        "--prompt-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "12",
+        "--mode",
+        "specter",
+        "--ignore-eos",
+        "--auto-depth",
+        "--profile",
+        &plain_path.display().to_string(),
+    ]);
+    assert_eq!(record["auto_plain"], Value::Null, "{record}");
+    assert_eq!(record["mode"], "specter");
+    assert_eq!(tokens(&record, "tokens"), tokens(&target, "tokens"));
+
+    // The plain candidate's slot count only makes sense with offloaded experts.
+    let run = cli::run(
+        env!("CARGO_BIN_EXE_specter-run"),
+        &[
+            "profile".to_string(),
+            bundle,
+            "-o".to_string(),
+            dir.path().join("p2.json").display().to_string(),
+            "--plain-experts".to_string(),
+            "4".to_string(),
+        ],
+    );
+    assert_clean_failure(&run, &["required arguments"]);
+    assert!(run.stderr.contains("--resident-experts"), "{run:?}");
 }
 
 #[test]
