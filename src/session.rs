@@ -10,7 +10,7 @@ use tokenizers::Tokenizer;
 
 use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::{CudaBackend, CudaDevice, HostPath, LoadIo, OffloadConfig, SlotPolicy};
+use crate::backend::cuda::{CudaBackend, CudaDevice, CudaOptions, OffloadConfig, SlotPolicy};
 use crate::model::LanguageModel;
 use crate::startup::{since_start_ms, StartupTimes};
 use crate::verify_mode::{self, VerifyMode};
@@ -32,12 +32,10 @@ pub struct SessionOptions {
     /// CUDA only: keep this many routed experts per MoE layer in VRAM, copying the rest in from
     /// the bundle's mapping under this policy. `None`: every expert resident.
     pub offload: Option<(usize, SlotPolicy)>,
-    /// CUDA only: where offloaded experts are copied from.
-    pub host_path: HostPath,
     /// How much of the bundle is checked before the model runs.
     pub verify: VerifyMode,
-    /// CUDA only: how weights are read from the bundle at load time.
-    pub load_io: LoadIo,
+    /// CUDA only: how the backend runs (recorded passes, load threads and I/O, copy path).
+    pub cuda: CudaOptions,
 }
 
 impl SessionOptions {
@@ -46,9 +44,8 @@ impl SessionOptions {
             backend,
             with_draft: true,
             offload: None,
-            host_path: HostPath::Auto,
             verify: VerifyMode::Manifest,
-            load_io: LoadIo::default(),
+            cuda: CudaOptions::default(),
         }
     }
 }
@@ -120,16 +117,15 @@ impl Session {
                         config: config.clone(),
                         slots_per_layer: slots,
                         policy,
-                        host_path: opts.host_path,
+                        host_path: opts.cuda.host_path,
                     });
-                let load_io = opts.load_io;
+                let cuda = opts.cuda.clone();
                 Some(
                     std::thread::Builder::new()
                         .name("specter-device".into())
                         .spawn(move || -> Result<(CudaBackend, f64)> {
                             let device = Arc::new(CudaDevice::open(0)?);
-                            let mut backend = CudaBackend::with_device(device, offload)?;
-                            backend.set_load_io(load_io);
+                            let backend = CudaBackend::with_device(device, offload, &cuda)?;
                             Ok((backend, since_start_ms()))
                         })
                         .map_err(|e| {

@@ -15,8 +15,8 @@ use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
-    CudaBackend, CudaDevice, CudaPrefetcher, FrequencyPrefetcher, HostPath, OffloadConfig,
-    SlotPolicy,
+    CudaBackend, CudaDevice, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostPath,
+    OffloadConfig, SlotPolicy,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
@@ -95,7 +95,9 @@ fn every_fixture_every_residency(speculative: bool) {
             // the host); they are recorded there too.
             let recorded = label.contains("recorded");
             let op_by_op = label.contains("op by op");
-            let backend = CudaBackend::with_device(device.clone(), offload).expect("backend");
+            let backend =
+                CudaBackend::with_device(device.clone(), offload, &CudaOptions::default())
+                    .expect("backend");
             backend.set_step_graphs(!op_by_op).unwrap();
             let gpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), backend).unwrap();
             for prompt in fixture.prompts().iter().take(2) {
@@ -216,7 +218,7 @@ fn impossible_residency_is_a_clear_error() {
             policy: SlotPolicy::Lru,
             host_path: HostPath::Auto,
         };
-        match CudaBackend::with_device(device.clone(), Some(cfg)) {
+        match CudaBackend::with_device(device.clone(), Some(cfg), &CudaOptions::default()) {
             Err(e) => assert!(e.to_string().contains("--resident-experts"), "{e}"),
             Ok(_) => panic!("{slots} slots per layer must be refused"),
         }

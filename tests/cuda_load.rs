@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
-use specter::backend::cuda::{CudaBackend, CudaDevice, LoadIo};
+use specter::backend::cuda::{CudaBackend, CudaDevice, CudaOptions, LoadIo};
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
 use specter::model::NoHook;
 use specter::pack::{convert, ConvertOptions, Silent};
@@ -27,7 +27,9 @@ fn gpu_every_load_io_gives_the_per_tensor_weights() {
         convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
         let bundle = Bundle::open(&path).expect("open");
         let tokens = |io: LoadIo| {
-            let mut backend = CudaBackend::with_device(device.clone(), None).expect("backend");
+            let mut backend =
+                CudaBackend::with_device(device.clone(), None, &CudaOptions::default())
+                    .expect("backend");
             backend.set_load_io(io);
             let model = MoeModel::load(fixture.cfg.clone(), &bundle, backend).expect("load");
             let report = model.backend().load_report().unwrap();

@@ -422,9 +422,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
             session_opts.offload = Some((p.slots, SlotPolicy::Lru));
         }
         if args.pinned_staging {
-            session_opts.host_path = HostPath::PinnedStaging;
+            session_opts.cuda.host_path = HostPath::PinnedStaging;
         }
-        session_opts.load_io = LoadIo::parse(&args.load_io)?;
+        session_opts.cuda.load_io = LoadIo::parse(&args.load_io)?;
     } else if args.vram_budget.is_some() || args.pinned_staging {
         bail!("--vram-budget and --pinned-staging need --backend cuda");
     }

@@ -536,15 +536,14 @@ impl<B: Backend> MoeModel<B> {
                 LayerKv::Mla { keys, values },
             ) => {
                 let (nope, rope, vd) = (*qk_nope_head_dim, *qk_rope_head_dim, *v_head_dim);
-                // The query projection runs beside the key/value path below.
-                let mut qs = be.side(|| match q {
-                    MlaQuery::Full(w) => be.linear(h, w, None),
+                let mut qs = match q {
+                    MlaQuery::Full(w) => be.linear(h, w, None)?,
                     MlaQuery::Lora { a, norm, b, rank } => {
                         let qa = self.linear(h, a)?;
                         let qa = be.rms_norm(&qa, norm, MLA_LATENT_NORM_EPS, *rank)?;
-                        be.linear(&qa, b, None)
+                        be.linear(&qa, b, None)?
                     }
-                })?;
+                };
                 let q_spec = RopeSpec {
                     heads: cfg.num_heads,
                     head_stride: nope + rope,
@@ -574,7 +573,6 @@ impl<B: Backend> MoeModel<B> {
                     be.mla_expand_kv(&expanded, &pe, cfg.num_heads, nope, vd)?;
                 be.write_rows(keys, start, &new_keys)?;
                 be.write_rows(values, start, &new_values)?;
-                be.join_side()?;
                 be.rope(&mut qs, q_spec, &self.rope.inv_freq, positions, scales)?;
                 let out = be.attention(
                     &qs,
@@ -619,16 +617,15 @@ impl<B: Backend> MoeModel<B> {
                 None => &block.draft,
             },
         };
-        // The shared expert does not depend on the routing: it may run beside it.
         let shared = match &block.shared {
-            Some(mlp) => Some(be.side(|| {
+            Some(mlp) => {
                 let s = be.gated_mlp(h, mlp)?;
                 let gate = match &block.shared_gate {
                     Some(g) => Some(be.linear(h, g, None)?),
                     None => None,
                 };
-                Ok((s, gate))
-            })?),
+                Some((s, gate))
+            }
             None => None,
         };
         let logits = be.linear(h, &block.router, None)?;
@@ -656,7 +653,6 @@ impl<B: Backend> MoeModel<B> {
             be.routed_moe(h, &logits, spec, experts, false, count_as)?.0
         };
         if let Some((s, gate)) = shared {
-            be.join_side()?;
             match gate {
                 Some(gate) => {
                     be.add_sigmoid_gated(&mut out, &s, &gate)?;

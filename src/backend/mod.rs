@@ -285,21 +285,6 @@ pub trait Backend: Send + Sync {
     /// Index of each row's maximum (the first one on ties).
     fn argmax(&self, x: &Self::Act) -> Result<Vec<u32>>;
 
-    /// Runs `f`, whose ops a backend may run concurrently with the ops the caller issues after
-    /// it (a second stream on a GPU); `f`'s results may be used only after [`Self::join_side`].
-    /// Independent small products (a shared expert beside the routed ones) then overlap.
-    fn side<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T>
-    where
-        Self: Sized,
-    {
-        f()
-    }
-
-    /// Waits for the ops of the last [`Self::side`] before later ops use their results.
-    fn join_side(&self) -> Result<()> {
-        Ok(())
-    }
-
     /// Starts a forward pass that a backend may record and replay (only passes whose caller
     /// needs no routing on the host come here). The default runs every pass op by op.
     fn begin_step(&self, step: &StepRequest) -> Result<StepStart<Self::Act>> {

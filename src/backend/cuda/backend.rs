@@ -21,7 +21,7 @@ use super::experts::{ExpertGroup, MoeLaunch};
 use super::load::{LoadIo, LoadReport, PendingLoad};
 use super::moe_int4::MoeInt4Kernels;
 use super::offload::{ExpertOffload, OffloadConfig, OffloadStats};
-use super::CudaDevice;
+use super::{CudaDevice, CudaOptions};
 use crate::arch::RopeStyle;
 use crate::backend::cpu::{Cpu, Mat};
 use crate::backend::{check, AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
@@ -59,10 +59,6 @@ const POOL_LIMIT_BYTES: usize = 2 << 30;
 struct BufferPool {
     free: Mutex<std::collections::HashMap<usize, Vec<CudaSlice<f32>>>>,
     cached_bytes: std::sync::atomic::AtomicUsize,
-    /// While a side branch is open (see [`CudaBackend::side`]), freed buffers wait here: the
-    /// other stream may still use them, so they are reusable only once the streams have joined.
-    deferring: std::sync::atomic::AtomicBool,
-    deferred: Mutex<Vec<CudaSlice<f32>>>,
 }
 
 /// Element count handed out for a request of `n`: rounded up to one of eight steps per power of
@@ -86,12 +82,6 @@ impl BufferPool {
     }
 
     fn give(&self, s: CudaSlice<f32>) {
-        if self.deferring.load(std::sync::atomic::Ordering::Relaxed) {
-            if let Ok(mut d) = self.deferred.lock() {
-                d.push(s);
-            }
-            return;
-        }
         let n = s.len();
         if bucket(n) != n
             || self.cached_bytes.load(std::sync::atomic::Ordering::Relaxed) + 4 * n
@@ -103,24 +93,6 @@ impl BufferPool {
             free.entry(n).or_default().push(s);
             self.cached_bytes
                 .fetch_add(4 * n, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
-impl BufferPool {
-    /// Starts or ends deferring frees; ending hands the deferred buffers back.
-    fn defer(&self, on: bool) {
-        self.deferring
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-        if !on {
-            let held = self
-                .deferred
-                .lock()
-                .map(|mut d| std::mem::take(&mut *d))
-                .unwrap_or_default();
-            for s in held {
-                self.give(s);
-            }
         }
     }
 }
@@ -278,13 +250,6 @@ struct RopeTableGpu {
     sin: CudaSlice<f32>,
 }
 
-/// The second compute stream of side branches and the events that fork and join it.
-struct Branch {
-    stream: Arc<CudaStream>,
-    fork: cudarc::driver::CudaEvent,
-    join: cudarc::driver::CudaEvent,
-}
-
 /// Device routing counts (see [`CudaBackend::enable_route_counts`]).
 struct RouteCounts {
     counts: CudaSlice<u32>,
@@ -315,15 +280,12 @@ pub struct CudaBackend {
     steps: Mutex<graphs::StepGraphs>,
     /// Allocates buffers while the compute stream is being captured, outside the recording.
     side_stream: Arc<CudaStream>,
-    /// Side branches (see [`Backend::side`]): their stream, the fork and join events, whether
-    /// ops go there now, and whether a branch awaits its join.
-    branch: Option<Branch>,
-    on_branch: std::sync::atomic::AtomicBool,
-    branch_open: std::sync::atomic::AtomicBool,
     timing: Mutex<(HostTiming, Option<std::time::Instant>)>,
     /// How weights are read at load time, the uploads deferred until `finish_load`, and what the
     /// last batched upload did.
     load_io: LoadIo,
+    /// Threads that read weights at load time (`None`: the cores, at most 8).
+    load_threads: Option<usize>,
     pending: Mutex<Option<PendingLoad>>,
     load_report: Mutex<Option<LoadReport>>,
 }
@@ -413,12 +375,20 @@ fn grid_for(n: usize, block: u32) -> u32 {
 impl CudaBackend {
     /// Opens GPU `ordinal` with every routed expert resident once loaded.
     pub fn open(ordinal: usize) -> Result<Self> {
-        Self::with_device(Arc::new(CudaDevice::open(ordinal)?), None)
+        Self::with_device(
+            Arc::new(CudaDevice::open(ordinal)?),
+            None,
+            &CudaOptions::default(),
+        )
     }
 
     /// A backend on an opened device; with `offload`, routed experts stay in host memory and are
     /// copied into per-layer slots when a pass needs them.
-    pub fn with_device(dev: Arc<CudaDevice>, offload: Option<OffloadConfig>) -> Result<Self> {
+    pub fn with_device(
+        dev: Arc<CudaDevice>,
+        offload: Option<OffloadConfig>,
+        options: &CudaOptions,
+    ) -> Result<Self> {
         // One compute stream plus the expert cache's copy stream, fenced by our own events:
         // cudarc's per-buffer event tracking would only add a record per launch.
         // SAFETY: no buffer of this context exists yet that relies on tracking; every later
@@ -442,24 +412,6 @@ impl CudaBackend {
         let params = guarded("cuda: cannot allocate the step buffer", || {
             stream.alloc_zeros::<u32>(graphs::PARAM_WORDS)
         })?;
-        let graphs_on = std::env::var("SPECTER_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        // Off unless SPECTER_CUDA_BRANCHES=1: on the DeepSeek-V2-Lite shape with recorded passes
-        // the overlap measured no faster (docs/BENCHMARKS.md).
-        let branch = if std::env::var("SPECTER_CUDA_BRANCHES").is_ok_and(|v| v == "1") {
-            let ctx = dev.context();
-            let event = || {
-                guarded("cuEventCreate", || {
-                    ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                })
-            };
-            Some(Branch {
-                stream: guarded("cannot create a CUDA stream", || ctx.new_stream())?,
-                fork: event()?,
-                join: event()?,
-            })
-        } else {
-            None
-        };
         Ok(CudaBackend {
             dev,
             stream,
@@ -471,13 +423,11 @@ impl CudaBackend {
             offload,
             buffers: Arc::new(BufferPool::default()),
             route_counts: Mutex::new(None),
-            steps: Mutex::new(graphs::StepGraphs::new(params, graphs_on)),
+            steps: Mutex::new(graphs::StepGraphs::new(params, options.graphs)),
             side_stream,
-            branch,
-            on_branch: std::sync::atomic::AtomicBool::new(false),
-            branch_open: std::sync::atomic::AtomicBool::new(false),
             timing: Mutex::new((HostTiming::default(), None)),
-            load_io: LoadIo::default(),
+            load_io: options.load_io,
+            load_threads: options.load_threads,
             pending: Mutex::new(None),
             load_report: Mutex::new(None),
         })
@@ -637,7 +587,6 @@ impl CudaBackend {
 
     /// Waits for all work issued so far.
     pub fn synchronize(&self) -> Result<()> {
-        self.join_branch()?;
         self.note_host_sync()?;
         let issued = std::time::Instant::now();
         guarded("cuStreamSynchronize", || self.stream.synchronize())?;
@@ -649,54 +598,6 @@ impl CudaBackend {
         t.0.wait_seconds += done.duration_since(issued).as_secs_f64();
         t.0.synchronisations += 1;
         t.1 = Some(done);
-        Ok(())
-    }
-
-    /// The stream ops go to now: the side branch's inside [`Backend::side`], else the main one.
-    fn current_stream(&self) -> &Arc<CudaStream> {
-        match &self.branch {
-            Some(b) if self.on_branch.load(std::sync::atomic::Ordering::Relaxed) => &b.stream,
-            _ => &self.stream,
-        }
-    }
-
-    /// Starts a side branch: its stream waits for the main stream's work so far, and freed
-    /// buffers are held until the join.
-    fn fork_branch(&self) -> Result<bool> {
-        let Some(b) = &self.branch else {
-            return Ok(false);
-        };
-        if self.on_branch.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(false);
-        }
-        // One branch at a time: join any earlier one first.
-        self.join_branch()?;
-        guarded("cuEventRecord", || b.fork.record(&self.stream))?;
-        guarded("cuStreamWaitEvent", || b.stream.wait(&b.fork))?;
-        self.buffers.defer(true);
-        self.branch_open
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        self.on_branch
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(true)
-    }
-
-    /// The main stream waits for the side branch's work; held buffers become reusable.
-    fn join_branch(&self) -> Result<()> {
-        self.on_branch
-            .store(false, std::sync::atomic::Ordering::Relaxed);
-        let Some(b) = &self.branch else {
-            return Ok(());
-        };
-        if !self
-            .branch_open
-            .swap(false, std::sync::atomic::Ordering::Relaxed)
-        {
-            return Ok(());
-        }
-        guarded("cuEventRecord", || b.join.record(&b.stream))?;
-        guarded("cuStreamWaitEvent", || self.stream.wait(&b.join))?;
-        self.buffers.defer(false);
         Ok(())
     }
 
@@ -713,7 +614,7 @@ impl CudaBackend {
         block: u32,
         args: &[u64],
     ) -> Result<()> {
-        let mut b = self.current_stream().launch_builder(f);
+        let mut b = self.stream.launch_builder(f);
         for a in args {
             b.arg(a);
         }
@@ -749,7 +650,7 @@ impl CudaBackend {
             None => guarded(
                 &what(),
                 // SAFETY: as above. Stream-ordered: made on the stream whose ops will use it.
-                || unsafe { self.current_stream().alloc::<f32>(n) },
+                || unsafe { self.stream.alloc::<f32>(n) },
             )?,
         };
         let act = self.wrap(slice, rows, cols);
@@ -943,7 +844,8 @@ impl Backend for CudaBackend {
         // The weights' allocations were queued on the compute stream; the copies run on other
         // streams.
         guarded("cuStreamSynchronize", || self.stream.synchronize())?;
-        let report = super::load::upload(self.dev.context(), pending, self.load_io)?;
+        let report =
+            super::load::upload(self.dev.context(), pending, self.load_io, self.load_threads)?;
         tracing::info!(
             "uploaded {:.2} GB of weights in {:.3} s ({} I/O, {} threads)",
             report.bytes as f64 / 1e9,
@@ -1776,21 +1678,6 @@ impl Backend for CudaBackend {
 
     fn begin_step(&self, step: &StepRequest) -> Result<StepStart<GpuAct>> {
         self.begin_step_impl(step)
-    }
-
-    fn side<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let forked = self.fork_branch()?;
-        let out = f();
-        if forked {
-            // Back to the main stream; the branch runs on until `join_side`.
-            self.on_branch
-                .store(false, std::sync::atomic::Ordering::Relaxed);
-        }
-        out
-    }
-
-    fn join_side(&self) -> Result<()> {
-        self.join_branch()
     }
 
     fn end_step(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {

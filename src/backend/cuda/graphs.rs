@@ -130,8 +130,8 @@ fn param_words(step: &StepRequest) -> Vec<u32> {
 }
 
 impl CudaBackend {
-    /// Turns recording and replay of forward passes on or off (on by default unless
-    /// `SPECTER_CUDA_GRAPHS=0`); turning it off drops every recording.
+    /// Turns recording and replay of forward passes on or off (on unless
+    /// [`CudaOptions::graphs`](super::CudaOptions) is false); turning it off drops every recording.
     pub fn set_step_graphs(&self, enabled: bool) -> Result<()> {
         let mut g = self.lock(&self.steps)?;
         g.enabled = enabled;
@@ -216,7 +216,6 @@ impl CudaBackend {
     }
 
     pub(super) fn begin_step_impl(&self, step: &StepRequest) -> Result<StepStart<GpuAct>> {
-        self.join_branch()?;
         let mut g = self.lock(&self.steps)?;
         g.active = None;
         let rows = step.tokens.len();
@@ -275,8 +274,6 @@ impl CudaBackend {
     }
 
     pub(super) fn end_step_impl(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {
-        // A capture must end with every forked stream joined back.
-        let joined = self.join_branch();
         let mut g = self.lock(&self.steps)?;
         let Some(active) = g.active.take() else {
             return Ok(StepEnd::Done);
@@ -289,8 +286,8 @@ impl CudaBackend {
             return Ok(StepEnd::Done);
         }
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        let graph = match (ended, logits, joined) {
-            (Ok(Some(graph)), Some(logits), Ok(())) => (graph, logits.share()),
+        let graph = match (ended, logits) {
+            (Ok(Some(graph)), Some(logits)) => (graph, logits.share()),
             _ => {
                 // Nothing of the pass ran: run it again op by op, and never capture this key.
                 g.failed.insert(active.key);

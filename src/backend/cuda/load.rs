@@ -243,12 +243,10 @@ fn read_full(file: &File, off: u64, buf: &mut [u8], need: usize) -> Result<()> {
     Ok(())
 }
 
-/// Worker threads: `SPECTER_LOAD_THREADS` when set, else the cores, at most 8 (copies from the page
-/// cache saturate memory bandwidth before that; each thread pins two chunk buffers).
-fn worker_count() -> usize {
-    std::env::var("SPECTER_LOAD_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
+/// Worker threads: `threads` when given, else the cores, at most 8 (copies from the page cache
+/// saturate memory bandwidth before that; each thread pins two chunk buffers).
+fn worker_count(threads: Option<usize>) -> usize {
+    threads
         .unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -260,7 +258,12 @@ fn worker_count() -> usize {
 
 /// Reads and copies every pending piece; returns when all copies have completed. Device memory
 /// the pieces point to must be allocated (its allocation complete) and stay alive meanwhile.
-pub fn upload(ctx: &Arc<CudaContext>, mut pending: PendingLoad, io: LoadIo) -> Result<LoadReport> {
+pub fn upload(
+    ctx: &Arc<CudaContext>,
+    mut pending: PendingLoad,
+    io: LoadIo,
+    threads: Option<usize>,
+) -> Result<LoadReport> {
     let started = Instant::now();
     let chunks = plan_chunks(&mut pending.pieces, CHUNK_BYTES, MAX_GAP);
     let bytes: u64 = pending.pieces.iter().map(|p| p.len as u64).sum();
@@ -292,7 +295,7 @@ pub fn upload(ctx: &Arc<CudaContext>, mut pending: PendingLoad, io: LoadIo) -> R
         (None, Some(m)) => Source::Mapped(m),
         (None, None) => Source::Read(&pending.file),
     };
-    let threads = worker_count().min(chunks.len()).max(1);
+    let threads = worker_count(threads).min(chunks.len()).max(1);
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);

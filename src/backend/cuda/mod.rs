@@ -16,6 +16,7 @@ pub mod load;
 mod moe_int4;
 mod nvrtc;
 mod offload;
+mod options;
 mod prefetch;
 
 pub use backend::{CudaBackend, GpuAct, GpuWeight, StepGraphStats};
@@ -28,6 +29,7 @@ pub use nvrtc::{
     PtxCache,
 };
 pub use offload::{HostPath, OffloadConfig, OffloadStats, SlotPolicy};
+pub use options::CudaOptions;
 pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.

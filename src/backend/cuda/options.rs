@@ -1,0 +1,28 @@
+//! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
+//! the binaries map `SPECTER_CUDA_GRAPHS` and `SPECTER_LOAD_THREADS` onto these fields.
+
+use super::{HostPath, LoadIo};
+
+/// How a [`CudaBackend`](super::CudaBackend) runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Record forward passes as CUDA graphs and replay them (see src/backend/cuda/graphs.rs).
+    pub graphs: bool,
+    /// Threads that read weights from the bundle at load time; `None`: the cores, at most 8.
+    pub load_threads: Option<usize>,
+    /// How weights are read from the bundle at load time.
+    pub load_io: LoadIo,
+    /// Where offloaded experts are copied from.
+    pub host_path: HostPath,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            graphs: true,
+            load_threads: None,
+            load_io: LoadIo::default(),
+            host_path: HostPath::Auto,
+        }
+    }
+}
