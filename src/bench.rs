@@ -20,13 +20,14 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher, SlotPolicy};
+use crate::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher};
 use crate::decode::{
     generate, generate_observed, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling,
     SPECMOEOFF_DEPTH,
 };
 use crate::depth_profile::{DepthProfile, PlainCandidate};
 use crate::model::{LanguageModel, NoHook};
+use crate::offload::Policy;
 use crate::session::{BackendKind, Session, SessionModel, SessionOptions};
 use crate::{Error, Result};
 
@@ -320,12 +321,10 @@ pub fn run(
         session_opts.with_draft = !mode.target_only();
         let mut resident = match (mode, opts.backend) {
             (_, BackendKind::Cpu) | (BenchMode::Resident, _) => None,
-            (BenchMode::Lru, _) => Some((opts.case.matched, SlotPolicy::Lru)),
-            (BenchMode::Ondemand, _) => Some((opts.case.matched, SlotPolicy::OnDemand)),
-            (BenchMode::Specter | BenchMode::Auto, _) => {
-                Some((opts.case.resident, SlotPolicy::Lru))
-            }
-            (BenchMode::SpecMoeOff, _) => Some((opts.case.specmoeoff, SlotPolicy::Lru)),
+            (BenchMode::Lru, _) => Some((opts.case.matched, Policy::Lru)),
+            (BenchMode::Ondemand, _) => Some((opts.case.matched, Policy::OnDemand)),
+            (BenchMode::Specter | BenchMode::Auto, _) => Some((opts.case.resident, Policy::Lru)),
+            (BenchMode::SpecMoeOff, _) => Some((opts.case.specmoeoff, Policy::Lru)),
         };
         session_opts.offload = resident;
         let mut gen = GenerateOptions {
@@ -355,7 +354,7 @@ pub fn run(
             auto_calibration = Some(profile);
             match choice {
                 AutoChoice::Plain { slots } => {
-                    resident = Some((slots, SlotPolicy::Lru));
+                    resident = Some((slots, Policy::Lru));
                     gen.mode = Mode::Target;
                     auto_start = None;
                 }
@@ -639,7 +638,7 @@ pub fn calibrate_auto(
     };
     let mut plain_opts = draft_opts.clone();
     plain_opts.with_draft = false;
-    plain_opts.offload = Some((opts.case.matched, SlotPolicy::Lru));
+    plain_opts.offload = Some((opts.case.matched, Policy::Lru));
     let plain = Session::open_with(path, &plain_opts)?;
     let plain_ms = crate::depth_profile::measure_plain(&plain, prompt, tokens, 1)?;
     profile.plain = Some(PlainCandidate {

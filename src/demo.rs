@@ -152,7 +152,7 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
     ));
     say(&format!(
         "   expert cache ({} of {} resident per layer, copies simulated at 55 GB/s): {} hits, {} misses, {} prefetched by the draft ({} used), {:.2} MB moved",
-        slots, info.num_experts, o.hits, o.misses, o.prefetched, o.prefetched_used, o.bytes_moved as f64 / 1e6
+        slots, info.num_experts, o.hits, o.misses, o.prefetched, o.prefetch_used, o.bytes_copied as f64 / 1e6
     ));
     let lossless = spec.tokens == target.tokens;
     say(&format!(

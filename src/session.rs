@@ -10,8 +10,9 @@ use tokenizers::Tokenizer;
 
 use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::{CudaBackend, CudaDevice, CudaOptions, OffloadConfig, SlotPolicy};
+use crate::backend::cuda::{CudaBackend, CudaDevice, CudaOptions, OffloadConfig};
 use crate::model::LanguageModel;
+use crate::offload::Policy;
 use crate::startup::{since_start_ms, StartupTimes};
 use crate::verify_mode::{self, VerifyMode};
 use crate::{Error, Result};
@@ -31,7 +32,7 @@ pub struct SessionOptions {
     pub with_draft: bool,
     /// CUDA only: keep this many routed experts per MoE layer in VRAM, copying the rest in from
     /// the bundle's mapping under this policy. `None`: every expert resident.
-    pub offload: Option<(usize, SlotPolicy)>,
+    pub offload: Option<(usize, Policy)>,
     /// How much of the bundle is checked before the model runs.
     pub verify: VerifyMode,
     /// CUDA only: how the backend runs (recorded passes, load threads and I/O, copy path).

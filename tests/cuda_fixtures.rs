@@ -16,10 +16,11 @@ use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
     CudaBackend, CudaDevice, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostPath,
-    OffloadConfig, SlotPolicy,
+    OffloadConfig,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
+use specter::offload::Policy;
 use specter::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
 
@@ -75,9 +76,9 @@ fn every_fixture_every_residency(speculative: bool) {
             ("resident, op by op".into(), None),
         ];
         for (policy, slots, host_path) in [
-            (SlotPolicy::Lru, 2, HostPath::Auto),
-            (SlotPolicy::OnDemand, experts / 2, HostPath::Auto),
-            (SlotPolicy::Lru, 3, HostPath::PinnedStaging),
+            (Policy::Lru, 2, HostPath::Auto),
+            (Policy::OnDemand, experts / 2, HostPath::Auto),
+            (Policy::Lru, 3, HostPath::PinnedStaging),
         ] {
             variants.push((
                 format!("{} {slots} slots {host_path:?}", policy.name()),
@@ -215,7 +216,7 @@ fn impossible_residency_is_a_clear_error() {
             bundle: bundle.clone(),
             config: fixture.cfg.clone(),
             slots_per_layer: slots,
-            policy: SlotPolicy::Lru,
+            policy: Policy::Lru,
             host_path: HostPath::Auto,
         };
         match CudaBackend::with_device(device.clone(), Some(cfg), &CudaOptions::default()) {

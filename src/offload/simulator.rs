@@ -12,10 +12,9 @@
 //! with [`OffloadSimulator::with_frequency_prefetch`], SpecMoEOff's rule: the Top-M experts per
 //! layer by the draft's routing counts over steps 0 and 1, prefetched after each of them.
 
-use super::cache::{
-    ExpertCache, InitialResidency, Insert, LoadKind, Lookup, Policy, ResidencyConfig,
-};
+use super::cache::{ExpertCache, InitialResidency, Policy, ResidencyConfig};
 use super::planner::{Planner, FREQUENCY_STEPS};
+use super::stats::OffloadStats;
 use super::transfer::{SimulatedTransfers, TransferEngine, TransferId};
 use crate::decode::DecodeObserver;
 use crate::model::{ModelInfo, RouteHook, Variant};
@@ -66,48 +65,22 @@ impl SimulatorConfig {
     }
 }
 
-/// Figures of an offloaded run. Lookups count each (pass, MoE layer, expert) once.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct OffloadStats {
-    pub lookups: u64,
-    pub hits: u64,
-    pub misses: u64,
-    /// Experts copied ahead of a verify pass on the planner's word.
-    pub prefetched: u64,
-    /// Prefetched experts their verify pass used.
-    pub prefetched_used: u64,
-    /// Prefetched experts evicted or left unused by their verify pass.
-    pub prefetched_wasted: u64,
-    /// Misses loaded on demand (every miss is one).
-    pub demand_loads: u64,
-    /// Demand loads that found every slot planned and went through a transient buffer.
-    pub streamed_loads: u64,
-    pub bytes_moved: u64,
-    /// Simulated seconds target passes waited for copies.
-    pub stall_s: f64,
-    /// Simulated compute seconds (draft steps and target passes).
-    pub compute_s: f64,
-    /// Simulated clock at the last commit.
-    pub simulated_s: f64,
-    pub committed_tokens: u64,
-    /// `(t_last_commit - t_first_commit) / (committed_tokens - 1)` on the simulated clock.
-    pub simulated_tpot_ms: f64,
-    pub per_layer_hits: Vec<u64>,
-    pub per_layer_misses: Vec<u64>,
-}
-
 pub struct OffloadSimulator {
     config: SimulatorConfig,
     cache: ExpertCache,
     planner: Planner,
     transfers: SimulatedTransfers,
-    stats: OffloadStats,
     /// Seconds of target compute per MoE layer in the current pass.
     layer_compute_s: f64,
     in_window: bool,
     first_commit_s: Option<f64>,
     routing_error: Option<String>,
     seen: Vec<bool>,
+    /// The simulated clock's figures: the tokens committed and the clock at the last commit.
+    committed_tokens: u64,
+    simulated_s: f64,
+    simulated_tpot_ms: f64,
+    compute_s: f64,
     /// SpecMoEOff's Top-M when prefetching by route frequency at draft steps 0 and 1.
     frequency_top_m: Option<usize>,
     /// Draft steps run in the current window.
@@ -139,11 +112,14 @@ impl OffloadSimulator {
         );
         let mut simulator = OffloadSimulator {
             seen: vec![false; residency.num_experts],
+            committed_tokens: 0,
+            simulated_s: 0.0,
+            simulated_tpot_ms: 0.0,
+            compute_s: 0.0,
             config,
             cache,
             planner,
             transfers,
-            stats: OffloadStats::default(),
             layer_compute_s: 0.0,
             in_window: false,
             first_commit_s: None,
@@ -187,12 +163,10 @@ impl OffloadSimulator {
         self.cache.reset();
         self.transfers.reset();
         self.planner.begin_window(0);
-        let layers = self.config.residency.num_moe_layers;
-        self.stats = OffloadStats {
-            per_layer_hits: vec![0; layers],
-            per_layer_misses: vec![0; layers],
-            ..OffloadStats::default()
-        };
+        self.committed_tokens = 0;
+        self.simulated_s = 0.0;
+        self.simulated_tpot_ms = 0.0;
+        self.compute_s = 0.0;
         self.layer_compute_s = 0.0;
         self.in_window = false;
         self.first_commit_s = None;
@@ -200,8 +174,13 @@ impl OffloadSimulator {
     }
 
     pub fn stats(&self) -> OffloadStats {
-        let mut stats = self.stats.clone();
+        let mut stats = self.cache.stats().clone();
+        stats.path = "simulated".to_string();
         stats.stall_s = self.transfers.stall_s();
+        stats.compute_s = self.compute_s;
+        stats.simulated_s = self.simulated_s;
+        stats.committed_tokens = self.committed_tokens;
+        stats.simulated_tpot_ms = self.simulated_tpot_ms;
         stats
     }
 
@@ -239,85 +218,64 @@ impl OffloadSimulator {
         }
     }
 
-    fn record_transfer(&mut self) {
-        self.stats.bytes_moved += self.config.residency.expert_bytes as u64;
-    }
-
-    /// Looks up one target layer's experts, loads the misses, waits, then runs the layer.
+    /// Serves one target layer's experts by the cache policy, copies what it loads, waits,
+    /// then runs the layer.
     fn target_layer(&mut self, moe_layer: usize, topk: &[u32]) {
         let bytes = self.config.residency.expert_bytes;
         self.seen.iter_mut().for_each(|s| *s = false);
-        let mut waits: Vec<TransferId> = Vec::new();
+        // Each expert once, in ascending order: the verify pass is grouped by expert.
+        let mut experts: Vec<u32> = Vec::new();
         for &expert in topk {
-            if std::mem::replace(&mut self.seen[expert as usize], true) {
-                continue;
+            if !std::mem::replace(&mut self.seen[expert as usize], true) {
+                experts.push(expert);
             }
-            self.stats.lookups += 1;
-            match self.cache.lookup(moe_layer, expert) {
-                Lookup::Hit {
-                    transfer,
-                    first_use_of_prefetch,
-                } => {
-                    self.stats.hits += 1;
-                    self.stats.per_layer_hits[moe_layer] += 1;
-                    if first_use_of_prefetch {
-                        self.stats.prefetched_used += 1;
-                    }
-                    waits.extend(transfer.filter(|&id| !self.transfers.is_complete(id)));
-                }
-                Lookup::Miss => {
-                    self.stats.misses += 1;
-                    self.stats.per_layer_misses[moe_layer] += 1;
-                    self.stats.demand_loads += 1;
-                    self.record_transfer();
-                    let id = self.transfers.issue(moe_layer, expert as usize, bytes);
-                    match self
-                        .cache
-                        .insert(moe_layer, expert, LoadKind::Demand, Some(id))
-                    {
-                        Insert::Inserted { evicted } => {
-                            if evicted.is_some_and(|e| e.unused_prefetch) {
-                                self.stats.prefetched_wasted += 1;
-                            }
-                        }
-                        Insert::NoSlot => self.stats.streamed_loads += 1,
-                        Insert::AlreadyResident => {}
-                    }
-                    waits.push(id);
-                }
+        }
+        experts.sort_unstable();
+        let rounds = match self.cache.serve(moe_layer, &experts) {
+            Ok(rounds) => rounds,
+            Err(e) => {
+                self.routing_error.get_or_insert(e.to_string());
+                return;
+            }
+        };
+        let mut waits: Vec<TransferId> = Vec::new();
+        for round in rounds {
+            for hit in &round.hits {
+                waits.extend(hit.transfer.filter(|&id| !self.transfers.is_complete(id)));
+            }
+            for load in &round.loads {
+                let id = self.transfers.issue(moe_layer, load.expert as usize, bytes);
+                self.cache.attach_transfer(moe_layer, load.slot, id);
+                waits.push(id);
             }
         }
         for id in waits {
             self.transfers.wait(id);
         }
         self.transfers.advance(self.layer_compute_s);
-        self.stats.compute_s += self.layer_compute_s;
+        self.compute_s += self.layer_compute_s;
     }
 
     /// Forms the plan from the window's routing so far and prefetches what is missing.
     fn plan_and_prefetch(&mut self, steps_done: usize) {
         let bytes = self.config.residency.expert_bytes;
-        let plan = match self.frequency_top_m {
-            Some(m) => self.planner.plan_for_at_most(&self.cache, m),
-            None => self.planner.plan_for(&self.cache),
-        };
-        for (layer, experts) in plan.experts.iter().enumerate() {
-            self.cache.set_plan(layer, experts);
-        }
+        let limit = self
+            .frequency_top_m
+            .unwrap_or(usize::MAX)
+            .min(self.cache.slots_per_layer());
         let mut issued_bytes = 0usize;
-        for &(layer, expert) in &plan.prefetch {
-            match self.cache.insert(layer, expert, LoadKind::Prefetch, None) {
-                Insert::Inserted { evicted } => {
-                    if evicted.is_some_and(|e| e.unused_prefetch) {
-                        self.stats.prefetched_wasted += 1;
-                    }
-                    let id = self.transfers.issue(layer, expert as usize, bytes);
-                    self.cache.attach_transfer(layer, expert, id);
-                    self.stats.prefetched += 1;
-                    self.record_transfer();
-                    issued_bytes += bytes;
+        for (layer, ranked) in self.planner.plan(limit).iter().enumerate() {
+            let loads = match self.cache.prefetch(layer, ranked) {
+                Ok(loads) => loads,
+                Err(e) => {
+                    self.routing_error.get_or_insert(e.to_string());
+                    return;
                 }
-                Insert::NoSlot | Insert::AlreadyResident => {}
+            };
+            for load in loads {
+                let id = self.transfers.issue(layer, load.expert as usize, bytes);
+                self.cache.attach_transfer(layer, load.slot, id);
+                issued_bytes += bytes;
             }
         }
         self.planner.issued(steps_done, issued_bytes);
@@ -355,9 +313,6 @@ impl RouteHook for OffloadSimulator {
 
 impl DecodeObserver for OffloadSimulator {
     fn on_target_pass(&mut self, rows: usize) {
-        if self.cache.policy() == Policy::OnDemand {
-            self.cache.drop_all();
-        }
         let compute = self.config.compute;
         let pass_s = compute.target_pass_s + rows as f64 * compute.target_row_s;
         self.layer_compute_s = pass_s / self.config.residency.num_moe_layers as f64;
@@ -372,7 +327,7 @@ impl DecodeObserver for OffloadSimulator {
     fn on_draft_step(&mut self, step: usize) {
         let step_s = self.config.compute.draft_step_s;
         self.transfers.advance(step_s);
-        self.stats.compute_s += step_s;
+        self.compute_s += step_s;
         let steps_done = step + 1;
         self.window_steps = steps_done;
         let due = match self.frequency_top_m {
@@ -387,18 +342,14 @@ impl DecodeObserver for OffloadSimulator {
     fn on_commit(&mut self, _accepted: usize, committed: usize) {
         self.in_window = false;
         self.cache.clear_plans();
-        self.stats.prefetched_wasted += self.cache.take_unused_prefetches() as u64;
-        if self.cache.policy() == Policy::OnDemand {
-            self.cache.drop_all();
-        }
+        self.cache.take_unused_prefetches();
         if committed > 0 {
             let now = self.transfers.now();
             let first = *self.first_commit_s.get_or_insert(now);
-            self.stats.committed_tokens += committed as u64;
-            self.stats.simulated_s = now;
-            if self.stats.committed_tokens > 1 {
-                self.stats.simulated_tpot_ms =
-                    (now - first) * 1e3 / (self.stats.committed_tokens - 1) as f64;
+            self.committed_tokens += committed as u64;
+            self.simulated_s = now;
+            if self.committed_tokens > 1 {
+                self.simulated_tpot_ms = (now - first) * 1e3 / (self.committed_tokens - 1) as f64;
             }
         }
     }

@@ -1,5 +1,6 @@
 //! Opening a CUDA device and loading its kernel modules.
 
+use super::driver::{guarded, panic_text};
 use super::host::{PinnedBuffer, RegisteredHost};
 use super::nvrtc::{compile_source, PtxCache};
 use super::{kernel_source, KernelSource};
@@ -7,7 +8,7 @@ use crate::{Error, Result};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::catch_unwind;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// What a user sees when the machine has no NVIDIA driver.
@@ -60,29 +61,6 @@ fn describe_init_error(err: drv::DriverError) -> String {
             )
         }
         _ => format!("CUDA driver initialisation failed (cuInit: {err}): check the NVIDIA driver or use --backend cpu"),
-    }
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".to_string()
-    }
-}
-
-/// Runs a driver call that cudarc might turn into a panic (a symbol missing from an old driver)
-/// and maps both failure kinds to [`Error::Backend`] with `what` as context.
-pub(crate) fn guarded<T>(
-    what: &str,
-    f: impl FnOnce() -> std::result::Result<T, drv::DriverError>,
-) -> Result<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(err)) => Err(Error::Backend(format!("{what}: {err}"))),
-        Err(panic) => Err(Error::Backend(format!("{what}: {}", panic_text(&panic)))),
     }
 }
 

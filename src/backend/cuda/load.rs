@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::device::guarded;
+use super::driver::guarded;
 use super::host::PinnedBuffer;
 use crate::{Error, Result};
 

@@ -8,19 +8,31 @@
 //! `nvcc` was available at build time, and always as source, which [`CudaDevice::module`]
 //! compiles with NVRTC for the device's architecture and caches on disk.
 
+mod act;
+mod attention;
 mod backend;
 mod device;
+mod driver;
 pub mod experts;
+mod graphs;
 mod host;
+mod kernels;
 pub mod load;
+mod moe;
 mod moe_int4;
 mod nvrtc;
-mod offload;
+mod ops;
 mod options;
+mod pool;
 mod prefetch;
+mod recording;
+mod rope;
+mod slots;
 
-pub use backend::{CudaBackend, GpuAct, GpuWeight, StepGraphStats};
+pub use act::{GpuAct, GpuWeight};
+pub use backend::{CudaBackend, HostTiming};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
+pub use graphs::StepGraphStats;
 pub use host::{PinnedBuffer, RegisteredHost};
 pub use load::{LoadIo, LoadReport};
 pub use moe_int4::{check_int4_launch, MoeInt4Kernels};
@@ -28,9 +40,9 @@ pub use nvrtc::{
     cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,
     PtxCache,
 };
-pub use offload::{HostPath, OffloadConfig, OffloadStats, SlotPolicy};
 pub use options::CudaOptions;
 pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
+pub use slots::{HostPath, OffloadConfig};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

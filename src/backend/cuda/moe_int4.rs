@@ -13,7 +13,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
-use super::device::guarded;
+use super::driver::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
 use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use crate::{Error, Result};

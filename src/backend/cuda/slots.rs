@@ -1,5 +1,7 @@
-//! The expert cache in VRAM: `slots_per_layer` FP16 experts per MoE layer, filled from the
-//! bundle's mapping on a dedicated copy stream.
+//! The expert slots in VRAM: `slots_per_layer` FP16 experts per MoE layer, filled from the
+//! bundle's mapping on a dedicated copy stream. Which expert goes into which slot is decided by
+//! the cache policy shared with the simulator ([`ExpertCache`]); this file holds the slot memory,
+//! the copies and the events that order them, and launches no compute kernel.
 //!
 //! Host side: each layer's Experts section is registered with `cuMemHostRegister(READ_ONLY)`, so
 //! an expert is one DMA straight from the page cache; where the driver refuses, blobs go through
@@ -15,31 +17,14 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use specter_format::Bundle;
 
-use super::backend::{CudaBackend, MoePlan};
-use super::device::guarded;
-use super::experts::{ExpertGroup, MoeLaunch};
+use super::driver::guarded;
 use super::host::{PinnedBuffer, RegisteredHost};
 use super::CudaDevice;
 use crate::arch::{expert_tensor_name, ArchConfig, Proj};
+use crate::offload::{
+    ExpertCache, Hit, InitialResidency, Load, OffloadStats, Policy, ResidencyConfig, Round,
+};
 use crate::{Error, Result};
-
-/// How slots are reused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SlotPolicy {
-    /// No reuse: every expert a pass needs is copied for that pass.
-    OnDemand,
-    /// Keep experts; evict the least recently used.
-    Lru,
-}
-
-impl SlotPolicy {
-    pub fn name(self) -> &'static str {
-        match self {
-            SlotPolicy::OnDemand => "ondemand",
-            SlotPolicy::Lru => "lru",
-        }
-    }
-}
 
 /// Where expert bytes are copied from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,95 +40,9 @@ pub struct OffloadConfig {
     pub bundle: Arc<Bundle>,
     pub config: ArchConfig,
     pub slots_per_layer: usize,
-    pub policy: SlotPolicy,
+    /// The cache policy: [`Policy::Lru`], [`Policy::OnDemand`] or [`Policy::Specter`].
+    pub policy: Policy,
     pub host_path: HostPath,
-}
-
-/// Counters since the last reset.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct OffloadStats {
-    pub policy: String,
-    /// `registered-mmap` or `pinned-staging`.
-    pub path: String,
-    pub slots_per_layer: usize,
-    /// Bytes of one slot (one expert's gate, up and down).
-    pub slot_bytes: usize,
-    /// VRAM held by all slots.
-    pub slot_vram_bytes: usize,
-    pub hits: u64,
-    pub misses: u64,
-    pub bytes_copied: u64,
-    /// Time the copy stream spent copying (device events), seconds.
-    pub copy_seconds: f64,
-    /// Experts copied ahead of the verify pass by the draft-driven plan.
-    pub prefetched: u64,
-    /// Of those, the ones a target pass then used.
-    pub prefetch_used: u64,
-    /// Distinct experts target passes needed (summed over passes and layers) ...
-    pub target_needed: u64,
-    /// ... and how many of them the current plan held.
-    pub target_planned: u64,
-    /// Bytes copied by prefetches (the rest of `bytes_copied` were demand loads).
-    pub prefetch_bytes: u64,
-    /// Copy-stream time of the prefetches, seconds.
-    pub prefetch_copy_seconds: f64,
-    /// Of that, the time before the verify pass that followed started on the compute stream:
-    /// copy time hidden behind drafting (device events; needs [`ExpertOffload::mark_verify`]).
-    pub prefetch_hidden_seconds: f64,
-    /// Seconds the background registration of the expert sections took (0 until it is done, and
-    /// without registration); copies go through staging until then.
-    pub registration_seconds: f64,
-    /// Target-pass hits and misses per model layer (0 for layers without routed experts).
-    pub layer_hits: Vec<u64>,
-    pub layer_misses: Vec<u64>,
-}
-
-impl OffloadStats {
-    /// Prefetched experts that were used, over those prefetched.
-    pub fn prefetch_precision(&self) -> f64 {
-        ratio(self.prefetch_used, self.prefetched)
-    }
-
-    /// Experts target passes needed that the plan held, over those needed.
-    pub fn prefetch_recall(&self) -> f64 {
-        ratio(self.target_planned, self.target_needed)
-    }
-
-    /// Hit rate of each MoE layer (layers without lookups are left out), in layer order.
-    pub fn layer_hit_rates(&self) -> Vec<f64> {
-        self.layer_hits
-            .iter()
-            .zip(&self.layer_misses)
-            .filter(|(h, m)| **h + **m > 0)
-            .map(|(&h, &m)| h as f64 / (h + m) as f64)
-            .collect()
-    }
-
-    pub fn hit_rate(&self) -> f64 {
-        let total = self.hits + self.misses;
-        if total == 0 {
-            0.0
-        } else {
-            self.hits as f64 / total as f64
-        }
-    }
-
-    /// Bytes per second while the copy stream was busy.
-    pub fn copy_bandwidth(&self) -> f64 {
-        if self.copy_seconds > 0.0 {
-            self.bytes_copied as f64 / self.copy_seconds
-        } else {
-            0.0
-        }
-    }
-}
-
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        0.0
-    } else {
-        a as f64 / b as f64
-    }
 }
 
 /// Where one expert's tensors sit inside its blob.
@@ -157,19 +56,14 @@ struct BlobLayout {
 }
 
 struct LayerSlots {
+    /// The layer's MoE index (the cache policy's layer numbering).
+    moe_index: usize,
     slots: CudaSlice<u8>,
-    slot_expert: Vec<Option<u32>>,
-    expert_slot: Vec<Option<usize>>,
-    last_use: Vec<u64>,
     blobs: Vec<BlobLayout>,
     /// Recorded on the copy stream after a prefetch into the slot.
     slot_ready: Vec<CudaEvent>,
     /// A prefetch into the slot may still be in flight: compute waits on `slot_ready` first.
     slot_pending: Vec<bool>,
-    /// Held by the current plan: not evicted by demand loads or later prefetches of the window.
-    planned: Vec<bool>,
-    /// Prefetched and not used yet.
-    unused_prefetch: Vec<bool>,
 }
 
 /// The expert sections' registrations, made on a background thread, and how long they took.
@@ -183,7 +77,8 @@ pub struct ExpertOffload {
     staging: Vec<PinnedBuffer>,
     next_staging: usize,
     bundle: Arc<Bundle>,
-    policy: SlotPolicy,
+    /// Which expert is in which slot: the policy shared with the simulator.
+    cache: ExpertCache,
     slots_per_layer: usize,
     inter: usize,
     /// Bytes of one projection matrix (`inter * hidden` halves).
@@ -200,8 +95,14 @@ pub struct ExpertOffload {
     verify_marks: Vec<(usize, Arc<CudaEvent>)>,
     /// Prefetch timings not yet followed by a verify mark.
     unmarked: Vec<usize>,
-    stats: OffloadStats,
-    tick: u64,
+    /// `registered-mmap` or `pinned-staging`.
+    path: &'static str,
+    registration_seconds: f64,
+    slot_vram_bytes: usize,
+    /// Copy-stream times of the batches timed so far (see [`OffloadStats`]).
+    copy_seconds: f64,
+    prefetch_copy_seconds: f64,
+    prefetch_hidden_seconds: f64,
 }
 
 // SAFETY: the raw registrations and pinned buffers are only touched through `&mut self` (the
@@ -218,6 +119,12 @@ impl ExpertOffload {
                 "--resident-experts {} must be in 1..={experts} (experts per layer) when offloading",
                 cfg.slots_per_layer
             )));
+        }
+        if cfg.policy == Policy::AllResident {
+            return Err(Error::Request(
+                "the all-resident policy keeps every expert in VRAM: it takes no expert slots"
+                    .into(),
+            ));
         }
         let matrix_bytes = 2 * hidden * inter;
         let slot_bytes = 3 * matrix_bytes;
@@ -248,7 +155,7 @@ impl ExpertOffload {
         let mut layers: Vec<Option<LayerSlots>> = (0..arch.num_layers).map(|_| None).collect();
         let base = cfg.bundle.as_bytes().as_ptr() as usize;
         let mut sections: Vec<(usize, usize)> = Vec::new();
-        for &l in &moe_layers {
+        for (moe_index, &l) in moe_layers.iter().enumerate() {
             let mut blobs = Vec::with_capacity(experts);
             for e in 0..experts {
                 let blob = cfg
@@ -291,17 +198,13 @@ impl ExpertOffload {
                 || dev.stream().alloc_zeros::<u8>(cfg.slots_per_layer * slot_bytes),
             )?;
             layers[l] = Some(LayerSlots {
+                moe_index,
                 slots,
-                slot_expert: vec![None; cfg.slots_per_layer],
-                expert_slot: vec![None; experts],
-                last_use: vec![0; cfg.slots_per_layer],
                 blobs,
                 slot_ready: (0..cfg.slots_per_layer)
                     .map(|_| event(false))
                     .collect::<Result<_>>()?,
                 slot_pending: vec![false; cfg.slots_per_layer],
-                planned: vec![false; cfg.slots_per_layer],
-                unused_prefetch: vec![false; cfg.slots_per_layer],
             });
         }
         // Registering tens of GB pins (and, from a cold cache, reads) every page: seconds. It
@@ -355,25 +258,24 @@ impl ExpertOffload {
             None
         };
         let registrations = Vec::new();
-        let path = "pinned-staging";
         let staging = vec![dev.alloc_pinned(slot_bytes)?, dev.alloc_pinned(slot_bytes)?];
-        let stats = OffloadStats {
-            policy: cfg.policy.name().to_string(),
-            path: path.to_string(),
-            slots_per_layer: cfg.slots_per_layer,
-            slot_bytes,
-            slot_vram_bytes: need,
-            layer_hits: vec![0; arch.num_layers],
-            layer_misses: vec![0; arch.num_layers],
-            ..Default::default()
-        };
+        let cache = ExpertCache::new(
+            ResidencyConfig {
+                num_moe_layers: moe_layers.len(),
+                num_experts: experts,
+                slots_per_layer: cfg.slots_per_layer,
+                expert_bytes: slot_bytes,
+                policy: cfg.policy,
+            },
+            &InitialResidency::Empty,
+        )?;
         Ok(ExpertOffload {
             registrations,
             registering,
             staging,
             next_staging: 0,
             bundle: cfg.bundle,
-            policy: cfg.policy,
+            cache,
             slots_per_layer: cfg.slots_per_layer,
             inter,
             matrix_bytes,
@@ -385,8 +287,12 @@ impl ExpertOffload {
             timings: Vec::new(),
             verify_marks: Vec::new(),
             unmarked: Vec::new(),
-            stats,
-            tick: 0,
+            path: "pinned-staging",
+            registration_seconds: 0.0,
+            slot_vram_bytes: need,
+            copy_seconds: 0.0,
+            prefetch_copy_seconds: 0.0,
+            prefetch_hidden_seconds: 0.0,
         })
     }
 
@@ -413,42 +319,29 @@ impl ExpertOffload {
                 .flatten()
                 .next()
                 .map_or(0, |l| l.blobs.len()),
-            self.policy.name(),
+            self.cache.policy().name(),
             self.slot_bytes as f64 / 1e6,
-            self.stats.path
+            self.path
         )
     }
 
     /// Empties every slot and clears the counters.
     pub(crate) fn reset(&mut self) {
+        self.cache.reset();
         for l in self.layers.iter_mut().flatten() {
-            l.slot_expert.iter_mut().for_each(|s| *s = None);
-            l.expert_slot.iter_mut().for_each(|s| *s = None);
-            l.last_use.iter_mut().for_each(|t| *t = 0);
-            l.planned.iter_mut().for_each(|p| *p = false);
-            l.unused_prefetch.iter_mut().for_each(|p| *p = false);
+            l.slot_pending.iter_mut().for_each(|p| *p = false);
         }
         self.timings.clear();
         self.verify_marks.clear();
         self.unmarked.clear();
-        let keep = OffloadStats {
-            policy: self.stats.policy.clone(),
-            path: self.stats.path.clone(),
-            slots_per_layer: self.stats.slots_per_layer,
-            slot_bytes: self.stats.slot_bytes,
-            slot_vram_bytes: self.stats.slot_vram_bytes,
-            registration_seconds: self.stats.registration_seconds,
-            layer_hits: vec![0; self.stats.layer_hits.len()],
-            layer_misses: vec![0; self.stats.layer_misses.len()],
-            ..Default::default()
-        };
-        self.stats = keep;
-        self.tick = 0;
+        self.copy_seconds = 0.0;
+        self.prefetch_copy_seconds = 0.0;
+        self.prefetch_hidden_seconds = 0.0;
     }
 
     /// Bytes issued to the copy stream since the last reset (counted at issue: no wait).
     pub(crate) fn bytes_copied(&self) -> u64 {
-        self.stats.bytes_copied
+        self.cache.stats().bytes_copied
     }
 
     pub(crate) fn stats(&mut self) -> Result<OffloadStats> {
@@ -456,18 +349,25 @@ impl ExpertOffload {
             self.verify_marks.drain(..).collect();
         for (i, (start, end, prefetch)) in self.timings.drain(..).enumerate() {
             let ms = guarded("cuEventElapsedTime", || start.elapsed_ms(&end))?;
-            self.stats.copy_seconds += ms as f64 / 1e3;
+            self.copy_seconds += ms as f64 / 1e3;
             if prefetch {
-                self.stats.prefetch_copy_seconds += ms as f64 / 1e3;
+                self.prefetch_copy_seconds += ms as f64 / 1e3;
                 if let Some(verify) = marks.get(&i) {
                     // The part of the copy before the verify pass began: [0, copy time].
                     let before = guarded("cuEventElapsedTime", || start.elapsed_ms(verify))?;
-                    self.stats.prefetch_hidden_seconds += before.clamp(0.0, ms) as f64 / 1e3;
+                    self.prefetch_hidden_seconds += before.clamp(0.0, ms) as f64 / 1e3;
                 }
             }
         }
         self.unmarked.clear();
-        Ok(self.stats.clone())
+        let mut stats = self.cache.stats().clone();
+        stats.path = self.path.to_string();
+        stats.slot_vram_bytes = self.slot_vram_bytes;
+        stats.registration_seconds = self.registration_seconds;
+        stats.copy_seconds = self.copy_seconds;
+        stats.prefetch_copy_seconds = self.prefetch_copy_seconds;
+        stats.prefetch_hidden_seconds = self.prefetch_hidden_seconds;
+        Ok(stats)
     }
 
     /// Marks the start of a verify pass on `compute`: the prefetches issued since the last mark
@@ -488,179 +388,114 @@ impl ExpertOffload {
         Ok(())
     }
 
-    /// Runs the routed experts of one layer: resident ones first, then the missing ones once
-    /// their copies land. When a pass needs more experts than there are slots, it runs in
-    /// rounds of at most `slots_per_layer` experts.
-    pub(crate) fn run_layer(
-        &mut self,
-        be: &CudaBackend,
-        layer: usize,
-        plan: &MoePlan,
-        launch: &mut MoeLaunch,
-    ) -> Result<()> {
-        let stream = be.stream().clone();
-        let slots_n = self.slots_per_layer;
-        if self.policy == SlotPolicy::OnDemand {
-            let l = self.layer_mut(layer)?;
-            l.slot_expert.iter_mut().for_each(|s| *s = None);
-            l.expert_slot.iter_mut().for_each(|s| *s = None);
-        }
-        let mut pending: Vec<usize> = (0..plan.hit.len()).collect();
-        let mut used_prefetches = 0u64;
-        let mut planned_hits = 0u64;
-        self.stats.target_needed += plan.hit.len() as u64;
-        while !pending.is_empty() {
-            self.tick += 1;
-            let tick = self.tick;
-            // This round: hits first (they need no slot), then misses while slots remain.
-            let mut hits = Vec::new();
-            let mut misses = Vec::new();
-            let mut used = vec![false; slots_n];
-            let mut rest = Vec::new();
-            {
-                let l = self.layer_mut(layer)?;
-                for &g in &pending {
-                    let e = plan.hit[g] as usize;
-                    match l.expert_slot[e] {
-                        Some(s) if !used[s] => {
-                            used[s] = true;
-                            l.last_use[s] = tick;
-                            hits.push((g, s));
-                        }
-                        _ => rest.push(g),
-                    }
-                }
-                for &(_, s) in &hits {
-                    if l.slot_pending[s] {
-                        // A prefetch may still be landing in this slot.
-                        guarded("cuStreamWaitEvent", || stream.wait(&l.slot_ready[s]))?;
-                        l.slot_pending[s] = false;
-                    }
-                    if l.unused_prefetch[s] {
-                        l.unused_prefetch[s] = false;
-                        used_prefetches += 1;
-                    }
-                    if l.planned[s] {
-                        planned_hits += 1;
-                    }
-                }
-                let mut deferred = Vec::new();
-                for g in rest {
-                    let e = plan.hit[g] as usize;
-                    // A free slot, else the least recently used one this round does not use.
-                    let victim = (0..slots_n).filter(|&s| !used[s]).min_by_key(|&s| {
-                        (l.planned[s], l.slot_expert[s].is_some(), l.last_use[s], s)
-                    });
-                    match victim {
-                        Some(s) => {
-                            if let Some(old) = l.slot_expert[s] {
-                                l.expert_slot[old as usize] = None;
-                            }
-                            l.planned[s] = false;
-                            l.unused_prefetch[s] = false;
-                            l.slot_pending[s] = false;
-                            l.slot_expert[s] = Some(e as u32);
-                            l.expert_slot[e] = Some(s);
-                            l.last_use[s] = tick;
-                            used[s] = true;
-                            misses.push((g, s));
-                        }
-                        None => deferred.push(g),
-                    }
-                }
-                pending = deferred;
-            }
-            self.stats.hits += hits.len() as u64;
-            self.stats.misses += misses.len() as u64;
-            if let Some(n) = self.stats.layer_hits.get_mut(layer) {
-                *n += hits.len() as u64;
-            }
-            if let Some(n) = self.stats.layer_misses.get_mut(layer) {
-                *n += misses.len() as u64;
-            }
-            if !hits.is_empty() {
-                self.launch_groups(be, layer, plan, &hits, launch)?;
-            }
-            if !misses.is_empty() {
-                self.copy_in(layer, &misses, plan)?;
-                guarded("cuStreamWaitEvent", || stream.wait(&self.ready))?;
-                self.launch_groups(be, layer, plan, &misses, launch)?;
-            }
-            // Later copies into these slots wait for the kernels just issued.
-            guarded("cuEventRecord", || self.released.record(&stream))?;
-        }
-        self.stats.prefetch_used += used_prefetches;
-        self.stats.target_planned += planned_hits;
-        Ok(())
+    /// The cache policy's rounds for the experts (distinct, ascending) one target pass needs in
+    /// model layer `layer`: see [`ExpertCache::serve`].
+    pub(crate) fn serve(&mut self, layer: usize, experts: &[u32]) -> Result<Vec<Round>> {
+        let moe_index = self.layer_mut(layer)?.moe_index;
+        self.cache.serve(moe_index, experts)
     }
 
-    /// Copies the planned experts of model layer `layer` that are not resident into slots not
-    /// held by the plan, on the copy stream, and marks every planned expert protected until
-    /// [`Self::clear_plans`]. Returns the bytes issued. The compute stream does not wait: a
-    /// later pass that uses a slot waits on that slot's own event.
-    pub(crate) fn prefetch(&mut self, layer: usize, experts: &[u32]) -> Result<usize> {
-        let copy = self.copy_stream.clone();
-        let slots_n = self.slots_per_layer;
-        let mut chosen = Vec::new();
-        {
-            let l = self.layer_mut(layer)?;
-            for &e in experts {
-                let e = e as usize;
-                if e >= l.expert_slot.len() {
-                    return Err(Error::Request(format!("prefetch: expert {e} out of range")));
-                }
-                if let Some(s) = l.expert_slot[e] {
-                    l.planned[s] = true;
-                    continue;
-                }
-                let victim = (0..slots_n)
-                    .filter(|&s| !l.planned[s])
-                    .min_by_key(|&s| (l.slot_expert[s].is_some(), l.last_use[s], s));
-                let Some(s) = victim else { break };
-                if let Some(old) = l.slot_expert[s] {
-                    l.expert_slot[old as usize] = None;
-                }
-                l.slot_expert[s] = Some(e as u32);
-                l.expert_slot[e] = Some(s);
-                l.planned[s] = true;
-                l.unused_prefetch[s] = true;
-                l.slot_pending[s] = true;
-                chosen.push((e, s));
+    /// The slot pointers of a round's hits, in order; `compute` first waits for any prefetch
+    /// still landing in those slots.
+    pub(crate) fn hit_slots(
+        &mut self,
+        layer: usize,
+        hits: &[Hit],
+        compute: &CudaStream,
+    ) -> Result<Vec<u64>> {
+        let l = self.layer_mut(layer)?;
+        for hit in hits {
+            if std::mem::take(&mut l.slot_pending[hit.slot]) {
+                guarded("cuStreamWaitEvent", || {
+                    compute.wait(&l.slot_ready[hit.slot])
+                })?;
             }
         }
+        hits.iter()
+            .map(|hit| self.slot_ptr(layer, hit.slot, compute))
+            .collect()
+    }
+
+    /// Copies a round's loads into their slots on the copy stream, after the kernels that last
+    /// read those slots; `compute` waits for the copies. Returns the slot pointers, in order.
+    pub(crate) fn load_slots(
+        &mut self,
+        layer: usize,
+        loads: &[Load],
+        compute: &CudaStream,
+    ) -> Result<Vec<u64>> {
+        let copy = self.copy_stream.clone();
+        guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
+        let ctx = copy.context().clone();
+        let timing = || {
+            guarded("cuEventCreate", || {
+                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            })
+        };
+        let (start, end) = (timing()?, timing()?);
+        guarded("cuEventRecord", || start.record(&copy))?;
+        for load in loads {
+            // Slot layout: gate, up (together the fused gate/up matrix), down.
+            self.layer_mut(layer)?.slot_pending[load.slot] = false;
+            self.copy_expert(layer, load.expert as usize, load.slot)?;
+        }
+        guarded("cuEventRecord", || end.record(&copy))?;
+        guarded("cuEventRecord", || self.ready.record(&copy))?;
+        self.timings.push((start, end, false));
+        guarded("cuStreamWaitEvent", || compute.wait(&self.ready))?;
+        loads
+            .iter()
+            .map(|load| self.slot_ptr(layer, load.slot, compute))
+            .collect()
+    }
+
+    /// Records that the kernels issued on `compute` so far are the last readers of the slots:
+    /// later copies into them wait for this point.
+    pub(crate) fn release(&mut self, compute: &CudaStream) -> Result<()> {
+        guarded("cuEventRecord", || self.released.record(compute))
+    }
+
+    /// Bytes of one projection matrix in a slot; the down projection starts at twice this.
+    pub(crate) fn matrix_bytes(&self) -> usize {
+        self.matrix_bytes
+    }
+
+    /// Takes `experts` (ranked, most wanted first) as the plan of model layer `layer`: the cache
+    /// policy protects the resident ones and picks slots for the missing ones, which are copied
+    /// on the copy stream. Returns the bytes issued. The compute stream does not wait: a later
+    /// pass that uses a slot waits on that slot's own event.
+    pub(crate) fn prefetch(&mut self, layer: usize, experts: &[u32]) -> Result<usize> {
+        let copy = self.copy_stream.clone();
+        let moe_index = self.layer_mut(layer)?.moe_index;
+        let chosen = self.cache.prefetch(moe_index, experts)?;
         if chosen.is_empty() {
             return Ok(0);
         }
         // The slots may still be read by kernels issued before now.
         guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
         let ctx = copy.context().clone();
-        let timing = |_: ()| {
+        let timing = || {
             guarded("cuEventCreate", || {
                 ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             })
         };
-        let (start, end) = (timing(())?, timing(())?);
+        let (start, end) = (timing()?, timing()?);
         guarded("cuEventRecord", || start.record(&copy))?;
-        let mb = self.matrix_bytes;
-        for &(e, s) in &chosen {
-            self.copy_expert(layer, e, s)?;
+        for load in &chosen {
+            self.copy_expert(layer, load.expert as usize, load.slot)?;
             let l = self.layer_mut(layer)?;
-            guarded("cuEventRecord", || l.slot_ready[s].record(&copy))?;
-            self.stats.bytes_copied += 3 * mb as u64;
-            self.stats.prefetch_bytes += 3 * mb as u64;
-            self.stats.prefetched += 1;
+            guarded("cuEventRecord", || l.slot_ready[load.slot].record(&copy))?;
+            l.slot_pending[load.slot] = true;
         }
         guarded("cuEventRecord", || end.record(&copy))?;
         self.unmarked.push(self.timings.len());
         self.timings.push((start, end, true));
-        Ok(chosen.len() * 3 * mb)
+        Ok(chosen.len() * self.slot_bytes)
     }
 
     /// Ends the current plan: its experts become ordinary LRU residents.
     pub(crate) fn clear_plans(&mut self) {
-        for l in self.layers.iter_mut().flatten() {
-            l.planned.iter_mut().for_each(|p| *p = false);
-        }
+        self.cache.clear_plans();
     }
 
     pub(crate) fn slots_per_layer(&self) -> usize {
@@ -698,65 +533,6 @@ impl ExpertOffload {
         Ok(p + (slot * self.slot_bytes) as u64)
     }
 
-    fn launch_groups(
-        &self,
-        be: &CudaBackend,
-        layer: usize,
-        plan: &MoePlan,
-        chosen: &[(usize, usize)],
-        launch: &mut MoeLaunch,
-    ) -> Result<()> {
-        let stream = be.stream();
-        let mut groups = Vec::with_capacity(chosen.len());
-        for &(g, s) in chosen {
-            let base = self.slot_ptr(layer, s, stream)?;
-            let (first, count) = plan.range(g);
-            groups.push(ExpertGroup {
-                gate_up: base,
-                gate_up_scales: 0,
-                down: base + 2 * self.matrix_bytes as u64,
-                down_scales: 0,
-                first,
-                count,
-            });
-        }
-        let d_groups = be.upload_groups(&groups)?;
-        launch.groups = d_groups.device_ptr(stream).0;
-        launch.num_groups = groups.len();
-        launch.max_count = chosen
-            .iter()
-            .map(|&(g, _)| plan.range(g).1 as usize)
-            .max()
-            .unwrap_or(0);
-        be.launch_moe(launch, false)?;
-        be.defer_free(d_groups);
-        Ok(())
-    }
-
-    /// Copies the chosen experts into their slots on the copy stream and records `ready`.
-    fn copy_in(&mut self, layer: usize, chosen: &[(usize, usize)], plan: &MoePlan) -> Result<()> {
-        let copy = self.copy_stream.clone();
-        guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
-        let ctx = copy.context().clone();
-        let start = guarded("cuEventCreate", || {
-            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        })?;
-        let end = guarded("cuEventCreate", || {
-            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        })?;
-        guarded("cuEventRecord", || start.record(&copy))?;
-        let mb = self.matrix_bytes;
-        for &(g, s) in chosen {
-            // Slot layout: gate, up (together the fused gate/up matrix), down.
-            self.copy_expert(layer, plan.hit[g] as usize, s)?;
-            self.stats.bytes_copied += 3 * mb as u64;
-        }
-        guarded("cuEventRecord", || end.record(&copy))?;
-        guarded("cuEventRecord", || self.ready.record(&copy))?;
-        self.timings.push((start, end, false));
-        Ok(())
-    }
-
     /// Switches to direct copies from the registered mapping once the background registration
     /// has finished (or stays on staging if it failed); with `block`, waits for it first.
     pub(crate) fn poll_registration(&mut self, block: bool) {
@@ -777,8 +553,8 @@ impl ExpertOffload {
             Ok(Ok((regs, seconds))) => {
                 tracing::info!("expert sections registered in {seconds:.3} s; copying from them");
                 self.registrations = regs;
-                self.stats.path = "registered-mmap".to_string();
-                self.stats.registration_seconds = seconds;
+                self.path = "registered-mmap";
+                self.registration_seconds = seconds;
             }
             Ok(Err(err)) => {
                 tracing::warn!("expert offload: {err}; copying through pinned staging buffers");

@@ -1,0 +1,62 @@
+//! Device tensors: activations ([`GpuAct`], f32 rows in pooled buffers) and weights
+//! ([`GpuWeight`]: FP16, INT4 with scales, or a routed expert kept in the bundle for the slots).
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use half::f16;
+
+use super::pool::PooledBuf;
+
+/// A row-major `[rows, cols]` f32 activation in device memory.
+///
+/// The buffer is shared: [`Backend::head_rows`] hands out a view of the first rows without a copy
+/// (the MLA path reads the whole latent cache every step). Writes go through device pointers on
+/// the one compute stream, which orders them after every earlier read.
+pub struct GpuAct {
+    pub(super) buf: Arc<PooledBuf>,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
+impl GpuAct {
+    /// Another handle on the same buffer.
+    pub(super) fn share(&self) -> GpuAct {
+        GpuAct {
+            buf: self.buf.clone(),
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
+/// A weight in device memory, or a routed expert that lives in host memory until a pass needs it.
+pub enum GpuWeight {
+    F16 {
+        name: String,
+        shape: Vec<usize>,
+        buf: CudaSlice<f16>,
+    },
+    /// Marlin-tiled INT4 `[k inputs, n outputs]` with its group scales (docs/MARLIN.md).
+    Int4 {
+        name: String,
+        k: usize,
+        n: usize,
+        qweight: CudaSlice<u32>,
+        scales: CudaSlice<f16>,
+    },
+    /// Part of routed expert `expert` of model layer `layer`, copied in by the expert cache.
+    Offloaded { layer: usize, expert: usize },
+}
+
+impl GpuWeight {
+    pub(super) fn describe(&self) -> String {
+        match self {
+            GpuWeight::F16 { name, shape, .. } => format!("{name} {shape:?}"),
+            GpuWeight::Int4 { name, k, n, .. } => format!("{name} (INT4, k {k}, n {n})"),
+            GpuWeight::Offloaded { layer, expert } => {
+                format!("offloaded expert {expert} of layer {layer}")
+            }
+        }
+    }
+}

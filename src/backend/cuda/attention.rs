@@ -1,0 +1,207 @@
+//! Position and attention ops: rotary embeddings (with their per-step cos/sin table), the MLA
+//! key/value expansion, and decode/verify attention over the KV cache.
+
+use super::act::GpuAct;
+use super::backend::CudaBackend;
+use super::driver::guarded;
+use super::kernels::*;
+use super::rope::{rope_cos_sin, RopeTableGpu};
+use crate::arch::RopeStyle;
+use crate::backend::{check, AttentionSpec, RopeSpec};
+use crate::Result;
+
+impl CudaBackend {
+    pub(super) fn rope_table(
+        &self,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<std::sync::MutexGuard<'_, Option<RopeTableGpu>>> {
+        let mut table = self.lock(&self.rope_table)?;
+        let fresh = table.as_ref().is_some_and(|t| {
+            t.inv_freq == inv_freq && t.positions == positions && t.scales == scales
+        });
+        if !fresh {
+            let (cos, sin) = rope_cos_sin(inv_freq, positions, scales);
+            let up = |v: &[f32]| {
+                let v = if v.is_empty() { &[0.0f32][..] } else { v };
+                guarded("cuda rope: host-to-device copy failed", || {
+                    self.stream.clone_htod(v)
+                })
+            };
+            *table = Some(RopeTableGpu {
+                inv_freq: inv_freq.to_vec(),
+                positions: positions.to_vec(),
+                scales: scales.to_vec(),
+                cos: up(&cos)?,
+                sin: up(&sin)?,
+            });
+        }
+        Ok(table)
+    }
+
+    pub(super) fn rope_op(
+        &self,
+        x: &mut GpuAct,
+        spec: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        let half = spec.rot_dim / 2;
+        check::rope(
+            &spec,
+            (x.rows, x.cols),
+            inv_freq.len(),
+            positions.len(),
+            scales.len(),
+        )
+        .map_err(|d| shape_err("rope", d))?;
+        if x.rows == 0 || half == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        // In a recorded pass cos/sin come from the step buffer, rewritten at every replay.
+        let (cos, sin) = match self.step_args()? {
+            Some(a) if self.step_rope_matches(inv_freq, positions, scales)? => (a.cos, a.sin),
+            _ => {
+                let table = self.rope_table(inv_freq, positions, scales)?;
+                let t = table
+                    .as_ref()
+                    .ok_or_else(|| shape_err("rope", "no table".into()))?;
+                (ptr(&t.cos, s), ptr(&t.sin, s))
+            }
+        };
+        let args = [
+            ptr(&x.buf, s),
+            cos,
+            sin,
+            int(x.cols, "cols")?,
+            int(spec.heads, "heads")?,
+            int(spec.head_stride, "head_stride")?,
+            int(spec.offset, "offset")?,
+            int(spec.rot_dim, "rot_dim")?,
+            u64::from(spec.style == RopeStyle::Interleaved),
+        ];
+        self.launch(
+            &self.k.rope,
+            "rope",
+            (x.rows as u32, 1, 1),
+            ROW_THREADS,
+            &args,
+        )
+    }
+
+    pub(super) fn mla_expand_kv_op(
+        &self,
+        kv: &GpuAct,
+        k_pe: &GpuAct,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+    ) -> Result<(GpuAct, GpuAct)> {
+        let rope = k_pe.cols;
+        check::mla_expand(
+            (kv.rows, kv.cols),
+            (k_pe.rows, k_pe.cols),
+            heads,
+            nope,
+            v_dim,
+        )
+        .map_err(|d| shape_err("mla_expand_kv", d))?;
+        let keys = self.alloc(kv.rows, heads * (nope + rope))?;
+        let values = self.alloc(kv.rows, heads * v_dim)?;
+        if kv.rows > 0 {
+            let s = &self.stream;
+            let args = [
+                ptr(&kv.buf, s),
+                ptr(&k_pe.buf, s),
+                int(heads, "heads")?,
+                int(nope, "nope")?,
+                int(rope, "rope")?,
+                int(v_dim, "v_dim")?,
+                ptr(&keys.buf, s),
+                ptr(&values.buf, s),
+            ];
+            let h = u32::try_from(heads)
+                .map_err(|_| shape_err("mla_expand_kv", "too many heads".into()))?;
+            self.launch(
+                &self.k.mla_expand_kv,
+                "mla_expand_kv",
+                (kv.rows as u32, h, 1),
+                MLA_THREADS,
+                &args,
+            )?;
+        }
+        Ok((keys, values))
+    }
+
+    pub(super) fn attention_op(
+        &self,
+        q: &GpuAct,
+        k: &GpuAct,
+        v: &GpuAct,
+        kv_len: usize,
+        spec: AttentionSpec,
+    ) -> Result<GpuAct> {
+        let AttentionSpec {
+            heads,
+            kv_heads,
+            qk_dim,
+            v_dim,
+            scale,
+            start,
+            window,
+        } = spec;
+        check::attention(
+            &spec,
+            (q.rows, q.cols),
+            (k.rows, k.cols),
+            (v.rows, v.cols),
+            kv_len,
+        )
+        .map_err(|d| shape_err("attention", d))?;
+        let out = self.alloc(q.rows, heads * v_dim)?;
+        if q.rows == 0 {
+            return Ok(out);
+        }
+        let blocks = q.rows * heads;
+        // A recorded pass reads its start on the device and may be replayed at any length the
+        // cache holds: its score rows are sized for the whole cache.
+        let step = self
+            .step_args()?
+            .filter(|a| a.start == start && a.rows == q.rows);
+        let stride = match step {
+            Some(_) => k.rows.min(v.rows).max(1),
+            None => kv_len.max(1),
+        };
+        let scratch = self.alloc(blocks, stride)?;
+        let s = &self.stream;
+        let args = [
+            ptr(&q.buf, s),
+            ptr(&k.buf, s),
+            ptr(&v.buf, s),
+            ptr(&out.buf, s),
+            ptr(&scratch.buf, s),
+            int(heads, "heads")?,
+            int(kv_heads, "kv_heads")?,
+            int(qk_dim, "qk_dim")?,
+            int(v_dim, "v_dim")?,
+            float(scale),
+            int(start, "start")?,
+            int(window.unwrap_or(0), "window")?,
+            int(stride, "kv_len")?,
+            step.map_or(0, |a| a.positions),
+        ];
+        let grid =
+            u32::try_from(blocks).map_err(|_| shape_err("attention", "too many rows".into()))?;
+        self.launch(
+            &self.k.attention,
+            "attention",
+            (grid, 1, 1),
+            ATT_THREADS,
+            &args,
+        )?;
+        Ok(out)
+    }
+}

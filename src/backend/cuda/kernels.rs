@@ -1,0 +1,106 @@
+//! The kernel table: every compiled kernel function the backend launches, loaded once per
+//! device, and the helpers that turn launch arguments into the 8-byte slots kernels read.
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
+
+use super::CudaDevice;
+use crate::{Error, Result};
+
+/// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
+pub(super) const ROW_THREADS: u32 = 256;
+/// Warps per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
+pub(super) const GEMV_WARPS: usize = 4;
+/// Output features per warp of `linear_f16` and `moe_f16_down` (kernels/gemv_f16.cu).
+pub(super) const GEMV_FEATURES: usize = 2;
+/// Threads per block of kernels/attention.cu.
+pub(super) const ATT_THREADS: u32 = 256;
+/// Threads per block of `mla_expand_kv` (one block per row and head).
+pub(super) const MLA_THREADS: u32 = 128;
+/// Threads of the fused routing + work-list kernel (`ROUTE_PLAN_WARPS` in kernels/ops.cu).
+pub(super) const ROUTE_PLAN_THREADS: u32 = 256;
+/// Rows up to which routing and the work list are built by that one launch; past it the rows
+/// are routed one block each and the plan follows in a second launch.
+pub(super) const ROUTE_PLAN_MAX_ROWS: usize = 64;
+
+pub(super) struct Kernels {
+    pub(super) embedding: CudaFunction,
+    pub(super) rms_norm: CudaFunction,
+    pub(super) layer_norm: CudaFunction,
+    pub(super) copy_cols: CudaFunction,
+    pub(super) copy_rows_at: CudaFunction,
+    pub(super) clamp: CudaFunction,
+    pub(super) add: CudaFunction,
+    pub(super) add_sigmoid_gated: CudaFunction,
+    pub(super) rope: CudaFunction,
+    pub(super) mla_expand_kv: CudaFunction,
+    pub(super) argmax: CudaFunction,
+    pub(super) moe_combine: CudaFunction,
+    pub(super) route_topk: CudaFunction,
+    pub(super) route_sparse_mixer: CudaFunction,
+    pub(super) count_routes: CudaFunction,
+    pub(super) moe_plan: CudaFunction,
+    pub(super) route_plan: CudaFunction,
+    pub(super) linear: CudaFunction,
+    pub(super) gate_up_silu: CudaFunction,
+    pub(super) moe_gate_up: CudaFunction,
+    pub(super) moe_down: CudaFunction,
+    pub(super) attention: CudaFunction,
+}
+
+impl Kernels {
+    pub(super) fn load(dev: &CudaDevice) -> Result<Self> {
+        let ops = |f: &str| dev.function("ops", f);
+        let gemv = |f: &str| dev.function("gemv_f16", f);
+        Ok(Kernels {
+            embedding: ops("embedding")?,
+            rms_norm: ops("rms_norm")?,
+            layer_norm: ops("layer_norm")?,
+            copy_cols: ops("copy_cols")?,
+            copy_rows_at: ops("copy_rows_at")?,
+            clamp: ops("clamp_f32")?,
+            add: ops("add_f32")?,
+            add_sigmoid_gated: ops("add_sigmoid_gated")?,
+            rope: ops("rope")?,
+            mla_expand_kv: ops("mla_expand_kv")?,
+            argmax: ops("argmax_rows")?,
+            moe_combine: ops("moe_combine")?,
+            route_topk: ops("route_softmax_topk")?,
+            route_sparse_mixer: ops("route_sparse_mixer")?,
+            count_routes: ops("count_routes")?,
+            moe_plan: ops("moe_plan")?,
+            route_plan: ops("route_plan")?,
+            linear: gemv("linear_f16")?,
+            gate_up_silu: gemv("gate_up_silu_f16")?,
+            moe_gate_up: gemv("moe_f16_gate_up")?,
+            moe_down: gemv("moe_f16_down")?,
+            attention: dev.function("attention", "attention")?,
+        })
+    }
+}
+
+/// A kernel argument: every argument travels as one 8-byte slot (the driver reads as many bytes as
+/// the parameter has, and the target is little-endian).
+pub(super) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+pub(super) fn int(v: usize, what: &str) -> Result<u64> {
+    i32::try_from(v).map(|v| v as u32 as u64).map_err(|_| {
+        Error::Backend(format!(
+            "cuda: {what} = {v} exceeds the kernels' 32-bit index"
+        ))
+    })
+}
+
+pub(super) fn float(v: f32) -> u64 {
+    v.to_bits() as u64
+}
+
+pub(super) fn shape_err(op: &str, detail: String) -> Error {
+    Error::Backend(format!("cuda {op}: {detail}"))
+}
+
+pub(super) fn grid_for(n: usize, block: u32) -> u32 {
+    n.div_ceil(block as usize).clamp(1, 65_535 * 16) as u32
+}

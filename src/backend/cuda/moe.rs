@@ -1,0 +1,684 @@
+//! Routed-expert dispatch: the host-side work list of a layer's routing ([`MoePlan`]), the expert
+//! pointer tables, routing on the device, and the grouped expert kernels for resident experts
+//! and, through the expert slots (src/backend/cuda/slots.rs), for offloaded ones.
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::act::{GpuAct, GpuWeight};
+use super::backend::{CudaBackend, RouteCounts};
+use super::driver::guarded;
+use super::experts::{ExpertGroup, MoeLaunch};
+use super::kernels::*;
+use crate::backend::cpu::{Cpu, Mat};
+use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
+use crate::{Error, Result};
+
+/// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
+/// ascending expert id.
+pub(crate) struct MoePlan {
+    /// Experts hit, ascending.
+    pub hit: Vec<u32>,
+    /// `hit[g]`'s items are `starts[g]..starts[g + 1]`.
+    pub starts: Vec<u32>,
+    pub item_row: Vec<u32>,
+    pub item_weight: Vec<f32>,
+    /// `[rows, top_k]`: each row's items in ascending expert id.
+    pub row_items: Vec<u32>,
+}
+
+impl MoePlan {
+    pub(crate) fn new(routing: &Routing, num_experts: usize) -> Self {
+        let k = routing.top_k;
+        let rows = routing.ids.len() / k;
+        let mut per_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); num_experts];
+        for (i, (&e, &w)) in routing.ids.iter().zip(&routing.weights).enumerate() {
+            per_expert[e as usize].push(((i / k) as u32, w));
+        }
+        let mut plan = MoePlan {
+            hit: Vec::new(),
+            starts: vec![0],
+            item_row: Vec::with_capacity(rows * k),
+            item_weight: Vec::with_capacity(rows * k),
+            row_items: Vec::with_capacity(rows * k),
+        };
+        let mut row_lists: Vec<Vec<u32>> = vec![Vec::with_capacity(k); rows];
+        for (e, list) in per_expert.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            plan.hit.push(e as u32);
+            for &(r, w) in list {
+                row_lists[r as usize].push(plan.item_row.len() as u32);
+                plan.item_row.push(r);
+                plan.item_weight.push(w);
+            }
+            plan.starts.push(plan.item_row.len() as u32);
+        }
+        for list in row_lists {
+            plan.row_items.extend(list);
+        }
+        plan
+    }
+
+    pub(crate) fn items(&self) -> usize {
+        self.item_row.len()
+    }
+
+    /// `(first, count)` of group `g`.
+    pub(crate) fn range(&self, g: usize) -> (u32, u32) {
+        (self.starts[g], self.starts[g + 1] - self.starts[g])
+    }
+
+    pub(crate) fn max_count(&self) -> usize {
+        (0..self.hit.len())
+            .map(|g| self.range(g).1 as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `item_row` then the bits of `item_weight`, one upload.
+    pub(crate) fn item_words(&self) -> Vec<u32> {
+        let mut words = self.item_row.clone();
+        words.extend(self.item_weight.iter().map(|w| w.to_bits()));
+        words
+    }
+}
+
+/// The weight pointers of a resident expert (first/count left 0), and whether it is INT4.
+fn expert_pointers(
+    mlp: &GatedMlp<CudaBackend>,
+    e: usize,
+    stream: &CudaStream,
+) -> Result<(ExpertGroup, bool)> {
+    match (&mlp.gate_up, &mlp.down) {
+        (GpuWeight::F16 { buf: gu, .. }, GpuWeight::F16 { buf: dn, .. }) => Ok((
+            ExpertGroup {
+                gate_up: ptr(gu, stream),
+                down: ptr(dn, stream),
+                ..Default::default()
+            },
+            false,
+        )),
+        (
+            GpuWeight::Int4 {
+                qweight: gq,
+                scales: gs,
+                ..
+            },
+            GpuWeight::Int4 {
+                qweight: dq,
+                scales: ds,
+                ..
+            },
+        ) => Ok((
+            ExpertGroup {
+                gate_up: ptr(gq, stream),
+                gate_up_scales: ptr(gs, stream),
+                down: ptr(dq, stream),
+                down_scales: ptr(ds, stream),
+                ..Default::default()
+            },
+            true,
+        )),
+        (a, b) => Err(shape_err(
+            "moe_experts",
+            format!(
+                "expert {e}: {} / {} is not a resident expert",
+                a.describe(),
+                b.describe()
+            ),
+        )),
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn route_op(&self, logits: &GpuAct, spec: RouteSpec) -> Result<Routing> {
+        // The routing decides which experts are copied, so the host needs it anyway; computing
+        // it with the CPU reference's code keeps top-k ties and SparseMixer identical.
+        let data = self.to_host(logits)?;
+        Cpu.route(
+            &Mat {
+                rows: logits.rows,
+                cols: logits.cols,
+                data,
+            },
+            spec,
+        )
+    }
+
+    pub(super) fn routed_moe_op(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        host_routing: bool,
+        count_as: Option<usize>,
+    ) -> Result<(GpuAct, Option<Routing>)> {
+        let resident = experts
+            .iter()
+            .all(|m| !matches!(m.gate_up, GpuWeight::Offloaded { .. }));
+        let top_k = match spec {
+            RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
+            RouteSpec::SparseMixer { .. } => 2,
+        };
+        let fits = (1..=16).contains(&top_k) && top_k <= experts.len() && experts.len() <= 1024;
+        if !host_routing
+            && resident
+            && fits
+            && logits.cols == experts.len()
+            && x.rows == logits.rows
+            && x.rows > 0
+        {
+            return Ok((
+                self.routed_moe_on_device(x, logits, spec, top_k, experts, count_as)?,
+                None,
+            ));
+        }
+        let routing = self.route(logits, spec)?;
+        if let Some(layer) = count_as {
+            let ids = self.upload_u32(&routing.ids)?;
+            self.count_routes(ptr(&ids, &self.stream), routing.ids.len(), layer)?;
+        }
+        let out = self.moe_experts(x, &routing, experts)?;
+        Ok((out, Some(routing)))
+    }
+
+    pub(super) fn moe_experts_op(
+        &self,
+        x: &GpuAct,
+        routing: &Routing,
+        experts: &[GatedMlp<Self>],
+    ) -> Result<GpuAct> {
+        let k = routing.top_k;
+        if k == 0 || routing.ids.len() != x.rows * k || routing.weights.len() != x.rows * k {
+            return Err(shape_err(
+                "moe_experts",
+                format!(
+                    "routing of {} ids (top {k}) for {} rows",
+                    routing.ids.len(),
+                    x.rows
+                ),
+            ));
+        }
+        if let Some(&bad) = routing.ids.iter().find(|&&e| e as usize >= experts.len()) {
+            return Err(shape_err(
+                "moe_experts",
+                format!("expert id {bad} >= {}", experts.len()),
+            ));
+        }
+        let hidden = x.cols;
+        let y = self.alloc(x.rows, hidden)?;
+        if x.rows == 0 {
+            return Ok(y);
+        }
+        let plan = MoePlan::new(routing, experts.len());
+        let first = &experts[plan.hit[0] as usize];
+        let inter = match (&first.gate_up, &first.down) {
+            (GpuWeight::F16 { shape, .. }, _) if shape.len() == 2 => shape[0] / 2,
+            (GpuWeight::Int4 { n, .. }, _) => n / 2,
+            (GpuWeight::Offloaded { layer, .. }, _) => match &self.offload {
+                Some(o) => self.lock(o)?.inter(*layer)?,
+                None => {
+                    return Err(shape_err(
+                        "moe_experts",
+                        "offloaded expert without a cache".into(),
+                    ))
+                }
+            },
+            (other, _) => {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("{} is not an expert", other.describe()),
+                ))
+            }
+        };
+        let h = self.alloc(plan.items(), inter)?;
+        let out = self.alloc(plan.items(), hidden)?;
+        let d_items = self.upload_u32(&plan.item_words())?;
+        let s = &self.stream;
+        let items_base = ptr(&d_items, s);
+        let mut launch = MoeLaunch {
+            x: ptr(&x.buf, s),
+            hidden,
+            inter,
+            groups: 0,
+            num_groups: 0,
+            max_count: 0,
+            item_row: items_base,
+            item_weight: items_base + 4 * plan.items() as u64,
+            items: plan.items(),
+            h: ptr(&h.buf, s),
+            out: ptr(&out.buf, s),
+        };
+        match &first.gate_up {
+            GpuWeight::Offloaded { layer, .. } => {
+                self.run_offloaded(*layer, &plan, &mut launch)?;
+            }
+            _ => {
+                let mut groups = Vec::with_capacity(plan.hit.len());
+                let int4 = matches!(first.gate_up, GpuWeight::Int4 { .. });
+                for (g, &e) in plan.hit.iter().enumerate() {
+                    let (mut group, q) = expert_pointers(&experts[e as usize], e as usize, s)?;
+                    if q != int4 {
+                        return Err(shape_err(
+                            "moe_experts",
+                            format!(
+                                "expert {e} is not of the same kind (FP16 or INT4) as expert {}",
+                                plan.hit[0]
+                            ),
+                        ));
+                    }
+                    (group.first, group.count) = plan.range(g);
+                    groups.push(group);
+                }
+                let d_groups = self.upload_groups(&groups)?;
+                launch.groups = ptr(&d_groups, s);
+                launch.num_groups = groups.len();
+                launch.max_count = plan.max_count();
+                self.launch_moe(&launch, int4)?;
+                // The uploaded group table must outlive the kernels that read it.
+                self.defer_free(d_groups);
+            }
+        }
+        let d_row_items = self.upload_u32(&plan.row_items)?;
+        let args = [
+            launch.out,
+            ptr(&d_row_items, s),
+            int(k, "top_k")?,
+            int(hidden, "hidden")?,
+            ptr(&y.buf, s),
+        ];
+        self.launch(
+            &self.k.moe_combine,
+            "moe combine",
+            (x.rows as u32, grid_for(hidden, ROW_THREADS), 1),
+            ROW_THREADS,
+            &args,
+        )?;
+        drop(d_items);
+        drop(h);
+        drop(out);
+        Ok(y)
+    }
+
+    /// Launches the grouped FP16 expert kernels (gate/up then down) for one work list.
+    fn launch_moe_f16(&self, l: &MoeLaunch) -> Result<()> {
+        let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
+        let gy = u32::try_from(l.num_groups).unwrap_or(u32::MAX);
+        self.launch(
+            &self.k.moe_gate_up,
+            "moe gate/up",
+            (grid_for(l.inter, GEMV_WARPS as u32), gy, 1),
+            32 * GEMV_WARPS as u32,
+            &[l.x, h, i, l.groups, l.item_row, l.h],
+        )?;
+        self.launch(
+            &self.k.moe_down,
+            "moe down",
+            (
+                grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32),
+                gy,
+                1,
+            ),
+            32 * GEMV_WARPS as u32,
+            &[l.h, h, i, l.groups, l.item_weight, l.out],
+        )
+    }
+}
+
+impl CudaBackend {
+    /// Routing, work list and expert kernels all on the device: no host round trip.
+    fn routed_moe_on_device(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        top_k: usize,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+    ) -> Result<GpuAct> {
+        let s = &self.stream;
+        let rows = x.rows;
+        let hidden = x.cols;
+        let n_experts = experts.len();
+        let mut templates = Vec::with_capacity(n_experts);
+        let int4 = matches!(experts[0].gate_up, GpuWeight::Int4 { .. });
+        for (e, mlp) in experts.iter().enumerate() {
+            let (t, q) = expert_pointers(mlp, e, s)?;
+            if q != int4 {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("expert {e} is not of the same kind (FP16 or INT4) as expert 0"),
+                ));
+            }
+            templates.push(t);
+        }
+        let inter = match &experts[0].gate_up {
+            GpuWeight::F16 { shape, .. } => shape[0] / 2,
+            GpuWeight::Int4 { n, .. } => n / 2,
+            other => {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("{} is not an expert", other.describe()),
+                ))
+            }
+        };
+        let mut tables = self.lock(&self.expert_tables)?;
+        let key = experts.as_ptr() as usize;
+        let fresh = tables.get(&key).is_some_and(|(host, _)| *host == templates);
+        if !fresh {
+            let dev = self.upload_groups(&templates)?;
+            tables.insert(key, (templates, dev));
+        }
+        let table = ptr(
+            &tables
+                .get(&key)
+                .ok_or_else(|| shape_err("moe_experts", "no table".into()))?
+                .1,
+            s,
+        );
+        drop(tables);
+
+        let n_items = rows * top_k;
+        let max_groups = n_items.min(n_experts);
+        // 32-bit scratch from the activation pool (kernels see raw pointers); the routing and
+        // plan kernels write every element before anything reads it.
+        let alloc_u32 = |n: usize| self.alloc(n.max(1), 1).map(|a| a.buf);
+        let ids = alloc_u32(n_items)?;
+        let weights = alloc_u32(n_items)?;
+        let item_row = alloc_u32(n_items)?;
+        let item_weight = alloc_u32(n_items)?;
+        let row_items = alloc_u32(n_items)?;
+        let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
+        let plan_args = [
+            int(rows, "rows")?,
+            table,
+            int(max_groups, "groups")?,
+            ptr(&groups, s),
+            ptr(&item_row, s),
+            ptr(&item_weight, s),
+            ptr(&row_items, s),
+        ];
+        let plan_separately = |this: &Self| -> Result<()> {
+            let mut args = vec![
+                ptr(&ids, s),
+                ptr(&weights, s),
+                int(rows, "rows")?,
+                int(top_k, "top_k")?,
+                int(n_experts, "experts")?,
+            ];
+            args.extend_from_slice(&plan_args[1..]);
+            this.launch(&this.k.moe_plan, "moe plan", (1, 1, 1), 32, &args)
+        };
+        match spec {
+            RouteSpec::SoftmaxTopK {
+                renormalize, scale, ..
+            } => {
+                let route_args = [
+                    ptr(&logits.buf, s),
+                    int(n_experts, "experts")?,
+                    int(top_k, "top_k")?,
+                    u64::from(renormalize),
+                    float(scale),
+                    ptr(&ids, s),
+                    ptr(&weights, s),
+                ];
+                if rows <= ROUTE_PLAN_MAX_ROWS {
+                    // Few rows: routing and work list in one launch.
+                    let args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
+                    self.launch(
+                        &self.k.route_plan,
+                        "route + plan",
+                        (1, 1, 1),
+                        ROUTE_PLAN_THREADS,
+                        &args,
+                    )?;
+                } else {
+                    self.launch(
+                        &self.k.route_topk,
+                        "route top-k",
+                        (rows as u32, 1, 1),
+                        32,
+                        &route_args,
+                    )?;
+                    plan_separately(self)?;
+                }
+            }
+            RouteSpec::SparseMixer { jitter_eps } => {
+                self.launch(
+                    &self.k.route_sparse_mixer,
+                    "route sparse mixer",
+                    (rows as u32, 1, 1),
+                    32,
+                    &[
+                        ptr(&logits.buf, s),
+                        int(n_experts, "experts")?,
+                        float(jitter_eps),
+                        ptr(&ids, s),
+                        ptr(&weights, s),
+                    ],
+                )?;
+                plan_separately(self)?;
+            }
+        }
+        if let Some(layer) = count_as {
+            self.count_routes(ptr(&ids, s), n_items, layer)?;
+        }
+        let h = self.alloc(n_items, inter)?;
+        let out = self.alloc(n_items, hidden)?;
+        let launch = MoeLaunch {
+            x: ptr(&x.buf, s),
+            hidden,
+            inter,
+            groups: ptr(&groups, s),
+            num_groups: max_groups,
+            max_count: rows,
+            item_row: ptr(&item_row, s),
+            item_weight: ptr(&item_weight, s),
+            items: n_items,
+            h: ptr(&h.buf, s),
+            out: ptr(&out.buf, s),
+        };
+        self.launch_moe(&launch, int4)?;
+        let y = self.alloc(rows, hidden)?;
+        self.launch(
+            &self.k.moe_combine,
+            "moe combine",
+            (rows as u32, grid_for(hidden, ROW_THREADS), 1),
+            ROW_THREADS,
+            &[
+                launch.out,
+                ptr(&row_items, s),
+                int(top_k, "top_k")?,
+                int(hidden, "hidden")?,
+                ptr(&y.buf, s),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    /// Adds `n` expert ids at device address `ids` to MoE layer `layer`'s routing counts, when
+    /// counting is on.
+    fn count_routes(&self, ids: u64, n: usize, layer: usize) -> Result<()> {
+        let counts = self.lock(&self.route_counts)?;
+        let Some(c) = counts.as_ref() else {
+            return Ok(());
+        };
+        if layer >= c.moe_layers || n == 0 {
+            return Ok(());
+        }
+        let row = ptr(&c.counts, &self.stream) + (4 * layer * c.experts) as u64;
+        self.launch(
+            &self.k.count_routes,
+            "count routes",
+            (1, 1, 1),
+            128,
+            &[ids, int(n, "items")?, row],
+        )
+    }
+
+    /// Starts counting, per MoE layer and expert, the routings of passes whose hook asks for
+    /// device counts (from zero). A buffer of another shape replaces the old one and drops every
+    /// recorded pass (they may write to the old one).
+    pub fn enable_route_counts(&self, moe_layers: usize, experts: usize) -> Result<()> {
+        let same = self
+            .lock(&self.route_counts)?
+            .as_ref()
+            .is_some_and(|c| c.moe_layers == moe_layers && c.experts == experts);
+        if same {
+            // Keep the buffer: recorded draft passes write to its address.
+            return self.reset_route_counts();
+        }
+        let counts = guarded("cuda: cannot allocate routing counts", || {
+            self.stream
+                .alloc_zeros::<u32>((moe_layers * experts).max(1))
+        })?;
+        self.drop_recordings()?;
+        *self.lock(&self.route_counts)? = Some(RouteCounts {
+            counts,
+            moe_layers,
+            experts,
+        });
+        Ok(())
+    }
+
+    /// Sets every routing count to zero (ordered after the passes already issued).
+    pub fn reset_route_counts(&self) -> Result<()> {
+        let mut counts = self.lock(&self.route_counts)?;
+        if let Some(c) = counts.as_mut() {
+            guarded("cuda: cannot reset routing counts", || {
+                self.stream.memset_zeros(&mut c.counts)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The routing counts `[moe layers, experts]` so far (waits for the passes issued).
+    pub fn route_counts(&self) -> Result<Vec<u32>> {
+        self.synchronize()?;
+        let counts = self.lock(&self.route_counts)?;
+        let Some(c) = counts.as_ref() else {
+            return Err(Error::Request(
+                "routing counts were never enabled on this backend".into(),
+            ));
+        };
+        let mut host = vec![0u32; c.moe_layers * c.experts];
+        if !host.is_empty() {
+            let view = c.counts.slice(..host.len());
+            guarded("cuda: routing counts device-to-host copy failed", || {
+                self.stream.memcpy_dtoh(&view, &mut host)
+            })?;
+            guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        }
+        Ok(host)
+    }
+
+    pub(crate) fn upload_groups(&self, groups: &[ExpertGroup]) -> Result<CudaSlice<u32>> {
+        let words: &[u32] = bytemuck::cast_slice(groups);
+        self.upload_u32(words)
+    }
+
+    /// Buffers freed while kernels may still read them: with stream-ordered allocation
+    /// (cuMemFreeAsync on this stream) the free itself is ordered after those kernels.
+    pub(crate) fn defer_free<T>(&self, buf: CudaSlice<T>) {
+        drop(buf);
+    }
+
+    pub(crate) fn launch_moe(&self, l: &MoeLaunch, int4: bool) -> Result<()> {
+        if int4 {
+            self.launch_moe_int4(l)
+        } else {
+            self.launch_moe_f16(l)
+        }
+    }
+
+    fn launch_moe_int4(&self, l: &MoeLaunch) -> Result<()> {
+        self.int4.launch(&self.stream, l)
+    }
+
+    /// Runs the routed experts of one offloaded layer in the rounds the cache policy decides:
+    /// each round's resident experts from their slots, then the experts copied in for it.
+    fn run_offloaded(&self, layer: usize, plan: &MoePlan, launch: &mut MoeLaunch) -> Result<()> {
+        let o = self
+            .offload
+            .as_ref()
+            .ok_or_else(|| shape_err("moe_experts", "offloaded expert without a cache".into()))?;
+        let mut slots = self.lock(o)?;
+        let stream = self.stream.clone();
+        let down_offset = 2 * slots.matrix_bytes() as u64;
+        for round in slots.serve(layer, &plan.hit)? {
+            if !round.hits.is_empty() {
+                let ptrs = slots.hit_slots(layer, &round.hits, &stream)?;
+                let groups: Vec<usize> = round.hits.iter().map(|h| h.index).collect();
+                self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+            }
+            if !round.loads.is_empty() {
+                let ptrs = slots.load_slots(layer, &round.loads, &stream)?;
+                let groups: Vec<usize> = round.loads.iter().map(|l| l.index).collect();
+                self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+            }
+            slots.release(&stream)?;
+        }
+        Ok(())
+    }
+
+    /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights
+    /// sit in expert slots at `slot_ptrs` (gate/up first, down at `down_offset`).
+    fn launch_slot_groups(
+        &self,
+        plan: &MoePlan,
+        groups: &[usize],
+        slot_ptrs: &[u64],
+        down_offset: u64,
+        launch: &mut MoeLaunch,
+    ) -> Result<()> {
+        let list: Vec<ExpertGroup> = groups
+            .iter()
+            .zip(slot_ptrs)
+            .map(|(&g, &base)| {
+                let (first, count) = plan.range(g);
+                ExpertGroup {
+                    gate_up: base,
+                    gate_up_scales: 0,
+                    down: base + down_offset,
+                    down_scales: 0,
+                    first,
+                    count,
+                }
+            })
+            .collect();
+        let d_groups = self.upload_groups(&list)?;
+        launch.groups = d_groups.device_ptr(&self.stream).0;
+        launch.num_groups = list.len();
+        launch.max_count = list.iter().map(|g| g.count as usize).max().unwrap_or(0);
+        self.launch_moe(launch, false)?;
+        self.defer_free(d_groups);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_work_list_groups_rows_by_ascending_expert() {
+        // 3 rows, top 2: row 0 -> experts 4, 1; row 1 -> 1, 0; row 2 -> 4, 0.
+        let routing = Routing {
+            top_k: 2,
+            ids: vec![4, 1, 1, 0, 4, 0],
+            weights: vec![0.6, 0.4, 0.7, 0.3, 0.9, 0.1],
+        };
+        let plan = MoePlan::new(&routing, 6);
+        assert_eq!(plan.hit, vec![0, 1, 4]);
+        assert_eq!(plan.starts, vec![0, 2, 4, 6]);
+        // Each expert's items in ascending row order.
+        assert_eq!(plan.item_row, vec![1, 2, 0, 1, 0, 2]);
+        assert_eq!(plan.item_weight, vec![0.3, 0.1, 0.4, 0.7, 0.6, 0.9]);
+        // Each row's items in ascending expert id: row 0 has expert 1 (item 2) then 4 (item 4).
+        assert_eq!(plan.row_items, vec![2, 4, 0, 3, 1, 5]);
+        assert_eq!(plan.range(2), (4, 2));
+        assert_eq!(plan.max_count(), 2);
+    }
+}
