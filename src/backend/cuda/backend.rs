@@ -18,6 +18,10 @@ use half::f16;
 
 use super::device::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
+use super::launch_constants::{
+    ATT_THREADS, GEMV_FEATURES, GEMV_WARPS, MAX_TOP_K, MLA_THREADS, PLAN_MAX_EXPERTS,
+    ROUTE_PLAN_MAX_ROWS, ROUTE_PLAN_THREADS, ROW_THREADS,
+};
 use super::load::{LoadIo, LoadReport, PendingLoad};
 use super::moe_int4::MoeInt4Kernels;
 use super::offload::{ExpertOffload, OffloadConfig, OffloadStats};
@@ -31,22 +35,6 @@ use crate::{Error, Result};
 #[path = "graphs.rs"]
 mod graphs;
 pub use graphs::StepGraphStats;
-
-/// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
-const ROW_THREADS: u32 = 256;
-/// Warps per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
-const GEMV_WARPS: usize = 4;
-/// Output features per warp of `linear_f16` and `moe_f16_down` (kernels/gemv_f16.cu).
-const GEMV_FEATURES: usize = 2;
-/// Threads per block of kernels/attention.cu.
-const ATT_THREADS: u32 = 256;
-/// Threads per block of `mla_expand_kv` (one block per row and head).
-const MLA_THREADS: u32 = 128;
-/// Threads of the fused routing + work-list kernel (`ROUTE_PLAN_WARPS` in kernels/ops.cu).
-const ROUTE_PLAN_THREADS: u32 = 256;
-/// Rows up to which routing and the work list are built by that one launch; past it the rows
-/// are routed one block each and the plan follows in a second launch.
-const ROUTE_PLAN_MAX_ROWS: usize = 64;
 
 /// Bytes of freed activation buffers kept for reuse at most.
 const POOL_LIMIT_BYTES: usize = 2 << 30;
@@ -212,6 +200,7 @@ struct Kernels {
 impl Kernels {
     fn load(dev: &CudaDevice) -> Result<Self> {
         let ops = |f: &str| dev.function("ops", f);
+        let routing = |f: &str| dev.function("routing", f);
         let gemv = |f: &str| dev.function("gemv_f16", f);
         Ok(Kernels {
             embedding: ops("embedding")?,
@@ -226,11 +215,11 @@ impl Kernels {
             mla_expand_kv: ops("mla_expand_kv")?,
             argmax: ops("argmax_rows")?,
             moe_combine: ops("moe_combine")?,
-            route_topk: ops("route_softmax_topk")?,
-            route_sparse_mixer: ops("route_sparse_mixer")?,
-            count_routes: ops("count_routes")?,
-            moe_plan: ops("moe_plan")?,
-            route_plan: ops("route_plan")?,
+            route_topk: routing("route_softmax_topk")?,
+            route_sparse_mixer: routing("route_sparse_mixer")?,
+            count_routes: routing("count_routes")?,
+            moe_plan: routing("moe_plan")?,
+            route_plan: routing("route_plan")?,
             linear: gemv("linear_f16")?,
             gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
@@ -1467,7 +1456,9 @@ impl Backend for CudaBackend {
             RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
             RouteSpec::SparseMixer { .. } => 2,
         };
-        let fits = (1..=16).contains(&top_k) && top_k <= experts.len() && experts.len() <= 1024;
+        let fits = (1..=MAX_TOP_K).contains(&top_k)
+            && top_k <= experts.len()
+            && experts.len() <= PLAN_MAX_EXPERTS;
         if !host_routing
             && resident
             && fits

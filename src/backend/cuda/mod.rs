@@ -12,6 +12,7 @@ mod backend;
 mod device;
 pub mod experts;
 mod host;
+mod launch_constants;
 pub mod load;
 mod moe_int4;
 mod nvrtc;
@@ -42,7 +43,8 @@ pub use cudarc::driver::{
 pub struct KernelSource {
     /// File stem: `kernels/util.cu` is `"util"`.
     pub name: &'static str,
-    /// The CUDA C++ source text, byte for byte.
+    /// The CUDA C++ source text, byte for byte, with each `#include "NAME.cuh"` of a header in
+    /// `kernels/` replaced by that header's text (see build.rs).
     pub source: &'static str,
     /// PTX compiled by `nvcc` at build time, when it was available.
     pub ptx: Option<&'static str>,
