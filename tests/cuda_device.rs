@@ -1,7 +1,8 @@
 //! CUDA device opening, the embedded kernel table and the PTX cache.
 //!
 //! On a machine without the NVIDIA driver these check that every entry point fails with a clear
-//! error instead of panicking; on a GPU machine they also run real copies and kernels.
+//! error instead of panicking; `gpu_copies_and_kernels` runs real copies and kernels on a GPU
+//! (ignored elsewhere, see tests/common/gpu.rs).
 
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -211,18 +212,11 @@ fn nvrtc_absence_is_a_clear_error() {
     }
 }
 
-/// Needs a GPU: copies random bytes through a registered range and a pinned buffer and runs the
-/// util kernels. Without a driver it checks that opening failed with the no-driver message.
+/// Copies random bytes through a registered range and a pinned buffer and runs the util kernels.
 #[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_copies_and_kernels() {
-    let device = match CudaDevice::open(0) {
-        Ok(d) => d,
-        Err(Error::Backend(msg)) if !driver_library_present() => {
-            assert_eq!(msg, NO_DRIVER_MESSAGE);
-            return;
-        }
-        Err(err) => panic!("a driver is present but device 0 did not open: {err}"),
-    };
+    let device = common::gpu::device();
     let stream = device.stream().clone();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     let len = 3 * 1024 * 1024 + rng.random_range(1..4096);
