@@ -1,5 +1,11 @@
 //! Embeds the CUDA kernels in `kernels/*.cu` into the library.
 //!
+//! A kernel file may include the shared headers `kernels/*.cuh` with `#include "NAME.cuh"`: each
+//! such line is replaced by the header's text between `#line` directives (so compiler messages
+//! still name the right file and line), and the result is what gets embedded, hashed and compiled.
+//! NVRTC thus needs no include path for them, and the hash, which keys the run-time PTX cache,
+//! changes whenever a header does.
+//!
 //! Each kernel file is always embedded as source text, with the SHA-256 of that text. When `nvcc`
 //! is available it is also compiled to PTX for sm_90 and the PTX is embedded too, so the runtime
 //! can skip NVRTC. Without `nvcc` (or when it fails) the runtime compiles the source with NVRTC
@@ -30,6 +36,24 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=SPECTER_NO_NVCC");
 
+    let headers = match read_headers(&kernel_dir) {
+        Ok(headers) => headers,
+        Err(err) => {
+            println!(
+                "cargo:warning=cannot read the headers in {}: {err}; kernels that include one will not compile",
+                kernel_dir.display()
+            );
+            Vec::new()
+        }
+    };
+    for (name, _) in &headers {
+        println!("cargo:rerun-if-changed={}", kernel_dir.join(name).display());
+    }
+    let spliced_dir = out_dir.join("kernels");
+    if let Err(err) = std::fs::create_dir_all(&spliced_dir) {
+        panic!("cannot create {}: {err}", spliced_dir.display());
+    }
+
     let mut sources = match list_kernel_sources(&kernel_dir) {
         Ok(sources) => sources,
         Err(err) => {
@@ -53,7 +77,7 @@ fn main() {
     table.push_str("pub static KERNELS: &[KernelSource] = &[\n");
     for path in &sources {
         println!("cargo:rerun-if-changed={}", path.display());
-        let text = match std::fs::read_to_string(path) {
+        let original = match std::fs::read_to_string(path) {
             Ok(text) => text,
             Err(err) => {
                 println!(
@@ -68,10 +92,17 @@ fn main() {
             .and_then(|s| s.to_str())
             .unwrap_or("kernel")
             .to_string();
+        // A missing header is a mistake in this repository's sources, not a missing toolkit.
+        let text = splice_headers(&format!("{name}.cu"), &original, &headers)
+            .unwrap_or_else(|err| panic!("kernels/{name}.cu: {err}"));
+        let spliced = spliced_dir.join(format!("{name}.cu"));
+        if let Err(err) = std::fs::write(&spliced, &text) {
+            panic!("cannot write {}: {err}", spliced.display());
+        }
         let sha256 = hex(&Sha256::digest(text.as_bytes()));
         let ptx_path = nvcc
             .as_deref()
-            .and_then(|nvcc| compile_ptx(nvcc, path, &out_dir, &name));
+            .and_then(|nvcc| compile_ptx(nvcc, &spliced, &out_dir, &name));
         let ptx = match &ptx_path {
             Some(p) => format!("Some(include_str!({:?}))", p.display().to_string()),
             None => "None".to_string(),
@@ -81,11 +112,12 @@ fn main() {
         } else {
             "None".to_string()
         };
-        // include_str! of the original file keeps the embedded text byte-identical to the hashed one.
+        // include_str! of the file just written keeps the embedded text byte-identical to the
+        // hashed one.
         let _ = writeln!(
             table,
             "    KernelSource {{ name: {name:?}, source: include_str!({:?}), ptx: {ptx}, ptx_arch: {ptx_arch}, sha256: {sha256:?} }},",
-            path.display().to_string()
+            spliced.display().to_string()
         );
     }
     table.push_str("];\n");
@@ -109,6 +141,60 @@ fn list_kernel_sources(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
         }
     }
     Ok(out)
+}
+
+/// Every `kernels/*.cuh` as (file name, text), sorted by name.
+fn read_headers(dir: &Path) -> std::io::Result<Vec<(String, String)>> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "cuh") && path.is_file() {
+            if let Some(name) = path.file_name().and_then(|n| n.to_str()) {
+                out.push((name.to_string(), std::fs::read_to_string(&path)?));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// `text` (the kernel file `file`) with each `#include "NAME.cuh"` line replaced by that header's
+/// text, framed by `#line` directives naming the header and then `file` again at the line after
+/// the include. System includes (`<...>`) stay. A header may not include another.
+fn splice_headers(file: &str, text: &str, headers: &[(String, String)]) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    for (index, line) in text.split_inclusive('\n').enumerate() {
+        let Some(included) = local_include(line) else {
+            out.push_str(line);
+            continue;
+        };
+        let (name, header) = headers
+            .iter()
+            .find(|(name, _)| name == included)
+            .ok_or_else(|| format!("line {}: no header kernels/{included}", index + 1))?;
+        if let Some(nested) = header.lines().find_map(local_include) {
+            return Err(format!(
+                "kernels/{name} includes {nested:?}; headers may not include other headers"
+            ));
+        }
+        let _ = writeln!(out, "#line 1 \"{name}\"");
+        out.push_str(header);
+        if !header.ends_with('\n') {
+            out.push('\n');
+        }
+        let _ = writeln!(out, "#line {} \"{file}\"", index + 2);
+    }
+    Ok(out)
+}
+
+/// The file name of a `#include "NAME"` line.
+fn local_include(line: &str) -> Option<&str> {
+    let rest = line.trim().strip_prefix('#')?.trim_start();
+    let quoted = rest.strip_prefix("include")?.trim();
+    quoted.strip_prefix('"')?.strip_suffix('"')
 }
 
 /// `nvcc` from PATH, then `$CUDA_HOME/bin`, then `/usr/local/cuda/bin`.

@@ -11,28 +11,14 @@
 // result depends only on its query and the keys it may see, never on the other rows of the
 // call: a verification window gives the same bits as decoding its rows one at a time.
 
+#include "common.cuh"
+
 #define ATT_THREADS 256
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_SMEM_KEYS 4096
 #define ATT_KEYS_PER_WARP 4
 // Channels of the value sum per pass: 4 per lane.
 #define ATT_VTILE 128
-
-// Four consecutive floats: one 16-byte load when aligned, else four scalar ones (same values).
-__device__ __forceinline__ float4 att_load4(const float* p, bool aligned) {
-    if (aligned) return *reinterpret_cast<const float4*>(p);
-    return make_float4(p[0], p[1], p[2], p[3]);
-}
-
-__device__ __forceinline__ float att_warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-
-__device__ __forceinline__ float att_warp_max(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    return v;
-}
 
 // q: [rows, heads * qk_dim]; k: [>= kv_len, kv_heads * qk_dim]; v: [>= kv_len, kv_heads * v_dim];
 // out: [rows, heads * v_dim]; scratch: [rows * heads, score_stride] f32.
@@ -70,11 +56,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         if (qk_vec) {
             const int d4n = qk_dim >> 2;
             for (int d4 = lane; d4 < d4n; d4 += 32) {
-                const float4 qv = att_load4(qh + 4 * d4, qk_aligned);
+                const float4 qv = load_float4(qh + 4 * d4, qk_aligned);
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) {
                     if (j0 + u < n) {
-                        const float4 kv = att_load4(kbase + (size_t)(j0 + u) * k_stride + 4 * d4, qk_aligned);
+                        const float4 kv = load_float4(kbase + (size_t)(j0 + u) * k_stride + 4 * d4, qk_aligned);
                         float t = s[u];
                         t = fmaf(qv.x, kv.x, t);
                         t = fmaf(qv.y, kv.y, t);
@@ -95,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         }
 #pragma unroll
         for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) {
-            const float t = att_warp_sum(s[u]);
+            const float t = warp_sum(s[u]);
             if (lane == 0 && j0 + u < n) scores[j0 + u] = t * scale;
         }
     }
@@ -103,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
 
     float m = -__int_as_float(0x7f800000);
     for (int j = threadIdx.x; j < n; j += ATT_THREADS) m = fmaxf(m, scores[j]);
-    m = att_warp_max(m);
+    m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();
     m = red[0];
@@ -116,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         scores[j] = e;
         total += e;
     }
-    total = att_warp_sum(total);
+    total = warp_sum(total);
     if (lane == 0) red[warp] = total;
     __syncthreads();
     total = red[0];
@@ -139,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
 #pragma unroll 4
                 for (int j = j_begin; j < j_end; ++j) {
                     const float p = scores[j] * inv;
-                    const float4 x = att_load4(vd + (size_t)j * v_stride, v_aligned);
+                    const float4 x = load_float4(vd + (size_t)j * v_stride, v_aligned);
                     acc.x = fmaf(p, x.x, acc.x);
                     acc.y = fmaf(p, x.y, acc.y);
                     acc.z = fmaf(p, x.z, acc.z);

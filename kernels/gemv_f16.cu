@@ -14,28 +14,17 @@
 
 #include <cuda_fp16.h>
 
+#include "common.cuh"
+
 #define WARPS 4
+// Output features per warp of linear_f16 and moe_f16_down (the rows w0 and w1 below); the host
+// sizes their grids by it.
+#define FEATURES 2
 #define MR 8
 // 16-byte pieces of each weight row in flight per lane. (Narrower groups could take more, but
 // registers are allocated for the widest group's code: 4 keeps every kernel at <= 168 registers,
 // three 128-thread blocks per SM.)
 #define UNROLL 4
-
-struct ExpertGroup {
-    unsigned long long gate_up;
-    unsigned long long gate_up_scales;
-    unsigned long long down;
-    unsigned long long down_scales;
-    unsigned first;
-    unsigned count;
-};
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    return v;
-}
 
 __device__ __forceinline__ void halves_to_floats(const uint4& v, float f[8]) {
     const __half2* h2 = reinterpret_cast<const __half2*>(&v);
@@ -136,12 +125,12 @@ __device__ __forceinline__ void group_dot2(const __half* __restrict__ w0, const 
 }
 
 // y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Warp w of block b owns features
-// 2 * (b * WARPS + w) and the next. Grid: ceil(n / (2 * WARPS)); block: 32 * WARPS.
+// FEATURES * (b * WARPS + w) and the next. Grid: ceil(n / (FEATURES * WARPS)); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16(
     const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,
     const __half* __restrict__ bias, float* __restrict__ y) {
     const int lane = threadIdx.x & 31;
-    const int col = 2 * (blockIdx.x * WARPS + (threadIdx.x >> 5));
+    const int col = FEATURES * (blockIdx.x * WARPS + (threadIdx.x >> 5));
     if (col >= n) return;
     const bool second = col + 1 < n;
     const __half* w0 = w + (size_t)col * k;
@@ -231,14 +220,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up(
 }
 
 // Grouped down: out[item][c] = weight[item] * (h[item] . down[c]); warp w of block b owns
-// features c = 2 * (b * WARPS + w) and c + 1. Grid: (ceil(hidden / (2 * WARPS)), groups);
-// block: 32 * WARPS.
+// features c = FEATURES * (b * WARPS + w) and c + 1. Grid: (ceil(hidden / (FEATURES * WARPS)),
+// groups); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down(
     const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
     const float* __restrict__ item_weight, float* __restrict__ out) {
     const ExpertGroup g = groups[blockIdx.y];
     const int lane = threadIdx.x & 31;
-    const int c = 2 * (blockIdx.x * WARPS + (threadIdx.x >> 5));
+    const int c = FEATURES * (blockIdx.x * WARPS + (threadIdx.x >> 5));
     if (c >= hidden) return;
     const bool second = c + 1 < hidden;
     const __half* w0 = reinterpret_cast<const __half*>(g.down) + (size_t)c * inter;

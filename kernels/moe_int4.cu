@@ -70,19 +70,10 @@
 // Alignment: qweight and scales must be 16-byte aligned, x and h 8-byte aligned (device
 // allocations are 256-byte aligned; the host checks x and h).
 
+#include "common.cuh"
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
-
-// Mirrors `ExpertGroup` in src/backend/cuda/experts.rs (#[repr(C)], 40 bytes).
-struct ExpertGroup {
-    u64 gate_up;         // qweight of K = hidden, N = 2 * inter (gate columns then up columns)
-    u64 gate_up_scales;  // f16 [hidden / 128][2 * inter], Marlin-permuted
-    u64 down;            // qweight of K = inter, N = hidden
-    u64 down_scales;     // f16 [inter / 128][hidden]
-    u32 first;           // this expert's items are first .. first + count
-    u32 count;
-};
-static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct");
 
 #define MOE_THREADS 256
 #define MOE_WARPS 8
@@ -375,7 +366,7 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
 
 // Sum of the eight warps' partials for item slot m, column c, in warp order.
 template <int MAXI>
-__device__ __forceinline__ float warp_sum(const MoeShared<MAXI>& sh, u32 m, u32 c) {
+__device__ __forceinline__ float warps_total(const MoeShared<MAXI>& sh, u32 m, u32 c) {
     float v = sh.warp[0].red[m][c];
 #pragma unroll
     for (int w = 1; w < MOE_WARPS; ++w) v = __fadd_rn(v, sh.warp[w].red[m][c]);
@@ -405,7 +396,7 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
-            const float v = warp_sum(sh, m, c);
+            const float v = warps_total(sh, m, c);
             if (pass == 0) {
                 sh.gate[m][c] = v;
             } else {
@@ -435,7 +426,7 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
         const u32 item = item0 + m;
         out[(u64)item * hidden + MOE_COLS * blockIdx.x + c] =
-            __fmul_rn(item_weight[item], warp_sum(sh, m, c));
+            __fmul_rn(item_weight[item], warps_total(sh, m, c));
     }
     __syncthreads();
 }

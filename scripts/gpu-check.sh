@@ -7,7 +7,8 @@
 # WHAT (default: device ops fixtures bench):
 #   device    device opening, kernel loading, pinned and registered copies, doctor (tests/cuda_device.rs,
 #             tests/cuda_doctor.rs)
-#   ops       every CUDA op against the CPU reference on random inputs (tests/cuda_ops.rs)
+#   ops       every CUDA op against the CPU reference on random inputs, one test per op family
+#             (tests/cuda_ops.rs)
 #   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
 #   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; and every
 #             load I/O method gives the per-tensor upload's weights (tests/cuda_load.rs)
@@ -62,6 +63,7 @@ for line in sys.stdin:
     ls -l "$CARRY"
 }
 
+# The GPU tests of tests/NAME.rs (ignored elsewhere: tests/common/gpu.rs), filtered by ARGS.
 run_test() {
     local name=$1 log=$2
     shift 2
@@ -366,11 +368,12 @@ run() {
         echo "== $w"
         case "$w" in
             device)
+                # Both files' tests: those that run anywhere and the GPU ones (ignored elsewhere).
                 for t in cuda_device cuda_doctor; do
-                    SPECTER_ROOT="$ROOT" "$CARRY/test-$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || status=1
+                    SPECTER_ROOT="$ROOT" "$CARRY/test-$t" --include-ignored --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || status=1
                 done ;;
             ops) run_test cuda_ops "$out/ops.log" || status=1 ;;
-            int4) SPECTER_ROOT="$ROOT" "$CARRY/test-cuda_moe_int4" --nocapture --test-threads 1 2>&1 | tee "$out/int4.log" || status=1 ;;
+            int4) run_test cuda_moe_int4 "$out/int4.log" || status=1 ;;
             fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1
                 run_test cuda_load "$out/load.log" || status=1 ;;
             lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;

@@ -1,7 +1,8 @@
 //! CUDA device opening, the embedded kernel table and the PTX cache.
 //!
 //! On a machine without the NVIDIA driver these check that every entry point fails with a clear
-//! error instead of panicking; on a GPU machine they also run real copies and kernels.
+//! error instead of panicking; `gpu_copies_and_kernels` runs real copies and kernels on a GPU
+//! (ignored elsewhere, see tests/common/gpu.rs).
 
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -11,6 +12,9 @@ use specter::backend::cuda::{
     CudaDevice, LaunchConfig, PtxCache, PushKernelArg, KERNELS, NO_DRIVER_MESSAGE,
 };
 use specter::Error;
+use std::path::Path;
+
+mod common;
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -48,20 +52,55 @@ fn open_without_a_driver_is_a_clear_error() {
     }
 }
 
+/// `text` of kernels/`file` as build.rs embeds it: each `#include "NAME.cuh"` line replaced by
+/// kernels/NAME.cuh between `#line` directives.
+fn spliced(kernels: &Path, file: &str, text: &str) -> String {
+    let mut out = String::new();
+    for (index, line) in text.split_inclusive('\n').enumerate() {
+        let header = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.strip_suffix('"'));
+        match header {
+            Some(header) => {
+                let body = std::fs::read_to_string(kernels.join(header))
+                    .unwrap_or_else(|err| panic!("{file} includes {header}: {err}"));
+                out.push_str(&format!("#line 1 \"{header}\"\n{body}"));
+                if !body.ends_with('\n') {
+                    out.push('\n');
+                }
+                out.push_str(&format!("#line {} \"{file}\"\n", index + 2));
+            }
+            None => out.push_str(line),
+        }
+    }
+    out
+}
+
+/// Whether `source` defines the kernel entry point `entry`.
+fn defines_kernel(source: &str, entry: &str) -> bool {
+    let name = format!(" {entry}(");
+    source
+        .lines()
+        .any(|line| line.contains("__global__") && line.contains(&name))
+}
+
 #[test]
 fn embedded_kernels_match_their_sources() {
     assert!(!KERNELS.is_empty(), "build.rs embedded no kernels");
+    let kernels = common::repo_root().join("kernels");
     for k in KERNELS {
-        let on_disk = std::fs::read_to_string(format!(
-            "{}/kernels/{}.cu",
-            env!("CARGO_MANIFEST_DIR"),
-            k.name
-        ))
-        .expect("embedded kernel has a source file");
+        let file = format!("{}.cu", k.name);
+        let on_disk = std::fs::read_to_string(kernels.join(&file))
+            .expect("embedded kernel has a source file");
         assert_eq!(
-            k.source, on_disk,
-            "kernels/{}.cu embedded text differs from the file",
-            k.name
+            k.source,
+            spliced(&kernels, &file, &on_disk),
+            "kernels/{file} embedded text differs from the file with its headers spliced in",
+        );
+        assert!(
+            !on_disk.contains("struct ExpertGroup {"),
+            "kernels/{file} defines ExpertGroup itself; it belongs in kernels/common.cuh"
         );
         assert_eq!(
             k.sha256,
@@ -70,6 +109,30 @@ fn embedded_kernels_match_their_sources() {
             k.name
         );
         assert_eq!(k.ptx.is_some(), k.ptx_arch.is_some());
+    }
+    // The shared header reaches the files that use it, so its bytes are part of their hash.
+    let common = std::fs::read_to_string(kernels.join("common.cuh")).expect("kernels/common.cuh");
+    for name in ["ops", "routing", "gemv_f16", "attention", "moe_int4"] {
+        let kernel = kernel_source(name).expect("kernel embedded");
+        assert!(
+            kernel.source.contains(&common),
+            "kernels/{name}.cu is embedded without kernels/common.cuh"
+        );
+    }
+    // The routing kernels live in their own file, loaded as their own module.
+    let ops = kernel_source("ops").expect("ops kernels embedded");
+    let routing = kernel_source("routing").expect("routing kernels embedded");
+    for entry in [
+        "route_softmax_topk",
+        "route_sparse_mixer",
+        "count_routes",
+        "moe_plan",
+        "route_plan",
+    ] {
+        assert!(
+            defines_kernel(routing.source, entry) && !defines_kernel(ops.source, entry),
+            "{entry} belongs to kernels/routing.cu only"
+        );
     }
     let util = kernel_source("util").expect("util kernels embedded");
     for entry in ["fill_f16", "axpy_f16", "byte_checksum"] {
@@ -149,18 +212,11 @@ fn nvrtc_absence_is_a_clear_error() {
     }
 }
 
-/// Needs a GPU: copies random bytes through a registered range and a pinned buffer and runs the
-/// util kernels. Without a driver it checks that opening failed with the no-driver message.
+/// Copies random bytes through a registered range and a pinned buffer and runs the util kernels.
 #[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_copies_and_kernels() {
-    let device = match CudaDevice::open(0) {
-        Ok(d) => d,
-        Err(Error::Backend(msg)) if !driver_library_present() => {
-            assert_eq!(msg, NO_DRIVER_MESSAGE);
-            return;
-        }
-        Err(err) => panic!("a driver is present but device 0 did not open: {err}"),
-    };
+    let device = common::gpu::device();
     let stream = device.stream().clone();
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     let len = 3 * 1024 * 1024 + rng.random_range(1..4096);

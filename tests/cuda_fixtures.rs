@@ -4,8 +4,8 @@
 //! policy and host path), and speculative decoding on the GPU gives exactly the
 //! GPU's target-only tokens.
 //!
-//! These need a CUDA GPU, so they are ignored here; `scripts/gpu-check.sh` runs them on the
-//! GPU machine with `--ignored`.
+//! These need an NVIDIA GPU, so they are ignored by default (see tests/common/gpu.rs);
+//! `scripts/gpu-check.sh` runs them on the GPU machine with `--ignored`.
 
 mod common;
 
@@ -15,8 +15,7 @@ use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
-    CudaBackend, CudaDevice, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostPath,
-    OffloadConfig,
+    CudaBackend, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostPath, OffloadConfig,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
@@ -47,13 +46,13 @@ fn greedy<M: LanguageModel>(model: &M, prompt: &[u32], mode: Mode, depth: usize)
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_target_tokens_equal_the_cpu_on_every_fixture() {
     every_fixture_every_residency(false);
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_speculative_decoding_is_lossless_on_every_fixture() {
     every_fixture_every_residency(true);
 }
@@ -62,7 +61,7 @@ fn gpu_speculative_decoding_is_lossless_on_every_fixture() {
 /// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens, and so does SpecMoEOff
 /// mode (the draft with a KV cache of its own), with route-frequency prefetch when offloaded.
 fn every_fixture_every_residency(speculative: bool) {
-    let device = Arc::new(CudaDevice::open(0).expect("a CUDA GPU"));
+    let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
         let dir = tempfile::tempdir().unwrap();
@@ -203,9 +202,9 @@ fn every_fixture_every_residency(speculative: bool) {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn impossible_residency_is_a_clear_error() {
-    let device = Arc::new(CudaDevice::open(0).expect("a CUDA GPU"));
+    let device = Arc::new(common::gpu::device());
     let fixture = Fixture::load("mixtral");
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.specter");

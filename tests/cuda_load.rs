@@ -2,7 +2,8 @@
 //! gives exactly the weights of the unbatched per-tensor upload, checked by greedy tokens of the
 //! target and of the INT4 draft on every fixture model.
 //!
-//! Needs a CUDA GPU, so ignored here; `scripts/gpu-check.sh run fixtures` runs it there.
+//! Needs an NVIDIA GPU, so ignored by default (see tests/common/gpu.rs); `scripts/gpu-check.sh run
+//! fixtures` runs it there with `--ignored`.
 
 mod common;
 
@@ -10,16 +11,16 @@ use std::sync::Arc;
 
 use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
-use specter::backend::cuda::{CudaBackend, CudaDevice, CudaOptions, LoadIo};
+use specter::backend::cuda::{CudaBackend, CudaOptions, LoadIo};
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
 use specter::model::NoHook;
 use specter::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
 
 #[test]
-#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_every_load_io_gives_the_per_tensor_weights() {
-    let device = Arc::new(CudaDevice::open(0).expect("a CUDA GPU"));
+    let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
         let dir = tempfile::tempdir().unwrap();

@@ -1,8 +1,10 @@
 //! The grouped W4A16 expert kernels (kernels/moe_int4.cu) against a CPU f64 reference built from
 //! the project's own quantizer and Marlin packer, and their batch invariance.
 //!
-//! Needs a GPU. Without the NVIDIA driver each test prints why it did nothing and passes; with a
-//! driver that cannot open device 0 it fails.
+//! Needs an NVIDIA GPU, so ignored by default (see tests/common/gpu.rs); `scripts/gpu-check.sh run
+//! int4` runs these with `--ignored`.
+
+mod common;
 
 use cudarc::driver::DevicePtr;
 use half::f16;
@@ -10,9 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use specter::backend::cuda::experts::{ExpertGroup, MoeLaunch};
-use specter::backend::cuda::{
-    driver_library_present, CudaDevice, CudaSlice, CudaStream, MoeInt4Kernels, NO_DRIVER_MESSAGE,
-};
+use specter::backend::cuda::{CudaDevice, CudaSlice, CudaStream, MoeInt4Kernels};
 use specter::quant::{marlin_dequantize_out_in, marlin_pack, rtn, QuantMatrix};
 use specter::Error;
 use std::sync::Arc;
@@ -24,18 +24,6 @@ const TOLERANCE: f64 = 1e-5;
 /// `v` rounded to f16 (to nearest even) and back: the W4A16 kernels' activation operand.
 fn f16_round(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| f16::from_f32(x).to_f32()).collect()
-}
-
-fn open_device() -> Option<CudaDevice> {
-    match CudaDevice::open(0) {
-        Ok(d) => Some(d),
-        Err(Error::Backend(msg)) if !driver_library_present() => {
-            assert_eq!(msg, NO_DRIVER_MESSAGE);
-            eprintln!("skipped: {msg}");
-            None
-        }
-        Err(err) => panic!("a driver is present but device 0 did not open: {err}"),
-    }
 }
 
 /// The raw device address of a buffer (all work here runs on one stream, so no event tracking is
@@ -305,7 +293,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 fn check_shape(hidden: usize, inter: usize, seed: u64) {
-    let Some(device) = open_device() else { return };
+    let device = common::gpu::device();
     // Uneven groups: one item, two chunks (17: 16 on two mma item tiles, then 1), an odd count, an
     // empty group, one full n8 tile, one full 16-item chunk, and a five.
     let counts = [1, 17, 3, 0, 8, 16, 5];
@@ -403,18 +391,21 @@ fn check_shape(hidden: usize, inter: usize, seed: u64) {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn int4_moe_small_shape() {
     check_shape(256, 128, 41);
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn int4_moe_deepseek_v2_lite_shape() {
     check_shape(2048, 1408, 42);
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn int4_moe_rejects_bad_shapes_before_launching() {
-    let Some(device) = open_device() else { return };
+    let device = common::gpu::device();
     let kernels = MoeInt4Kernels::new(&device).expect("load the INT4 MoE kernels");
     let launch = MoeLaunch {
         x: 1,

@@ -1,10 +1,14 @@
 //! Every op of the CUDA backend against the CPU reference, on fresh random inputs (never zeros),
 //! in the manner of a backend-ops test: the same calls through the [`Backend`] trait on both, the
-//! relative error ‖gpu − cpu‖ / ‖cpu‖ printed per op and bounded, and batch invariance checked
+//! relative error ‖gpu − cpu‖ / ‖cpu‖ printed per case and bounded, and batch invariance checked
 //! bit for bit (a batch of rows equals the rows one at a time).
 //!
-//! These need a CUDA GPU, so they are ignored here; `scripts/gpu-check.sh` runs them on the
-//! GPU machine with `--ignored`.
+//! One test per op family, so one family runs alone (`cuda_ops -- --ignored attention`) and a
+//! failure in one hides nothing in the others; within a family every case runs, and the test
+//! fails at the end listing each failed case. They need an NVIDIA GPU (see tests/common/gpu.rs):
+//! `scripts/gpu-check.sh run ops` runs them with `--ignored`.
+
+mod common;
 
 use half::f16;
 use rand::{Rng, SeedableRng};
@@ -14,33 +18,54 @@ use specter::backend::cpu::Cpu;
 use specter::backend::cuda::CudaBackend;
 use specter::backend::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
 
+type CpuAct = <Cpu as Backend>::Act;
+type GpuAct = <CudaBackend as Backend>::Act;
+type CpuWeight = <Cpu as Backend>::Weight;
+type GpuWeight = <CudaBackend as Backend>::Weight;
+
 /// f32 arithmetic in a different order than the CPU: far below this.
 const TOLERANCE: f64 = 2e-5;
 
-fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len(), "lengths differ");
-    assert!(gpu.iter().all(|v| v.is_finite()), "non-finite GPU output");
+/// ‖gpu − cpu‖ / ‖cpu‖, or why the outputs cannot be compared.
+fn rel_err(gpu: &[f32], cpu: &[f32]) -> Result<f64, String> {
+    if gpu.len() != cpu.len() {
+        return Err(format!(
+            "{} values from the GPU, {} from the CPU",
+            gpu.len(),
+            cpu.len()
+        ));
+    }
+    if let Some(i) = gpu.iter().position(|v| !v.is_finite()) {
+        return Err(format!("non-finite GPU output {} at {i}", gpu[i]));
+    }
     let num: f64 = gpu
         .iter()
         .zip(cpu)
         .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
         .sum();
     let den: f64 = cpu.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
+    Ok((num / den.max(1e-30)).sqrt())
 }
 
-struct Pair {
+/// One op family's run: the GPU backend, the random source of its inputs, and every failed case.
+struct Family {
+    name: &'static str,
     gpu: CudaBackend,
     rng: ChaCha8Rng,
-    report: Vec<(String, f64)>,
+    checks: usize,
+    worst: f64,
+    failures: Vec<String>,
 }
 
-impl Pair {
-    fn new(seed: u64) -> Pair {
-        Pair {
-            gpu: CudaBackend::open(0).expect("a CUDA GPU (this test runs on the GPU machine)"),
+impl Family {
+    fn new(name: &'static str, seed: u64) -> Family {
+        Family {
+            name,
+            gpu: common::gpu::backend(),
             rng: ChaCha8Rng::seed_from_u64(seed),
-            report: Vec::new(),
+            checks: 0,
+            worst: 0.0,
+            failures: Vec::new(),
         }
     }
 
@@ -50,29 +75,18 @@ impl Pair {
             .collect()
     }
 
-    fn act(
-        &mut self,
-        rows: usize,
-        cols: usize,
-    ) -> (
-        <Cpu as Backend>::Act,
-        <CudaBackend as Backend>::Act,
-        Vec<f32>,
-    ) {
+    /// The same random `[rows, cols]` activation on both backends, and its values.
+    fn act(&mut self, rows: usize, cols: usize) -> (CpuAct, GpuAct, Vec<f32>) {
         let v = self.values(rows * cols, 1.0);
         (
             Cpu.upload(rows, cols, &v).unwrap(),
-            self.gpu.upload(rows, cols, &v).unwrap(),
+            self.gpu.upload(rows, cols, &v).expect("GPU upload"),
             v,
         )
     }
 
-    fn weight(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        scale: f32,
-    ) -> (<Cpu as Backend>::Weight, <CudaBackend as Backend>::Weight) {
+    /// The same random f16 weight on both backends.
+    fn weight(&mut self, name: &str, shape: &[usize], scale: f32) -> (CpuWeight, GpuWeight) {
         let n: usize = shape.iter().product();
         let v: Vec<f16> = self
             .values(n, scale)
@@ -81,32 +95,136 @@ impl Pair {
             .collect();
         (
             Cpu.weight_f16(name, shape, &v).unwrap(),
-            self.gpu.weight_f16(name, shape, &v).unwrap(),
+            self.gpu.weight_f16(name, shape, &v).expect("GPU weight"),
         )
     }
 
+    fn fail(&mut self, case: &str, why: String) {
+        eprintln!("{case:<52} FAILED: {why}");
+        self.failures.push(format!("{case}: {why}"));
+    }
+
+    /// Checks the GPU's values for `case` (or its error) against the CPU's; returns the GPU's
+    /// values when it produced any, for further checks.
+    fn compare(
+        &mut self,
+        case: &str,
+        gpu: specter::Result<Vec<f32>>,
+        cpu: &[f32],
+    ) -> Option<Vec<f32>> {
+        self.checks += 1;
+        let gpu = match gpu {
+            Ok(gpu) => gpu,
+            Err(err) => {
+                self.fail(case, format!("GPU error: {err}"));
+                return None;
+            }
+        };
+        match rel_err(&gpu, cpu) {
+            Ok(e) if e < TOLERANCE => {
+                eprintln!("{case:<52} rel err {e:.2e}");
+                self.worst = self.worst.max(e);
+            }
+            Ok(e) => {
+                self.worst = self.worst.max(e);
+                self.fail(
+                    case,
+                    format!("relative error {e:.3e} exceeds {TOLERANCE:e}"),
+                );
+            }
+            Err(why) => self.fail(case, why),
+        }
+        Some(gpu)
+    }
+
+    /// [`Family::compare`] for an op's output activation.
     fn check(
         &mut self,
-        op: &str,
-        gpu: &<CudaBackend as Backend>::Act,
-        cpu: &<Cpu as Backend>::Act,
+        case: &str,
+        gpu: specter::Result<GpuAct>,
+        cpu: &CpuAct,
+    ) -> Option<Vec<f32>> {
+        let gpu = gpu.and_then(|g| self.gpu.to_host(&g));
+        let cpu = Cpu.to_host(cpu).unwrap();
+        self.compare(case, gpu, &cpu)
+    }
+
+    /// [`Family::compare`] for an op that updates `gpu_out` in place and returned `result`.
+    fn check_in_place(
+        &mut self,
+        case: &str,
+        result: specter::Result<()>,
+        gpu_out: &GpuAct,
+        cpu_out: &CpuAct,
     ) {
-        let g = self.gpu.to_host(gpu).unwrap();
-        let c = Cpu.to_host(cpu).unwrap();
-        let e = rel_err(&g, &c);
-        eprintln!("{op:<44} rel err {e:.2e}");
-        self.report.push((op.to_string(), e));
+        let gpu = result.and_then(|()| self.gpu.to_host(gpu_out));
+        let cpu = Cpu.to_host(cpu_out).unwrap();
+        self.compare(case, gpu, &cpu);
+    }
+
+    /// A case that passes when `ok`; `why` says what went wrong otherwise.
+    fn expect(&mut self, case: &str, ok: bool, why: impl FnOnce() -> String) {
+        self.checks += 1;
+        if ok {
+            eprintln!("{case:<52} ok");
+        } else {
+            let why = why();
+            self.fail(case, why);
+        }
+    }
+
+    /// Batch invariance: `alone` (GPU values computed for a part of a batch on its own, or the
+    /// error doing so) equals `in_batch` bit for bit.
+    fn same_bits(&mut self, case: &str, alone: specter::Result<Vec<f32>>, in_batch: &[f32]) {
+        match alone {
+            Ok(alone) => {
+                let first_difference = if alone.len() != in_batch.len() {
+                    Some(alone.len().min(in_batch.len()))
+                } else {
+                    alone
+                        .iter()
+                        .zip(in_batch)
+                        .position(|(a, b)| a.to_bits() != b.to_bits())
+                };
+                self.expect(case, first_difference.is_none(), || {
+                    format!(
+                        "alone differs from the batch from element {} on",
+                        first_difference.unwrap_or_default()
+                    )
+                });
+            }
+            Err(err) => {
+                self.checks += 1;
+                self.fail(case, format!("GPU error: {err}"));
+            }
+        }
+    }
+
+    /// Ends the family: passes only if every case did, and lists every failed one otherwise.
+    fn finish(self) {
+        eprintln!(
+            "{}: {} checks, {} failed, worst relative error {:.2e}",
+            self.name,
+            self.checks,
+            self.failures.len(),
+            self.worst
+        );
+        assert!(self.checks > 0, "{}: no check ran", self.name);
         assert!(
-            e < TOLERANCE,
-            "{op}: relative error {e:e} exceeds {TOLERANCE:e}"
+            self.failures.is_empty(),
+            "{}: {} of {} checks failed:\n  {}",
+            self.name,
+            self.failures.len(),
+            self.checks,
+            self.failures.join("\n  ")
         );
     }
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run by scripts/gpu-check.sh on the GPU machine"]
-fn every_op_matches_the_cpu_reference() {
-    let mut p = Pair::new(7);
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn linear() {
+    let mut p = Family::new("linear", 7);
     // Widths that take the vector path (multiples of 8) and the scalar one.
     for &(rows, k, n) in &[
         (1, 2048, 1408),
@@ -121,46 +239,52 @@ fn every_op_matches_the_cpu_reference() {
         (4, 136, 41),
         (13, 2048, 7),
     ] {
-        let (xc, xg, _) = p.act(rows, k);
+        let (xc, xg, xv) = p.act(rows, k);
         let (wc, wg) = p.weight("w", &[n, k], 0.05);
         let (bc, bg) = p.weight("b", &[n], 0.5);
-        let yc = Cpu.linear(&xc, &wc, None).unwrap();
-        let yg = p.gpu.linear(&xg, &wg, None).unwrap();
-        p.check(&format!("linear {rows}x{k} -> {n}"), &yg, &yc);
-        let yc = Cpu.linear(&xc, &wc, Some(&bc)).unwrap();
-        let yg = p.gpu.linear(&xg, &wg, Some(&bg)).unwrap();
-        p.check(&format!("linear+bias {rows}x{k} -> {n}"), &yg, &yc);
+        let yg = p.gpu.linear(&xg, &wg, None);
+        p.check(
+            &format!("linear {rows}x{k} -> {n}"),
+            yg,
+            &Cpu.linear(&xc, &wc, None).unwrap(),
+        );
+        let yg = p.gpu.linear(&xg, &wg, Some(&bg));
+        let Some(all) = p.check(
+            &format!("linear+bias {rows}x{k} -> {n}"),
+            yg,
+            &Cpu.linear(&xc, &wc, Some(&bc)).unwrap(),
+        ) else {
+            continue;
+        };
         // Batch invariance: each row alone gives the same bits as inside the batch.
-        let all = p.gpu.to_host(&yg).unwrap();
         for r in 0..rows {
-            let one = p
+            let alone = p
                 .gpu
-                .head_rows(
-                    &p.gpu
-                        .upload(1, k, &Cpu.to_host(&xc).unwrap()[r * k..(r + 1) * k])
-                        .unwrap(),
-                    1,
-                )
-                .unwrap();
-            let y1 = p
-                .gpu
-                .to_host(&p.gpu.linear(&one, &wg, Some(&bg)).unwrap())
-                .unwrap();
-            assert!(
-                y1.iter()
-                    .zip(&all[r * n..(r + 1) * n])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "linear {rows}x{k}: row {r} alone differs from the batch"
+                .upload(1, k, &xv[r * k..(r + 1) * k])
+                .and_then(|row| p.gpu.head_rows(&row, 1))
+                .and_then(|one| p.gpu.linear(&one, &wg, Some(&bg)))
+                .and_then(|y| p.gpu.to_host(&y));
+            p.same_bits(
+                &format!("linear {rows}x{k} -> {n}: row {r} alone"),
+                alone,
+                &all[r * n..(r + 1) * n],
             );
         }
     }
+    p.finish();
+}
 
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn norms() {
+    let mut p = Family::new("norms", 11);
     let (xc, xg, _) = p.act(6, 192);
     let (wc, wg) = p.weight("norm", &[192], 1.0);
     let (bc, bg) = p.weight("bias", &[192], 1.0);
+    let got = p.gpu.rms_norm(&xg, &wg, 1e-6, 192);
     p.check(
         "rms_norm 6x192",
-        &p.gpu.rms_norm(&xg, &wg, 1e-6, 192).unwrap(),
+        got,
         &Cpu.rms_norm(&xc, &wc, 1e-6, 192).unwrap(),
     );
     // Vector path of one row (decode), a width past the register cache, and a scalar width.
@@ -172,60 +296,90 @@ fn every_op_matches_the_cpu_reference() {
     ] {
         let (xc, xg, _) = p.act(rows, width);
         let (wc, wg) = p.weight("norm", &[group], 1.0);
+        let got = p.gpu.rms_norm(&xg, &wg, 1e-6, group);
         p.check(
             &format!("rms_norm {rows}x{width} per group of {group}"),
-            &p.gpu.rms_norm(&xg, &wg, 1e-6, group).unwrap(),
+            got,
             &Cpu.rms_norm(&xc, &wc, 1e-6, group).unwrap(),
         );
     }
     let (wc2, wg2) = p.weight("norm32", &[32], 1.0);
+    let got = p.gpu.rms_norm(&xg, &wg2, 1e-6, 32);
     p.check(
         "rms_norm 6x192 per group of 32",
-        &p.gpu.rms_norm(&xg, &wg2, 1e-6, 32).unwrap(),
+        got,
         &Cpu.rms_norm(&xc, &wc2, 1e-6, 32).unwrap(),
     );
+    let got = p.gpu.layer_norm(&xg, &wg, &bg, 1e-5);
     p.check(
         "layer_norm 6x192",
-        &p.gpu.layer_norm(&xg, &wg, &bg, 1e-5).unwrap(),
+        got,
         &Cpu.layer_norm(&xc, &wc, &bc, 1e-5).unwrap(),
     );
+    p.finish();
+}
 
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn embedding() {
+    let mut p = Family::new("embedding", 13);
     let (tc, tg) = p.weight("embed", &[300, 64], 1.0);
     let ids = [5u32, 299, 0, 17, 17];
-    p.check(
-        "embedding",
-        &p.gpu.embedding(&tg, &ids).unwrap(),
-        &Cpu.embedding(&tc, &ids).unwrap(),
-    );
-    assert!(
-        p.gpu.embedding(&tg, &[300]).is_err(),
-        "an out-of-range id must be refused"
-    );
+    let got = p.gpu.embedding(&tg, &ids);
+    p.check("embedding", got, &Cpu.embedding(&tc, &ids).unwrap());
+    let refused = p.gpu.embedding(&tg, &[300]).is_err();
+    p.expect("embedding of an out-of-range id", refused, || {
+        "id 300 of a 300-row table was accepted".to_string()
+    });
+    p.finish();
+}
 
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn split_add_clamp() {
+    let mut p = Family::new("split_add_clamp", 17);
     let (xc, xg, _) = p.act(4, 100);
-    let pc = Cpu.split_cols(&xc, &[60, 7, 33]).unwrap();
-    let pg = p.gpu.split_cols(&xg, &[60, 7, 33]).unwrap();
-    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
-        p.check(&format!("split_cols piece {i}"), g, c);
-    }
-    // Five pieces: one launch of four and one of one.
-    let pc = Cpu.split_cols(&xc, &[5, 20, 3, 40, 32]).unwrap();
-    let pg = p.gpu.split_cols(&xg, &[5, 20, 3, 40, 32]).unwrap();
-    for (i, (g, c)) in pg.iter().zip(&pc).enumerate() {
-        p.check(&format!("split_cols of five, piece {i}"), g, c);
+    // Three pieces: one launch; five pieces: one launch of four and one of one.
+    for widths in [&[60, 7, 33][..], &[5, 20, 3, 40, 32]] {
+        let pc = Cpu.split_cols(&xc, widths).unwrap();
+        match p.gpu.split_cols(&xg, widths) {
+            Ok(pg) => {
+                p.expect(
+                    &format!("split_cols {widths:?}: piece count"),
+                    pg.len() == pc.len(),
+                    || format!("{} pieces, want {}", pg.len(), pc.len()),
+                );
+                for (i, (g, c)) in pg.into_iter().zip(&pc).enumerate() {
+                    p.check(&format!("split_cols {widths:?}: piece {i}"), Ok(g), c);
+                }
+            }
+            Err(err) => {
+                p.checks += 1;
+                p.fail(
+                    &format!("split_cols {widths:?}"),
+                    format!("GPU error: {err}"),
+                );
+            }
+        }
     }
     let (mut ac, mut ag, _) = p.act(4, 100);
     Cpu.add_assign(&mut ac, &xc).unwrap();
-    p.gpu.add_assign(&mut ag, &xg).unwrap();
-    p.check("add_assign", &ag, &ac);
+    let result = p.gpu.add_assign(&mut ag, &xg);
+    p.check_in_place("add_assign", result, &ag, &ac);
     let (gc, gg, _) = p.act(4, 1);
     Cpu.add_sigmoid_gated(&mut ac, &xc, &gc).unwrap();
-    p.gpu.add_sigmoid_gated(&mut ag, &xg, &gg).unwrap();
-    p.check("add_sigmoid_gated", &ag, &ac);
+    let result = p.gpu.add_sigmoid_gated(&mut ag, &xg, &gg);
+    p.check_in_place("add_sigmoid_gated", result, &ag, &ac);
     Cpu.clamp(&mut ac, 0.3).unwrap();
-    p.gpu.clamp(&mut ag, 0.3).unwrap();
-    p.check("clamp", &ag, &ac);
+    let result = p.gpu.clamp(&mut ag, 0.3);
+    p.check_in_place("clamp", result, &ag, &ac);
+    p.finish();
+}
 
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn rope() {
+    let mut p = Family::new("rope", 19);
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {
         let (mut rc, mut rg, _) = p.act(3, 4 * 48);
         let spec = RopeSpec {
@@ -241,24 +395,45 @@ fn every_op_matches_the_cpu_reference() {
         let pos = [7usize, 8, 4000];
         let scales = [1.0f32, 1.0, 1.3];
         Cpu.rope(&mut rc, spec, &inv, &pos, &scales).unwrap();
-        p.gpu.rope(&mut rg, spec, &inv, &pos, &scales).unwrap();
-        p.check(&format!("rope {style:?}"), &rg, &rc);
+        let result = p.gpu.rope(&mut rg, spec, &inv, &pos, &scales);
+        p.check_in_place(&format!("rope {style:?}"), result, &rg, &rc);
     }
+    p.finish();
+}
 
-    let (kvc, kvg, _) = p.act(9, 4 * (32 + 32));
-    let (pec, peg, _) = p.act(9, 16);
-    let (kc, vc) = Cpu.mla_expand_kv(&kvc, &pec, 4, 32, 32).unwrap();
-    let (kg, vg) = p.gpu.mla_expand_kv(&kvg, &peg, 4, 32, 32).unwrap();
-    p.check("mla_expand_kv keys", &kg, &kc);
-    p.check("mla_expand_kv values", &vg, &vc);
-    let (kvc, kvg, _) = p.act(2, 16 * (128 + 128));
-    let (pec, peg, _) = p.act(2, 64);
-    let (kc, vc) = Cpu.mla_expand_kv(&kvc, &pec, 16, 128, 128).unwrap();
-    let (kg, vg) = p.gpu.mla_expand_kv(&kvg, &peg, 16, 128, 128).unwrap();
-    p.check("mla_expand_kv keys (DeepSeek-V2-Lite widths)", &kg, &kc);
-    p.check("mla_expand_kv values (DeepSeek-V2-Lite widths)", &vg, &vc);
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn mla_expand_kv() {
+    let mut p = Family::new("mla_expand_kv", 23);
+    for &(rows, heads, nope, rope, v_dim, label) in &[
+        (9, 4, 32, 16, 32, ""),
+        (2, 16, 128, 64, 128, " (DeepSeek-V2-Lite widths)"),
+    ] {
+        let (kvc, kvg, _) = p.act(rows, heads * (nope + v_dim));
+        let (pec, peg, _) = p.act(rows, rope);
+        let (kc, vc) = Cpu.mla_expand_kv(&kvc, &pec, heads, nope, v_dim).unwrap();
+        match p.gpu.mla_expand_kv(&kvg, &peg, heads, nope, v_dim) {
+            Ok((kg, vg)) => {
+                p.check(&format!("mla_expand_kv keys{label}"), Ok(kg), &kc);
+                p.check(&format!("mla_expand_kv values{label}"), Ok(vg), &vc);
+            }
+            Err(err) => {
+                p.checks += 1;
+                p.fail(
+                    &format!("mla_expand_kv{label}"),
+                    format!("GPU error: {err}"),
+                );
+            }
+        }
+    }
+    p.finish();
+}
 
-    // Attention: GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn attention() {
+    let mut p = Family::new("attention", 29);
+    // GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.
     for &(heads, kv_heads, qk, vd, window, len, rows) in &[
         (4, 2, 32, 32, None, 40, 7),
         (8, 8, 64, 64, Some(16), 50, 1),
@@ -282,120 +457,143 @@ fn every_op_matches_the_cpu_reference() {
             start: len - rows,
             window,
         };
-        let oc = Cpu.attention(&qc, &kc, &vc, len, spec).unwrap();
-        let og = p.gpu.attention(&qg, &kg, &vg, len, spec).unwrap();
-        p.check(
-            &format!("attention h{heads}/{kv_heads} qk{qk} v{vd} len{len} rows{rows}"),
-            &og,
-            &oc,
-        );
+        let case = format!("attention h{heads}/{kv_heads} qk{qk} v{vd} len{len} rows{rows}");
+        let got = p.gpu.attention(&qg, &kg, &vg, len, spec);
+        let Some(all) = p.check(
+            &case,
+            got,
+            &Cpu.attention(&qc, &kc, &vc, len, spec).unwrap(),
+        ) else {
+            continue;
+        };
         // The last row alone (decode) equals the last row of the batch, bitwise.
-        let all = p.gpu.to_host(&og).unwrap();
-        let last = p
+        let last_spec = AttentionSpec {
+            start: len - 1,
+            ..spec
+        };
+        let alone = p
             .gpu
             .upload(1, heads * qk, &qv[(rows - 1) * heads * qk..])
-            .unwrap();
-        let one = p
-            .gpu
-            .to_host(
-                &p.gpu
-                    .attention(
-                        &last,
-                        &kg,
-                        &vg,
-                        len,
-                        AttentionSpec {
-                            start: len - 1,
-                            ..spec
-                        },
-                    )
-                    .unwrap(),
-            )
-            .unwrap();
-        assert!(
-            one.iter()
-                .zip(&all[(rows - 1) * heads * vd..])
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "attention: the last row alone differs from the batch"
+            .and_then(|last| p.gpu.attention(&last, &kg, &vg, len, last_spec))
+            .and_then(|o| p.gpu.to_host(&o));
+        p.same_bits(
+            &format!("{case}: last row alone"),
+            alone,
+            &all[(rows - 1) * heads * vd..],
         );
     }
+    p.finish();
+}
 
-    // Routing (host code shared with the CPU) and argmax.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn host_routing_and_argmax() {
+    let mut p = Family::new("host_routing_and_argmax", 31);
+    // Routing through the host code shared with the CPU.
     let (lc, lg, _) = p.act(5, 64);
     let spec = RouteSpec::SoftmaxTopK {
         top_k: 6,
         renormalize: true,
         scale: 1.0,
     };
-    assert_eq!(
-        p.gpu.route(&lg, spec).unwrap(),
-        Cpu.route(&lc, spec).unwrap()
-    );
-    let (lc, lg, _) = p.act(3, 102_400);
-    assert_eq!(
-        p.gpu.argmax(&lg).unwrap(),
-        Cpu.argmax(&lc).unwrap(),
-        "argmax"
-    );
-
-    // Dense gated MLP and routed experts (FP16), with uneven rows per expert.
-    for &(hidden, inter, experts, rows, top_k) in &[
-        (128, 128, 8, 5, 2),
-        (2048, 1408, 8, 17, 6),
-        (96, 40, 4, 3, 2),
-        // Decode (one row) and a 4-row window through the narrow row groups.
-        (256, 176, 16, 1, 6),
-        (512, 88, 8, 4, 3),
-        // More rows than the fused routing + work-list launch takes: two launches.
-        (64, 32, 8, 70, 2),
-    ] {
-        let (xc, xg, _) = p.act(rows, hidden);
-        let mut cpu_experts = Vec::new();
-        let mut gpu_experts = Vec::new();
-        for e in 0..experts {
-            let (guc, gug) = p.weight(&format!("e{e}.gate_up"), &[2 * inter, hidden], 0.05);
-            let (dc, dg) = p.weight(&format!("e{e}.down"), &[hidden, inter], 0.05);
-            cpu_experts.push(GatedMlp {
-                gate_up: guc,
-                down: dc,
-            });
-            gpu_experts.push(GatedMlp {
-                gate_up: gug,
-                down: dg,
-            });
+    let want = Cpu.route(&lc, spec).unwrap();
+    match p.gpu.route(&lg, spec) {
+        Ok(got) => p.expect("route top6 of 64", got == want, || {
+            format!("GPU routing {got:?}, CPU routing {want:?}")
+        }),
+        Err(err) => {
+            p.checks += 1;
+            p.fail("route top6 of 64", format!("GPU error: {err}"));
         }
-        p.check(
-            &format!("gated_mlp {rows}x{hidden} inter {inter}"),
-            &p.gpu.gated_mlp(&xg, &gpu_experts[0]).unwrap(),
-            &Cpu.gated_mlp(&xc, &cpu_experts[0]).unwrap(),
-        );
+    }
+    let (lc, lg, _) = p.act(3, 102_400);
+    let want = Cpu.argmax(&lc).unwrap();
+    match p.gpu.argmax(&lg) {
+        Ok(got) => p.expect("argmax 3x102400", got == want, || {
+            format!("GPU {got:?}, CPU {want:?}")
+        }),
+        Err(err) => {
+            p.checks += 1;
+            p.fail("argmax 3x102400", format!("GPU error: {err}"));
+        }
+    }
+    p.finish();
+}
+
+/// Expert FFN shapes: (hidden, inter, experts, rows, top_k).
+const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 6] = [
+    (128, 128, 8, 5, 2),
+    (2048, 1408, 8, 17, 6),
+    (96, 40, 4, 3, 2),
+    // Decode (one row) and a 4-row window through the narrow row groups.
+    (256, 176, 16, 1, 6),
+    (512, 88, 8, 4, 3),
+    // More rows than the fused routing + work-list launch takes: two launches.
+    (64, 32, 8, 70, 2),
+];
+
+/// `experts` random FP16 gated MLPs, the same on both backends.
+fn random_experts(
+    p: &mut Family,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+) -> (Vec<GatedMlp<Cpu>>, Vec<GatedMlp<CudaBackend>>) {
+    let mut cpu_experts = Vec::new();
+    let mut gpu_experts = Vec::new();
+    for e in 0..experts {
+        let (guc, gug) = p.weight(&format!("e{e}.gate_up"), &[2 * inter, hidden], 0.05);
+        let (dc, dg) = p.weight(&format!("e{e}.down"), &[hidden, inter], 0.05);
+        cpu_experts.push(GatedMlp {
+            gate_up: guc,
+            down: dc,
+        });
+        gpu_experts.push(GatedMlp {
+            gate_up: gug,
+            down: dg,
+        });
+    }
+    (cpu_experts, gpu_experts)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn gated_mlp() {
+    let mut p = Family::new("gated_mlp", 37);
+    for &(hidden, inter, _, rows, _) in &EXPERT_SHAPES {
+        let (xc, xg, xv) = p.act(rows, hidden);
+        let (cpu_mlp, gpu_mlp) = random_experts(&mut p, hidden, inter, 1);
+        let case = format!("gated_mlp {rows}x{hidden} inter {inter}");
+        let got = p.gpu.gated_mlp(&xg, &gpu_mlp[0]);
+        let Some(all) = p.check(&case, got, &Cpu.gated_mlp(&xc, &cpu_mlp[0]).unwrap()) else {
+            continue;
+        };
         // The last row alone gives the same bits as inside the batch.
-        let all = p
+        let alone = p
             .gpu
-            .to_host(&p.gpu.gated_mlp(&xg, &gpu_experts[0]).unwrap())
-            .unwrap();
-        let last = p
-            .gpu
-            .upload(
-                1,
-                hidden,
-                &p.gpu.to_host(&xg).unwrap()[(rows - 1) * hidden..],
-            )
-            .unwrap();
-        let one = p
-            .gpu
-            .to_host(&p.gpu.gated_mlp(&last, &gpu_experts[0]).unwrap())
-            .unwrap();
-        assert!(
-            one.iter()
-                .zip(&all[(rows - 1) * hidden..])
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "gated_mlp: the last row alone differs from the batch"
+            .upload(1, hidden, &xv[(rows - 1) * hidden..])
+            .and_then(|last| p.gpu.gated_mlp(&last, &gpu_mlp[0]))
+            .and_then(|y| p.gpu.to_host(&y));
+        p.same_bits(
+            &format!("{case}: last row alone"),
+            alone,
+            &all[(rows - 1) * hidden..],
         );
+    }
+    p.finish();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn moe_experts_host_routing() {
+    let mut p = Family::new("moe_experts_host_routing", 41);
+    for &(hidden, inter, experts, rows, top_k) in &EXPERT_SHAPES {
+        let (xc, xg, _) = p.act(rows, hidden);
+        let (cpu_experts, gpu_experts) = random_experts(&mut p, hidden, inter, experts);
+        // Uneven rows per expert: expert 0 is hit by every row, the others at random.
         let mut ids = Vec::new();
         let mut weights = Vec::new();
-        for r in 0..rows {
-            // Expert 0 is hit by every row, the others at random.
+        for _ in 0..rows {
             let mut chosen = vec![0u32];
             while chosen.len() < top_k {
                 let e = p.rng.random_range(1..experts as u32);
@@ -403,7 +601,6 @@ fn every_op_matches_the_cpu_reference() {
                     chosen.push(e);
                 }
             }
-            let _ = r;
             ids.extend(&chosen);
             weights.extend((0..top_k).map(|_| p.rng.random_range(0.05f32..1.0)));
         }
@@ -412,13 +609,38 @@ fn every_op_matches_the_cpu_reference() {
             ids,
             weights,
         };
-        let oc = Cpu.moe_experts(&xc, &routing, &cpu_experts).unwrap();
-        let og = p.gpu.moe_experts(&xg, &routing, &gpu_experts).unwrap();
-        p.check(
-            &format!("moe_experts {rows}x{hidden} inter {inter} top{top_k}"),
-            &og,
-            &oc,
-        );
+        let case = format!("moe_experts {rows}x{hidden} inter {inter} top{top_k}");
+        let got = p.gpu.moe_experts(&xg, &routing, &gpu_experts);
+        let Some(all) = p.check(
+            &case,
+            got,
+            &Cpu.moe_experts(&xc, &routing, &cpu_experts).unwrap(),
+        ) else {
+            continue;
+        };
+        // Row 0 alone gives the same bits as inside the batch.
+        let r0 = Routing {
+            top_k,
+            ids: routing.ids[..top_k].to_vec(),
+            weights: routing.weights[..top_k].to_vec(),
+        };
+        let alone = p
+            .gpu
+            .head_rows(&xg, 1)
+            .and_then(|x0| p.gpu.moe_experts(&x0, &r0, &gpu_experts))
+            .and_then(|y| p.gpu.to_host(&y));
+        p.same_bits(&format!("{case}: row 0 alone"), alone, &all[..hidden]);
+    }
+    p.finish();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn moe_experts_device_routing() {
+    let mut p = Family::new("moe_experts_device_routing", 43);
+    for &(hidden, inter, experts, rows, top_k) in &EXPERT_SHAPES {
+        let (xc, xg, _) = p.act(rows, hidden);
+        let (cpu_experts, gpu_experts) = random_experts(&mut p, hidden, inter, experts);
         // Routing, work list and experts all on the device (no host round trip).
         let mut specs: Vec<(String, RouteSpec)> = [(true, 1.0f32), (false, 2.5)]
             .into_iter()
@@ -440,54 +662,46 @@ fn every_op_matches_the_cpu_reference() {
             ));
         }
         for (label, spec) in specs {
+            let case = format!("routed_moe on device {rows}x{hidden} {label}");
             let (lc, lg, _) = p.act(rows, experts);
             let rc = Cpu.route(&lc, spec).unwrap();
             let oc = Cpu.moe_experts(&xc, &rc, &cpu_experts).unwrap();
             // Routing counted on the device as MoE layer 1 of 2 (the draft's prefetch counts).
-            p.gpu.enable_route_counts(2, experts).unwrap();
-            let (og, host) = p
-                .gpu
-                .routed_moe(&xg, &lg, spec, &gpu_experts, false, Some(1))
-                .unwrap();
-            let counts = p.gpu.route_counts().unwrap();
+            let routed = p.gpu.enable_route_counts(2, experts).and_then(|()| {
+                p.gpu
+                    .routed_moe(&xg, &lg, spec, &gpu_experts, false, Some(1))
+            });
+            let (og, host) = match routed {
+                Ok(routed) => routed,
+                Err(err) => {
+                    p.checks += 1;
+                    p.fail(&case, format!("GPU error: {err}"));
+                    continue;
+                }
+            };
+            p.expect(
+                &format!("{case}: routing stays on the device"),
+                host.is_none(),
+                || "the device path returned host routing".to_string(),
+            );
             let mut want = vec![0u32; 2 * experts];
             for &e in &rc.ids {
                 want[experts + e as usize] += 1;
             }
-            assert_eq!(counts, want, "routing counts on the device ({label})");
-            assert!(
-                host.is_none(),
-                "the device path keeps the routing on the device"
-            );
-            p.check(
-                &format!("routed_moe on device {rows}x{hidden} {label}"),
-                &og,
-                &oc,
-            );
+            match p.gpu.route_counts() {
+                Ok(counts) => p.expect(&format!("{case}: routing counts"), counts == want, || {
+                    format!("device counts {counts:?}, want {want:?}")
+                }),
+                Err(err) => {
+                    p.checks += 1;
+                    p.fail(
+                        &format!("{case}: routing counts"),
+                        format!("GPU error: {err}"),
+                    );
+                }
+            }
+            p.check(&case, Ok(og), &oc);
         }
-        // Row 0 alone gives the same bits as inside the batch.
-        let all = p.gpu.to_host(&og).unwrap();
-        let x0 = p.gpu.head_rows(&xg, 1).unwrap();
-        let r0 = Routing {
-            top_k,
-            ids: routing.ids[..top_k].to_vec(),
-            weights: routing.weights[..top_k].to_vec(),
-        };
-        let one = p
-            .gpu
-            .to_host(&p.gpu.moe_experts(&x0, &r0, &gpu_experts).unwrap())
-            .unwrap();
-        assert!(
-            one.iter()
-                .zip(&all[..hidden])
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "moe_experts: row 0 alone differs from the batch"
-        );
     }
-
-    let worst = p.report.iter().map(|(_, e)| *e).fold(0.0, f64::max);
-    eprintln!(
-        "{} op checks, worst relative error {worst:.2e}",
-        p.report.len()
-    );
+    p.finish();
 }

@@ -103,10 +103,10 @@ fn resolve(module: &str, path: &[&str], known: &BTreeMap<String, PathBuf>) -> Op
         module.split("::").collect()
     };
     let mut rest = path;
-    match rest.first()? {
-        &"crate" => base.clear(),
-        &"self" => {}
-        &"super" => {
+    match *rest.first()? {
+        "crate" => base.clear(),
+        "self" => {}
+        "super" => {
             base.pop();
         }
         _ => return None,

@@ -1,5 +1,8 @@
-//! Shared helpers of the golden tests: fixture loading and comparison.
+//! Shared helpers of the golden tests: fixture loading and comparison; `gpu`: how the GPU tests
+//! open the GPU.
 #![allow(dead_code)]
+
+pub mod gpu;
 
 use std::path::{Path, PathBuf};
 

@@ -12,7 +12,7 @@
 //! own row and expert, never on how many rows the launch holds, so a batch is bit-identical to
 //! the same rows one at a time (the backend's exactness contract).
 
-/// One expert's share of a grouped launch; mirrors `struct ExpertGroup` in the kernel files.
+/// One expert's share of a grouped launch; mirrors `struct ExpertGroup` in kernels/common.cuh.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ExpertGroup {

@@ -6,21 +6,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use super::CudaDevice;
 use crate::{Error, Result};
 
-/// Threads of the row-wise kernels (`ROW_THREADS` in kernels/ops.cu).
-pub(super) const ROW_THREADS: u32 = 256;
-/// Warps per block of the FP16 matrix kernels (`WARPS` in kernels/gemv_f16.cu).
-pub(super) const GEMV_WARPS: usize = 4;
-/// Output features per warp of `linear_f16` and `moe_f16_down` (kernels/gemv_f16.cu).
-pub(super) const GEMV_FEATURES: usize = 2;
-/// Threads per block of kernels/attention.cu.
-pub(super) const ATT_THREADS: u32 = 256;
-/// Threads per block of `mla_expand_kv` (one block per row and head).
-pub(super) const MLA_THREADS: u32 = 128;
-/// Threads of the fused routing + work-list kernel (`ROUTE_PLAN_WARPS` in kernels/ops.cu).
-pub(super) const ROUTE_PLAN_THREADS: u32 = 256;
-/// Rows up to which routing and the work list are built by that one launch; past it the rows
-/// are routed one block each and the plan follows in a second launch.
-pub(super) const ROUTE_PLAN_MAX_ROWS: usize = 64;
+pub(super) use super::launch_constants::*;
 
 pub(super) struct Kernels {
     pub(super) embedding: CudaFunction,
@@ -50,6 +36,7 @@ pub(super) struct Kernels {
 impl Kernels {
     pub(super) fn load(dev: &CudaDevice) -> Result<Self> {
         let ops = |f: &str| dev.function("ops", f);
+        let routing = |f: &str| dev.function("routing", f);
         let gemv = |f: &str| dev.function("gemv_f16", f);
         Ok(Kernels {
             embedding: ops("embedding")?,
@@ -64,11 +51,11 @@ impl Kernels {
             mla_expand_kv: ops("mla_expand_kv")?,
             argmax: ops("argmax_rows")?,
             moe_combine: ops("moe_combine")?,
-            route_topk: ops("route_softmax_topk")?,
-            route_sparse_mixer: ops("route_sparse_mixer")?,
-            count_routes: ops("count_routes")?,
-            moe_plan: ops("moe_plan")?,
-            route_plan: ops("route_plan")?,
+            route_topk: routing("route_softmax_topk")?,
+            route_sparse_mixer: routing("route_sparse_mixer")?,
+            count_routes: routing("count_routes")?,
+            moe_plan: routing("moe_plan")?,
+            route_plan: routing("route_plan")?,
             linear: gemv("linear_f16")?,
             gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,

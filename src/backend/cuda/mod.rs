@@ -17,6 +17,7 @@ pub mod experts;
 mod graphs;
 mod host;
 mod kernels;
+mod launch_constants;
 pub mod load;
 mod moe;
 mod moe_int4;
@@ -54,7 +55,8 @@ pub use cudarc::driver::{
 pub struct KernelSource {
     /// File stem: `kernels/util.cu` is `"util"`.
     pub name: &'static str,
-    /// The CUDA C++ source text, byte for byte.
+    /// The CUDA C++ source text, byte for byte, with each `#include "NAME.cuh"` of a header in
+    /// `kernels/` replaced by that header's text (see build.rs).
     pub source: &'static str,
     /// PTX compiled by `nvcc` at build time, when it was available.
     pub ptx: Option<&'static str>,

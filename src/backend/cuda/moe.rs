@@ -162,7 +162,9 @@ impl CudaBackend {
             RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
             RouteSpec::SparseMixer { .. } => 2,
         };
-        let fits = (1..=16).contains(&top_k) && top_k <= experts.len() && experts.len() <= 1024;
+        let fits = (1..=MAX_TOP_K).contains(&top_k)
+            && top_k <= experts.len()
+            && experts.len() <= PLAN_MAX_EXPERTS;
         if !host_routing
             && resident
             && fits

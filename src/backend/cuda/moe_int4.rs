@@ -15,32 +15,20 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
 use super::driver::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
+use super::launch_constants::{
+    MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP, MOE_INT4_STAGED as STAGED,
+    MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
+};
 use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use crate::{Error, Result};
 
 /// The kernel file (`kernels/moe_int4.cu`).
 const MODULE: &str = "moe_int4";
 
-/// Items one block handles at a time (one chunk: one or two n8 mma tiles), per variant.
-const VARIANTS: [usize; 2] = [8, 16];
-
-/// Whether each variant stages its activations in dynamic shared memory: must match the STAGED
-/// argument of `MOE_INT4_KERNELS` in kernels/moe_int4.cu.
-const STAGED: [bool; 2] = [true, true];
-
-/// Threads per block (eight warps splitting K).
-const THREADS: u32 = 256;
-
-/// Output columns per block (one Marlin 16x64 block column).
-const COLS_PER_BLOCK: usize = 64;
-
-/// Input features per quantization group; each of the eight warps takes `K / 128` tile rows.
-const GROUP: usize = 128;
-
 /// The largest grid y extent the driver accepts.
 const MAX_GRID_Y: usize = 65_535;
 
-// kernels/moe_int4.cu reads the groups as a 40-byte struct (it asserts the same size).
+// The kernels read the groups as a 40-byte struct (kernels/common.cuh asserts the same size).
 const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
 
 /// One kernel function and the most dynamic shared memory a launch of it may ask for.

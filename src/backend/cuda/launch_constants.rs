@@ -1,0 +1,211 @@
+//! The launch geometry the host shares with the kernel files: block sizes, work per warp and
+//! the limits the kernels size their shared memory by. Each constant names the `#define` in
+//! `kernels/` it mirrors; the tests below read those defines from the embedded sources, so a
+//! kernel edit that changes one without the other fails `cargo test`.
+
+/// Threads of the row-wise kernels: `ROW_THREADS` in kernels/ops.cu.
+pub(crate) const ROW_THREADS: u32 = 256;
+
+/// Warps per block of the FP16 matrix kernels: `WARPS` in kernels/gemv_f16.cu.
+pub(crate) const GEMV_WARPS: usize = 4;
+
+/// Output features per warp of `linear_f16` and `moe_f16_down`: `FEATURES` in
+/// kernels/gemv_f16.cu.
+pub(crate) const GEMV_FEATURES: usize = 2;
+
+/// Threads per block of `attention`: `ATT_THREADS` in kernels/attention.cu (also its
+/// `__launch_bounds__`).
+pub(crate) const ATT_THREADS: u32 = 256;
+
+/// Threads per block of `mla_expand_kv` (one block per row and head). Mirrors no define: the
+/// kernel strides by `blockDim.x`, so any block size computes the same values.
+pub(crate) const MLA_THREADS: u32 = 128;
+
+/// Threads of the fused routing + work-list kernel `route_plan`: `32 * ROUTE_PLAN_WARPS` in
+/// kernels/routing.cu (its `__launch_bounds__`, and one warp's `MAX_TOP_K` shared slots each).
+pub(crate) const ROUTE_PLAN_THREADS: u32 = 256;
+
+/// Rows up to which routing and the work list are built by that one launch; past it the rows
+/// are routed one block each and the plan follows in a second launch. A host choice (the
+/// kernel takes any number of rows), so it mirrors no define.
+pub(crate) const ROUTE_PLAN_MAX_ROWS: usize = 64;
+
+/// Most experts a row may pick in device routing: `MAX_TOP_K` in kernels/routing.cu (the size
+/// of each warp's shared choice slots).
+pub(crate) const MAX_TOP_K: usize = 16;
+
+/// Most experts of a layer the device work list handles: `PLAN_MAX_EXPERTS` in
+/// kernels/routing.cu (the size of its shared cursor array).
+pub(crate) const PLAN_MAX_EXPERTS: usize = 1024;
+
+/// Threads per block of the INT4 expert kernels: `MOE_THREADS` in kernels/moe_int4.cu.
+pub(crate) const MOE_INT4_THREADS: u32 = 256;
+
+/// Output columns per block of the INT4 expert kernels (one Marlin 16x64 block column):
+/// `MOE_COLS` in kernels/moe_int4.cu.
+pub(crate) const MOE_INT4_COLS_PER_BLOCK: usize = 64;
+
+/// Input features per quantization group, which is also what the INT4 kernels' K must be a
+/// multiple of: their `MOE_WARPS` warps each take `K / (16 * MOE_WARPS)` whole tile rows of 16
+/// features, and 16 * `MOE_WARPS` (kernels/moe_int4.cu) is 128.
+pub(crate) const MOE_INT4_GROUP: usize = 128;
+
+/// Items one INT4 block handles at a time, per kernel variant: the `MAXI` argument of each
+/// `MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED)` line of kernels/moe_int4.cu, in order.
+pub(crate) const MOE_INT4_VARIANTS: [usize; 2] = [8, 16];
+
+/// Whether each INT4 variant stages its activations in dynamic shared memory: the `STAGED`
+/// argument of the same lines.
+pub(crate) const MOE_INT4_STAGED: [bool; 2] = [true, true];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::kernel_source;
+    use std::collections::HashMap;
+
+    /// The `#define NAME VALUE` lines of an embedded kernel file whose value is an integer
+    /// literal (macros with parameters and other values are left out).
+    fn integer_defines(kernel: &str) -> HashMap<String, i64> {
+        let source = kernel_source(kernel)
+            .unwrap_or_else(|err| panic!("{err}"))
+            .source;
+        let mut defines = HashMap::new();
+        for line in source.lines() {
+            let Some(rest) = line.trim().strip_prefix("#define") else {
+                continue;
+            };
+            let mut words = rest.split_whitespace();
+            let (Some(name), Some(value)) = (words.next(), words.next()) else {
+                continue;
+            };
+            if name.contains('(') {
+                continue;
+            }
+            if let Ok(v) = value.parse::<i64>() {
+                let previous = defines.insert(name.to_string(), v);
+                assert!(
+                    previous.is_none(),
+                    "kernels/{kernel}.cu defines {name} twice"
+                );
+            }
+        }
+        defines
+    }
+
+    fn define(defines: &HashMap<String, i64>, kernel: &str, name: &str) -> i64 {
+        *defines
+            .get(name)
+            .unwrap_or_else(|| panic!("kernels/{kernel}.cu has no integer #define {name}"))
+    }
+
+    /// Every `MOE_INT4_KERNELS(a, b, c)` instantiation line of kernels/moe_int4.cu, as its
+    /// three arguments.
+    fn int4_instantiations() -> Vec<(usize, usize, bool)> {
+        let source = kernel_source("moe_int4")
+            .unwrap_or_else(|err| panic!("{err}"))
+            .source;
+        source
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("MOE_INT4_KERNELS("))
+            .map(|args| {
+                let args = args
+                    .strip_suffix(')')
+                    .unwrap_or_else(|| panic!("unterminated MOE_INT4_KERNELS({args}"));
+                let parts: Vec<&str> = args.split(',').map(str::trim).collect();
+                let [maxi, min_blocks, staged] = parts[..] else {
+                    panic!("MOE_INT4_KERNELS({args}) does not have three arguments");
+                };
+                let staged = match staged {
+                    "true" => true,
+                    "false" => false,
+                    other => panic!("MOE_INT4_KERNELS staged argument {other:?}"),
+                };
+                (
+                    maxi.parse().expect("MAXI is an integer"),
+                    min_blocks.parse().expect("MIN_BLOCKS is an integer"),
+                    staged,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_kernels_match_ops_cu() {
+        let ops = integer_defines("ops");
+        assert_eq!(i64::from(ROW_THREADS), define(&ops, "ops", "ROW_THREADS"));
+    }
+
+    #[test]
+    fn gemv_kernels_match_gemv_f16_cu() {
+        let gemv = integer_defines("gemv_f16");
+        assert_eq!(GEMV_WARPS as i64, define(&gemv, "gemv_f16", "WARPS"));
+        assert_eq!(GEMV_FEATURES as i64, define(&gemv, "gemv_f16", "FEATURES"));
+    }
+
+    #[test]
+    fn attention_matches_attention_cu() {
+        let att = integer_defines("attention");
+        assert_eq!(
+            i64::from(ATT_THREADS),
+            define(&att, "attention", "ATT_THREADS")
+        );
+    }
+
+    #[test]
+    fn routing_matches_routing_cu() {
+        let routing = integer_defines("routing");
+        assert_eq!(
+            i64::from(ROUTE_PLAN_THREADS),
+            32 * define(&routing, "routing", "ROUTE_PLAN_WARPS")
+        );
+        assert_eq!(MAX_TOP_K as i64, define(&routing, "routing", "MAX_TOP_K"));
+        assert_eq!(
+            PLAN_MAX_EXPERTS as i64,
+            define(&routing, "routing", "PLAN_MAX_EXPERTS")
+        );
+    }
+
+    #[test]
+    fn int4_kernels_match_moe_int4_cu() {
+        let int4 = integer_defines("moe_int4");
+        assert_eq!(
+            i64::from(MOE_INT4_THREADS),
+            define(&int4, "moe_int4", "MOE_THREADS")
+        );
+        assert_eq!(
+            i64::from(MOE_INT4_THREADS),
+            32 * define(&int4, "moe_int4", "MOE_WARPS"),
+            "MOE_THREADS is MOE_WARPS whole warps"
+        );
+        assert_eq!(
+            MOE_INT4_COLS_PER_BLOCK as i64,
+            define(&int4, "moe_int4", "MOE_COLS")
+        );
+        assert_eq!(
+            MOE_INT4_GROUP as i64,
+            16 * define(&int4, "moe_int4", "MOE_WARPS")
+        );
+        let instantiated: Vec<(usize, bool)> = int4_instantiations()
+            .into_iter()
+            .map(|(maxi, _, staged)| (maxi, staged))
+            .collect();
+        let mirrored: Vec<(usize, bool)> =
+            MOE_INT4_VARIANTS.into_iter().zip(MOE_INT4_STAGED).collect();
+        assert_eq!(
+            mirrored, instantiated,
+            "(MAXI, STAGED) of each MOE_INT4_KERNELS line"
+        );
+    }
+
+    #[test]
+    fn define_parser_reads_only_integer_object_macros() {
+        // ops.cu defines ROW_THREADS and RMS_CACHE as integers; attention.cu's ATT_WARPS is an
+        // expression and moe_int4.cu's MOE_XS_STRIDE takes a parameter: neither is read.
+        let ops = integer_defines("ops");
+        assert!(ops.contains_key("ROW_THREADS") && ops.contains_key("RMS_CACHE"));
+        assert!(!integer_defines("attention").contains_key("ATT_WARPS"));
+        assert!(!integer_defines("moe_int4").contains_key("MOE_XS_STRIDE(MAXI)"));
+        assert!(!integer_defines("moe_int4").contains_key("MOE_XS_STRIDE"));
+    }
+}
