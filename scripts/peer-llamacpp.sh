@@ -28,7 +28,9 @@
 #
 # Environment (defaults in brackets):
 #   PEER_WORK [/dev/shm/specter-peer]  checkpoint and GGUF (about 31 GB each for DeepSeek-V2-Lite)
-#   PEER_DISK [/var/tmp/specter-peer]  the Specter bundle (about 39 GB)
+#   PEER_DISK  the Specter bundle (about 39 GB; default: the first of /var/tmp/specter-peer,
+#       .peer-bundle beside this folder and ~/specter-peer with 39 GiB free)
+#   PEER_KEEP [0]  1 keeps the GGUF and the bundle afterwards
 #   LLAMA_DIR [/tmp/specter-peer-llama.cpp]  where llama.cpp is unpacked and built
 #   PEER_THREADS [16]  PEER_NEW_TOKENS [128]  PEER_BENCH_REPS [2]  (llama-bench -r)
 #   PEER_PROMPT [ABCDEFGHIJKLMNOP]  prompt text; the synthesized tokenizer gives one id a byte
@@ -71,6 +73,7 @@ LOG=""
 GPU_LOGGER=""
 BUILD_PID=""
 FAILED=0
+CLEANUP=()
 
 left() { echo $((PEER_TIME_S - (SECONDS - T0))); }
 
@@ -109,6 +112,9 @@ finish() {
     if [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then
         kill -- "-$BUILD_PID" 2>/dev/null || kill "$BUILD_PID" 2>/dev/null || true
     fi
+    if [ "${PEER_KEEP:-0}" != 1 ] && [ ${#CLEANUP[@]} -gt 0 ]; then
+        rm -rf "${CLEANUP[@]}"
+    fi
     if [ -n "$LOG" ] && [ -d "$LOG" ]; then
         python3 "$HERE/peer_llamacpp_report.py" table "$LOG" > "$LOG/table.md" 2> "$LOG/table.err" ||
             cat "$LOG/table.err" >&2
@@ -127,6 +133,9 @@ finish() {
 
 build_llama() {
     local src=$1 build=$2
+    if ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+        export PATH="$PATH:/usr/local/cuda/bin"
+    fi
     cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
@@ -143,7 +152,7 @@ run() {
         *) die "unknown preset $preset (deepseek-v2-lite or qwen1.5-moe-a2.7b)" ;;
     esac
     : "${PEER_TIME_S:=540}" "${PEER_THREADS:=16}" "${PEER_NEW_TOKENS:=128}" "${PEER_BENCH_REPS:=2}"
-    local work=${PEER_WORK:-/dev/shm/specter-peer} disk=${PEER_DISK:-/var/tmp/specter-peer}
+    local work=${PEER_WORK:-/dev/shm/specter-peer} disk=${PEER_DISK:-}
     local lsrc=${LLAMA_DIR:-/tmp/specter-peer-llama.cpp}
     local pack_bin="$HERE/specter-pack" run_bin="$HERE/specter-run"
     local tarball
@@ -161,11 +170,19 @@ run() {
     trap finish EXIT
     : > "$LOG/steps.tsv"
     : > "$LOG/rows.tsv"
-    rm -rf "$work" "$disk/model.specter"
-    mkdir -p "$work" "$disk"
-    local shm_free disk_free
+    rm -rf "$work"
+    mkdir -p "$work"
+    local shm_free disk_free=0 d
     shm_free=$(df -B1G --output=avail "$work" | tail -1 | tr -d ' ')
-    disk_free=$(df -B1G --output=avail "$disk" | tail -1 | tr -d ' ')
+    # The bundle goes on a disk (tmpfs holds the checkpoint and the GGUF): the first of these with room.
+    for d in ${disk:-/var/tmp/specter-peer "$HERE/../.peer-bundle" "$HOME/specter-peer"}; do
+        mkdir -p "$d" 2>/dev/null || continue
+        rm -f "$d/model.specter"
+        disk_free=$(df -B1G --output=avail "$d" | tail -1 | tr -d ' ')
+        disk=$d
+        [ "$disk_free" -lt 39 ] || break
+    done
+    CLEANUP=("$work" "$disk/model.specter")
     echo "work $work: ${shm_free} GiB free; bundle $disk: ${disk_free} GiB free; $(nproc) cores"
     # DeepSeek-V2-Lite: checkpoint and GGUF 29.3 GiB each, bundle 36.2 GiB.
     [ "$shm_free" -ge 60 ] || die "$work has ${shm_free} GiB free; the checkpoint and its GGUF need about 60"
@@ -356,7 +373,13 @@ agreement() {
         return 0
     fi
     local l_prompt s_json=specter-resident.json
-    l_prompt=$(python3 "$HERE/peer_llamacpp_report.py" session-tokens "$LOG/llama-session.bin" | cut -d, -f1-"$n_prompt")
+    # The ids alone: the session file also holds the KV cache, too large to bring back.
+    python3 "$HERE/peer_llamacpp_report.py" session-tokens "$LOG/llama-session.bin" > "$LOG/llama-tokens.txt" || {
+        FAILED=1
+        return 0
+    }
+    rm -f "$LOG/llama-session.bin"
+    l_prompt=$(cut -d, -f1-"$n_prompt" "$LOG/llama-tokens.txt")
     if [ "$l_prompt" != "$prompt" ]; then
         # llama.cpp added tokens (a BOS, say): give Specter the very same ids for the check.
         note "llama.cpp tokenized the prompt as $l_prompt (Specter's timed runs used $prompt); the greedy check reruns Specter on llama.cpp's ids."
@@ -369,7 +392,7 @@ agreement() {
             return 0
         fi
     fi
-    printf 'llama_session\tllama-session.bin\nn_prompt\t%s\nllama_args\t%s\nspecter_json\t%s\nspecter_label\t%s\n' \
+    printf 'llama_tokens\tllama-tokens.txt\nn_prompt\t%s\nllama_args\t%s\nspecter_json\t%s\nspecter_label\t%s\n' \
         "$n_prompt" "llama-completion -ngl 99 --temp 0 --top-k 1 --ignore-eos" "$s_json" "target-only, all resident" \
         > "$LOG/agreement.tsv"
     local eval_line

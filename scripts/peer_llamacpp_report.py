@@ -230,8 +230,9 @@ def table(directory: str) -> None:
         "Specter is faster."
     )
     agree = read_kv(os.path.join(directory, "agreement.tsv"))
-    if agree.get("llama_session") and agree.get("specter_json"):
-        session = session_tokens(in_dir(agree["llama_session"]))
+    if agree.get("llama_tokens") and agree.get("specter_json"):
+        with open(in_dir(agree["llama_tokens"])) as f:
+            session = [int(t) for t in f.read().strip().split(",") if t]
         n_prompt = int(agree["n_prompt"])
         l_prompt, l_gen = session[:n_prompt], session[n_prompt:]
         sj = load_json(in_dir(agree["specter_json"]))
