@@ -24,7 +24,9 @@
 # llama.cpp is timed with llama-bench (tg, PEER_NEW_TOKENS tokens, PEER_THREADS threads), Specter
 # with `specter-run generate` (TPOT over PEER_NEW_TOKENS greedy tokens). VRAM is what nvidia-smi
 # logs while each step runs. The markdown table comes last; $OUT gets table.md, the record files
-# and every log packed in logs.tar.gz.
+# and every log packed in logs.tar.gz. On the H200 machine (16 cores) the DeepSeek-V2-Lite run
+# takes about 7.5 minutes: synth 85 s, both conversions 140 s, the llama.cpp build about 5 min
+# alongside them, then about 3 minutes of measurements.
 #
 # Environment (defaults in brackets):
 #   PEER_WORK [/dev/shm/specter-peer]  checkpoint and GGUF (about 31 GB each for DeepSeek-V2-Lite)

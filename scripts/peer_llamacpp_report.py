@@ -157,6 +157,12 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def verdict(ratio: float | None) -> str:
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x" + (" (llama.cpp faster)" if ratio < 1 else "")
+
+
 def fmt(x, digits=2, unit=""):
     return "-" if x is None else f"{x:.{digits}f}{unit}"
 
@@ -221,7 +227,7 @@ def table(directory: str) -> None:
         ratio = l_ms / s_ms if l_ms and s_ms else None
         print(
             f"| {name} | `{l_args}` | {fmt(l_ms)} ({fmt(l_ts, 1)}) | {fmt(peak_gb(l_step))} "
-            f"| {s_label} | {fmt(s_ms)} | {fmt(peak_gb(s_step))} ({fmt(own)}) | {fmt(ratio)}{'x' if ratio else ''} |"
+            f"| {s_label} | {fmt(s_ms)} | {fmt(peak_gb(s_step))} ({fmt(own)}) | {verdict(ratio)} |"
         )
     print()
     print(
