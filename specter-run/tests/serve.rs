@@ -50,7 +50,9 @@ fn convert_fixture(name: &str, drop_files: &[&str]) -> Converted {
 /// The qwen2_moe fixture (ChatML template) converted once per test binary.
 fn qwen() -> &'static Path {
     static ONCE: OnceLock<Converted> = OnceLock::new();
-    &ONCE.get_or_init(|| convert_fixture("qwen2_moe", &[])).bundle
+    &ONCE
+        .get_or_init(|| convert_fixture("qwen2_moe", &[]))
+        .bundle
 }
 
 /// A running server; stopped with SIGTERM when dropped.
@@ -261,7 +263,11 @@ fn tokens_of(response: &Value) -> Vec<u32> {
 fn streamed(reply: &Reply, chat: bool) -> (String, Value) {
     assert_eq!(reply.status, 200, "{reply:?}");
     let events = reply.events();
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{reply:?}");
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{reply:?}"
+    );
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
@@ -312,9 +318,20 @@ fn greedy_completions_equal_generate_and_streaming_equals_the_whole() {
     assert!(generate.ok(), "{generate:?}");
     let generate: Value = serde_json::from_str(&generate.stdout).unwrap();
     assert_eq!(whole["choices"][0]["text"], generate["text"], "{whole}");
-    assert_eq!(tokens_of(&whole), generate["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>());
+    assert_eq!(
+        tokens_of(&whole),
+        generate["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect::<Vec<_>>()
+    );
     let usage = &whole["usage"];
-    assert_eq!(usage["prompt_tokens"], json!(generate["prompt_tokens"].as_array().unwrap().len()));
+    assert_eq!(
+        usage["prompt_tokens"],
+        json!(generate["prompt_tokens"].as_array().unwrap().len())
+    );
     assert_eq!(usage["completion_tokens"], json!(tokens_of(&whole).len()));
     assert_eq!(
         usage["total_tokens"].as_u64().unwrap(),
@@ -328,15 +345,28 @@ fn greedy_completions_equal_generate_and_streaming_equals_the_whole() {
     body["stream"] = json!(true);
     let (text, last) = streamed(&server.post("/v1/completions", &body), false);
     assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
-    assert_eq!(last["choices"][0]["finish_reason"], whole["choices"][0]["finish_reason"]);
+    assert_eq!(
+        last["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
     assert_eq!(last["usage"], whole["usage"]);
 
     // Token ids in, the same tokens as generate --prompt-ids out.
     let ids = [1u32, 40, 41, 42, 43, 44];
-    let by_ids = server.post("/v1/completions", &completion(json!(ids), 8)).json();
+    let by_ids = server
+        .post("/v1/completions", &completion(json!(ids), 8))
+        .json();
     let generate = cli::run(
         BIN,
-        &["generate", qwen().to_str().unwrap(), "--prompt-ids", "1,40,41,42,43,44", "--max-new-tokens", "8", "--json"],
+        &[
+            "generate",
+            qwen().to_str().unwrap(),
+            "--prompt-ids",
+            "1,40,41,42,43,44",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
     );
     let generate: Value = serde_json::from_str(&generate.stdout).unwrap();
     assert_eq!(json!(tokens_of(&by_ids)), generate["tokens"]);
@@ -345,7 +375,9 @@ fn greedy_completions_equal_generate_and_streaming_equals_the_whole() {
 #[test]
 fn stop_strings_and_seeds_are_honoured() {
     let server = Server::start(qwen(), &[]);
-    let base = server.post("/v1/completions", &completion(json!("Once upon"), 16)).json();
+    let base = server
+        .post("/v1/completions", &completion(json!("Once upon"), 16))
+        .json();
     let text = base["choices"][0]["text"].as_str().unwrap().to_string();
     // A stop string taken from the middle of the greedy text cuts it there.
     let chars: Vec<char> = text.chars().collect();
@@ -395,8 +427,13 @@ fn check_chat_against_goldens(bundle: &Path, fixture_name: &str) {
     let tokenizer =
         tokenizers::Tokenizer::from_file(fixture(fixture_name).join("tokenizer.json")).unwrap();
     for (messages, rendered) in chat_goldens(fixture_name) {
-        let ids = tokenizer.encode(rendered.as_str(), false).unwrap().get_ids().to_vec();
-        let body = json!({"model": fixture_name, "messages": messages, "max_tokens": 6, "temperature": 0});
+        let ids = tokenizer
+            .encode(rendered.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        let body =
+            json!({"model": fixture_name, "messages": messages, "max_tokens": 6, "temperature": 0});
         let chat = server.post("/v1/chat/completions", &body);
         assert_eq!(chat.status, 200, "{chat:?}");
         let chat = chat.json();
@@ -413,7 +450,11 @@ fn check_chat_against_goldens(bundle: &Path, fixture_name: &str) {
                 &json!({"model": fixture_name, "prompt": ids, "max_tokens": 6, "temperature": 0}),
             )
             .json();
-        assert_eq!(tokens_of(&chat), tokens_of(&reference), "{fixture_name}: {rendered:?}");
+        assert_eq!(
+            tokens_of(&chat),
+            tokens_of(&reference),
+            "{fixture_name}: {rendered:?}"
+        );
         let mut body = body;
         body["stream"] = json!(true);
         let (text, _) = streamed(&server.post("/v1/chat/completions", &body), true);
@@ -437,8 +478,14 @@ fn a_bundle_without_a_chat_template_refuses_chat_and_still_completes() {
         &json!({"model": "bare", "messages": [{"role": "user", "content": "hi"}]}),
     );
     assert_eq!(chat.status, 400, "{chat:?}");
-    let message = chat.json()["error"]["message"].as_str().unwrap().to_string();
-    assert!(message.contains("no chat template") && message.contains("tokenizer_config.json"), "{message}");
+    let message = chat.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("no chat template") && message.contains("tokenizer_config.json"),
+        "{message}"
+    );
     let done = server.post(
         "/v1/completions",
         &json!({"model": "bare", "prompt": "hi", "max_tokens": 3, "temperature": 0}),
@@ -451,20 +498,93 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let server = Server::start(qwen(), &[]);
     let raw = |method: &str, path: &str, body: &str| request(server.addr, method, path, body);
     let cases: Vec<(&str, Reply, u16)> = vec![
-        ("malformed JSON", raw("POST", "/v1/completions", "{\"model\": \"qwen2_moe\", \"prompt\": "), 400),
-        ("not an object", raw("POST", "/v1/completions", "[1, 2]"), 400),
-        ("missing prompt", server.post("/v1/completions", &json!({"model": "qwen2_moe"})), 400),
-        ("missing model", server.post("/v1/completions", &json!({"prompt": "hi"})), 400),
-        ("wrong-typed max_tokens", server.post("/v1/completions", &json!({"model": "qwen2_moe", "prompt": "hi", "max_tokens": "5"})), 400),
-        ("wrong-typed prompt", server.post("/v1/completions", &json!({"model": "qwen2_moe", "prompt": {"text": "hi"}})), 400),
-        ("missing messages", server.post("/v1/chat/completions", &json!({"model": "qwen2_moe"})), 400),
-        ("unknown model", server.post("/v1/completions", &json!({"model": "gpt-4", "prompt": "hi"})), 404),
-        ("max_tokens 0", server.post("/v1/completions", &completion(json!("hi"), 0)), 400),
-        ("max_tokens negative", server.post("/v1/completions", &completion(json!("hi"), -4)), 400),
-        ("prompt plus max_tokens past the context", server.post("/v1/completions", &completion(json!("hi"), 100_000)), 400),
-        ("prompt longer than the context", server.post("/v1/completions", &completion(json!(vec![5u32; 5000]), 1)), 400),
-        ("token outside the vocabulary", server.post("/v1/completions", &completion(json!([1, 99_999]), 2)), 400),
-        ("streaming past the context", server.post("/v1/completions", &{ let mut b = completion(json!("hi"), 100_000); b["stream"] = json!(true); b }), 400),
+        (
+            "malformed JSON",
+            raw(
+                "POST",
+                "/v1/completions",
+                "{\"model\": \"qwen2_moe\", \"prompt\": ",
+            ),
+            400,
+        ),
+        (
+            "not an object",
+            raw("POST", "/v1/completions", "[1, 2]"),
+            400,
+        ),
+        (
+            "missing prompt",
+            server.post("/v1/completions", &json!({"model": "qwen2_moe"})),
+            400,
+        ),
+        (
+            "missing model",
+            server.post("/v1/completions", &json!({"prompt": "hi"})),
+            400,
+        ),
+        (
+            "wrong-typed max_tokens",
+            server.post(
+                "/v1/completions",
+                &json!({"model": "qwen2_moe", "prompt": "hi", "max_tokens": "5"}),
+            ),
+            400,
+        ),
+        (
+            "wrong-typed prompt",
+            server.post(
+                "/v1/completions",
+                &json!({"model": "qwen2_moe", "prompt": {"text": "hi"}}),
+            ),
+            400,
+        ),
+        (
+            "missing messages",
+            server.post("/v1/chat/completions", &json!({"model": "qwen2_moe"})),
+            400,
+        ),
+        (
+            "unknown model",
+            server.post(
+                "/v1/completions",
+                &json!({"model": "gpt-4", "prompt": "hi"}),
+            ),
+            404,
+        ),
+        (
+            "max_tokens 0",
+            server.post("/v1/completions", &completion(json!("hi"), 0)),
+            400,
+        ),
+        (
+            "max_tokens negative",
+            server.post("/v1/completions", &completion(json!("hi"), -4)),
+            400,
+        ),
+        (
+            "prompt plus max_tokens past the context",
+            server.post("/v1/completions", &completion(json!("hi"), 100_000)),
+            400,
+        ),
+        (
+            "prompt longer than the context",
+            server.post("/v1/completions", &completion(json!(vec![5u32; 5000]), 1)),
+            400,
+        ),
+        (
+            "token outside the vocabulary",
+            server.post("/v1/completions", &completion(json!([1, 99_999]), 2)),
+            400,
+        ),
+        (
+            "streaming past the context",
+            server.post("/v1/completions", &{
+                let mut b = completion(json!("hi"), 100_000);
+                b["stream"] = json!(true);
+                b
+            }),
+            400,
+        ),
         ("unknown endpoint", server.get("/v1/engines"), 404),
         ("wrong method", server.get("/v1/completions"), 405),
     ];
@@ -472,11 +592,19 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         assert_eq!(reply.status, status, "{what}: {reply:?}");
         let body = reply.json();
         let error = &body["error"];
-        assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {body}");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{what}: {body}"
+        );
         assert!(error["type"].is_string(), "{what}: {body}");
     }
-    let context = server.post("/v1/completions", &completion(json!("hi"), 100_000)).json();
-    assert_eq!(context["error"]["code"], "context_length_exceeded", "{context}");
+    let context = server
+        .post("/v1/completions", &completion(json!("hi"), 100_000))
+        .json();
+    assert_eq!(
+        context["error"]["code"], "context_length_exceeded",
+        "{context}"
+    );
     let health = server.health();
     assert_eq!(health["status"], "ok");
     let ok = server.post("/v1/completions", &completion(json!("hi"), 4));
@@ -486,10 +614,18 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
 #[test]
 fn eight_concurrent_clients_get_complete_answers() {
     let server = Server::start(qwen(), &[]);
-    let prompts: Vec<Vec<u32>> = (0..8).map(|i| vec![1, 30 + i, 60 + 2 * i, 90 + 3 * i]).collect();
+    let prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| vec![1, 30 + i, 60 + 2 * i, 90 + 3 * i])
+        .collect();
     let expected: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|p| tokens_of(&server.post("/v1/completions", &completion(json!(p), 8)).json()))
+        .map(|p| {
+            tokens_of(
+                &server
+                    .post("/v1/completions", &completion(json!(p), 8))
+                    .json(),
+            )
+        })
         .collect();
     let addr = server.addr;
     let handles: Vec<_> = prompts
@@ -526,14 +662,23 @@ fn start_long_stream(server: &Server) -> TcpStream {
     body["stream"] = json!(true);
     body["ignore_eos"] = json!(true);
     let mut stream = connect(server.addr);
-    send_request(&mut stream, server.addr, "POST", "/v1/completions", &body.to_string());
+    send_request(
+        &mut stream,
+        server.addr,
+        "POST",
+        "/v1/completions",
+        &body.to_string(),
+    );
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let mut line = String::new();
     let deadline = Instant::now() + PATIENCE;
     while !line.contains("data:") {
         assert!(Instant::now() < deadline, "no chunk arrived");
         line.clear();
-        assert!(reader.read_line(&mut line).unwrap() > 0, "the stream ended early");
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "the stream ended early"
+        );
     }
     stream
 }
@@ -541,13 +686,20 @@ fn start_long_stream(server: &Server) -> TcpStream {
 #[test]
 fn a_client_that_leaves_mid_stream_cancels_its_generation_only() {
     let server = Server::start(qwen(), &[]);
-    let expected = tokens_of(&server.post("/v1/completions", &completion(json!([1, 7, 8, 9]), 8)).json());
+    let expected = tokens_of(
+        &server
+            .post("/v1/completions", &completion(json!([1, 7, 8, 9]), 8))
+            .json(),
+    );
     let stream = start_long_stream(&server);
     drop(stream);
     let health = server.wait_for_health("the cancellation", |h| {
         h["cancelled"] == json!(1) && h["busy"] == json!(false)
     });
     assert_eq!(health["completed"], json!(1), "{health}");
+    // Stopped within a few rounds of the disconnect, far from the 4000 tokens it asked for.
+    let generated = health["generated_tokens"].as_u64().unwrap();
+    assert!(generated < 8 + 1000, "{health}");
     let after = server.post("/v1/completions", &completion(json!([1, 7, 8, 9]), 8));
     assert_eq!(after.status, 200, "{after:?}");
     assert_eq!(tokens_of(&after.json()), expected);
@@ -560,7 +712,12 @@ fn a_full_queue_answers_429_and_recovers() {
     // One request waits in the queue ...
     let addr = server.addr;
     let waiting = std::thread::spawn(move || {
-        request(addr, "POST", "/v1/completions", &completion(json!([1, 5, 6]), 4).to_string())
+        request(
+            addr,
+            "POST",
+            "/v1/completions",
+            &completion(json!([1, 5, 6]), 4).to_string(),
+        )
     });
     server.wait_for_health("a queued request", |h| h["queued"] == json!(1));
     // ... so the next one is refused.
@@ -582,13 +739,23 @@ fn sigterm_ends_a_running_stream_and_exits_zero() {
     let mut rest = String::new();
     reader.read_to_string(&mut rest).unwrap();
     assert!(rest.contains("[DONE]"), "{rest}");
+    // Ended at a round boundary soon after the signal, not after all 4000 tokens.
+    let completion_tokens: u64 = rest
+        .split("\"completion_tokens\":")
+        .nth(1)
+        .and_then(|tail| tail.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no usage in the final chunk: {rest}"));
+    assert!(completion_tokens < 1000, "{completion_tokens}");
 }
 
 #[test]
 fn the_openai_python_client_works_against_the_server() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve_openai.py");
     let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/requirements-serve.txt");
-    let probe = Command::new("python3").args(["-c", "import openai"]).output();
+    let probe = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
         let how = format!(
             "the openai Python package is missing: python3 -m pip install -r {}",

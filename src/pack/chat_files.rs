@@ -32,9 +32,8 @@ pub(crate) fn read_chat_files(dir: &Path) -> Result<Vec<(&'static str, Vec<u8>)>
             Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
         };
         if name.ends_with(".json") {
-            serde_json::from_slice::<serde_json::Value>(&bytes).map_err(|e| {
-                Error::Model(format!("{}: invalid JSON: {e}", path.display()))
-            })?;
+            serde_json::from_slice::<serde_json::Value>(&bytes)
+                .map_err(|e| Error::Model(format!("{}: invalid JSON: {e}", path.display())))?;
         } else if std::str::from_utf8(&bytes).is_err() {
             return Err(Error::Model(format!("{}: not UTF-8 text", path.display())));
         }
@@ -58,13 +57,20 @@ mod tests {
     fn present_files_are_read_and_broken_json_is_named() {
         let dir = tempfile::tempdir().unwrap();
         assert!(read_chat_files(dir.path()).unwrap().is_empty());
-        std::fs::write(dir.path().join(TOKENIZER_CONFIG), b"{\"chat_template\": \"x\"}").unwrap();
+        std::fs::write(
+            dir.path().join(TOKENIZER_CONFIG),
+            b"{\"chat_template\": \"x\"}",
+        )
+        .unwrap();
         std::fs::write(dir.path().join(CHAT_TEMPLATE), b"{{ messages }}").unwrap();
         let found = read_chat_files(dir.path()).unwrap();
         let names: Vec<&str> = found.iter().map(|(name, _)| *name).collect();
         assert_eq!(names, [TOKENIZER_CONFIG, CHAT_TEMPLATE]);
         std::fs::write(dir.path().join(GENERATION_CONFIG), b"{ broken").unwrap();
         let err = read_chat_files(dir.path()).unwrap_err().to_string();
-        assert!(err.contains(GENERATION_CONFIG) && err.contains("invalid JSON"), "{err}");
+        assert!(
+            err.contains(GENERATION_CONFIG) && err.contains("invalid JSON"),
+            "{err}"
+        );
     }
 }

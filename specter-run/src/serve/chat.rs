@@ -52,7 +52,9 @@ impl ChatTemplate {
         let source = match template_file {
             Some(bytes) => Some(
                 std::str::from_utf8(bytes)
-                    .map_err(|_| ChatTemplateError::Config("chat_template.jinja is not UTF-8".into()))?
+                    .map_err(|_| {
+                        ChatTemplateError::Config("chat_template.jinja is not UTF-8".into())
+                    })?
                     .to_string(),
             ),
             None => template_from_config(&config)?,
@@ -150,11 +152,27 @@ fn strftime_now(format: String) -> Result<String, JinjaError> {
     let (year, month, day) = civil_from_days(days);
     let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     const DAYS: [&str; 7] = [
-        "Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
     ];
     let mut out = String::new();
     let mut chars = format.chars();
@@ -224,7 +242,9 @@ mod tests {
                 .unwrap();
         for name in ["qwen2_moe", "deepseek_v2"] {
             let config = std::fs::read(fixtures.join(name).join("tokenizer_config.json")).unwrap();
-            let template = ChatTemplate::from_files(Some(&config), None).unwrap().unwrap();
+            let template = ChatTemplate::from_files(Some(&config), None)
+                .unwrap()
+                .unwrap();
             let cases = golden["fixtures"][name].as_array().unwrap();
             assert!(cases.len() >= 4, "{name}");
             for case in cases {
@@ -262,7 +282,9 @@ mod tests {
             "chat_template": "{{ bos_token }}{% for m in messages %}{% if m.role != 'user' %}{{ raise_exception('only users') }}{% endif %}{{ m.content.strip().upper() }}{{ eos_token }}{% endfor %}",
         });
         let bytes = serde_json::to_vec(&config).unwrap();
-        let template = ChatTemplate::from_files(Some(&bytes), None).unwrap().unwrap();
+        let template = ChatTemplate::from_files(Some(&bytes), None)
+            .unwrap()
+            .unwrap();
         assert_eq!(template.render(&[user("  hi ")]).unwrap(), "<s>HI</s>");
         let mut other = user("x");
         other.role = "tool".into();
@@ -272,13 +294,19 @@ mod tests {
 
     #[test]
     fn a_config_without_a_template_has_none_and_a_broken_one_is_named() {
-        assert!(ChatTemplate::from_files(Some(b"{\"eos_token\": \"x\"}"), None)
-            .unwrap()
-            .is_none());
+        assert!(
+            ChatTemplate::from_files(Some(b"{\"eos_token\": \"x\"}"), None)
+                .unwrap()
+                .is_none()
+        );
         assert!(ChatTemplate::from_files(None, None).unwrap().is_none());
-        assert!(ChatTemplate::from_files(Some(b"{\"chat_template\": \"{% if %}\"}"), None).is_err());
+        assert!(
+            ChatTemplate::from_files(Some(b"{\"chat_template\": \"{% if %}\"}"), None).is_err()
+        );
         let named = br#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#;
-        let t = ChatTemplate::from_files(Some(named), None).unwrap().unwrap();
+        let t = ChatTemplate::from_files(Some(named), None)
+            .unwrap()
+            .unwrap();
         assert_eq!(t.render(&[user("x")]).unwrap(), "D");
     }
 }

@@ -97,6 +97,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Json<Value> {
         "completed": c.completed.load(Ordering::SeqCst),
         "cancelled": c.cancelled.load(Ordering::SeqCst),
         "failed": c.failed.load(Ordering::SeqCst),
+        "generated_tokens": c.generated_tokens.load(Ordering::SeqCst),
         "chat_template": state.chat_template.is_some(),
     }))
 }
@@ -107,11 +108,7 @@ async fn completions(
 ) -> Response {
     let parsed = (|| {
         let body = wire::parse_object(&read_body(body)?)?;
-        let params = wire::parse_params(
-            &body,
-            &["max_tokens"],
-            Some(DEFAULT_COMPLETION_TOKENS),
-        )?;
+        let params = wire::parse_params(&body, &["max_tokens"], Some(DEFAULT_COMPLETION_TOKENS))?;
         check_model(&state, &params)?;
         let prompt = wire::parse_prompt(&body)?;
         Ok::<_, ApiError>((prompt, params))
@@ -181,7 +178,12 @@ fn check_model(state: &AppState, params: &Params) -> Result<(), ApiError> {
 
 /// Queues the job and answers once the worker has taken it up (or refused it), so that a
 /// refused prompt gets a 4xx even on a streaming request.
-async fn submit(state: &AppState, endpoint: Endpoint, prompt: PromptInput, params: Params) -> Response {
+async fn submit(
+    state: &AppState,
+    endpoint: Endpoint,
+    prompt: PromptInput,
+    params: Params,
+) -> Response {
     let (events, mut rx) = unbounded_channel();
     let stream = params.stream;
     let head = ResponseHead::new(

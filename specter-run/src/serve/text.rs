@@ -49,8 +49,9 @@ impl TextTracker {
         let full = match &self.stopped_at {
             Some(cut) => cut.clone(),
             None => match self.first_stop(text) {
-                Some(cut) => text[..floor_char_boundary(text, cut.max(self.released.len()))]
-                    .to_string(),
+                Some(cut) => {
+                    text[..floor_char_boundary(text, cut.max(self.released.len()))].to_string()
+                }
                 None => text.to_string(),
             },
         };

@@ -159,7 +159,10 @@ pub fn parse_params(
     default_max_tokens: Option<usize>,
 ) -> Result<Params, ApiError> {
     let model: String = field(body, "model", "a string")?.ok_or_else(|| {
-        ApiError::invalid("'model' is required (GET /v1/models lists it)", Some("model"))
+        ApiError::invalid(
+            "'model' is required (GET /v1/models lists it)",
+            Some("model"),
+        )
     })?;
     let mut max_tokens = default_max_tokens;
     for &name in max_token_fields {
@@ -278,9 +281,9 @@ pub fn parse_prompt(body: &Map<String, Value>) -> Result<PromptInput, ApiError> 
                 });
             }
             if let [Value::Array(inner)] = items.as_slice() {
-                return token_ids(inner).map(PromptInput::Ids).ok_or_else(|| {
-                    wrong("an array holding something other than token ids")
-                });
+                return token_ids(inner)
+                    .map(PromptInput::Ids)
+                    .ok_or_else(|| wrong("an array holding something other than token ids"));
             }
             if items.iter().all(|v| v.is_string() || v.is_array()) && items.len() > 1 {
                 return Err(ApiError::invalid(
@@ -310,7 +313,10 @@ fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
 pub fn parse_messages(body: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match body.get("messages") {
         None | Some(Value::Null) => {
-            return Err(ApiError::invalid("'messages' is required", Some("messages")))
+            return Err(ApiError::invalid(
+                "'messages' is required",
+                Some("messages"),
+            ))
         }
         Some(Value::Array(items)) => items,
         Some(other) => {
@@ -508,7 +514,10 @@ mod tests {
         );
         assert!(matches!(
             parse_prompt(&body(r#"{"prompt": "hi"}"#)).unwrap(),
-            PromptInput::Text { special_tokens: true, .. }
+            PromptInput::Text {
+                special_tokens: true,
+                ..
+            }
         ));
         for bad in [
             r#"{"prompt": 3}"#,
@@ -542,7 +551,10 @@ mod tests {
             (r#"{"model": "m", "max_tokens": "8"}"#, "max_tokens"),
             (r#"{"model": "m", "temperature": -1}"#, "temperature"),
             (r#"{"model": "m", "top_p": 0}"#, "top_p"),
-            (r#"{"model": "m", "stop": ["a", "b", "c", "d", "e"]}"#, "stop"),
+            (
+                r#"{"model": "m", "stop": ["a", "b", "c", "d", "e"]}"#,
+                "stop",
+            ),
             (r#"{"model": "m", "stop": [1]}"#, "stop"),
             (r#"{"model": "m", "n": 2}"#, "n"),
             (r#"{"model": "m", "stream": "yes"}"#, "stream"),

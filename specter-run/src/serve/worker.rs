@@ -77,6 +77,8 @@ pub struct Counters {
     pub completed: AtomicU64,
     pub cancelled: AtomicU64,
     pub failed: AtomicU64,
+    /// Tokens generated over all requests (cancelled ones included).
+    pub generated_tokens: AtomicU64,
 }
 
 /// The worker thread and the sending end of its queue.
@@ -185,7 +187,7 @@ fn serve_queue(
             continue;
         }
         counters.busy.store(true, Ordering::SeqCst);
-        let outcome = serve_job(session, decode, &job, shutdown);
+        let outcome = serve_job(session, decode, &job, shutdown, counters);
         counters.busy.store(false, Ordering::SeqCst);
         let counter = match outcome {
             Outcome::Completed => &counters.completed,
@@ -205,7 +207,13 @@ enum Outcome {
     Failed(ApiError),
 }
 
-fn serve_job(session: &Session, decode: &DecodeConfig, job: &Job, shutdown: &AtomicBool) -> Outcome {
+fn serve_job(
+    session: &Session,
+    decode: &DecodeConfig,
+    job: &Job,
+    shutdown: &AtomicBool,
+    counters: &Counters,
+) -> Outcome {
     let prompt = match tokenize(session, &job.prompt) {
         Ok(prompt) => prompt,
         Err(e) => return Outcome::Failed(e),
@@ -301,6 +309,9 @@ fn serve_job(session: &Session, decode: &DecodeConfig, job: &Job, shutdown: &Ato
             });
         }
     };
+    counters
+        .generated_tokens
+        .fetch_add(output.tokens.len() as u64, Ordering::SeqCst);
     if job.events.is_closed() {
         return Outcome::Cancelled;
     }
@@ -372,7 +383,9 @@ fn tokenize(session: &Session, prompt: &PromptInput) -> Result<Vec<u32>, ApiErro
             tokenizer
                 .encode(text.as_str(), *special_tokens)
                 .map(|enc| enc.get_ids().to_vec())
-                .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}"), Some("prompt")))
+                .map_err(|e| {
+                    ApiError::invalid(format!("cannot tokenize the prompt: {e}"), Some("prompt"))
+                })
         }
     }
 }
@@ -447,9 +460,21 @@ fn run_generation(
             let mut quiet = NoHook;
             if cfg.auto_depth {
                 let mut auto = AutoDepth::new(&mut quiet, opts.depth, opts.depth);
-                decode::generate_observed(m, prompt, opts, &mut Stoppable::new(&mut auto, stop), on_token)
+                decode::generate_observed(
+                    m,
+                    prompt,
+                    opts,
+                    &mut Stoppable::new(&mut auto, stop),
+                    on_token,
+                )
             } else {
-                decode::generate_observed(m, prompt, opts, &mut Stoppable::new(&mut quiet, stop), on_token)
+                decode::generate_observed(
+                    m,
+                    prompt,
+                    opts,
+                    &mut Stoppable::new(&mut quiet, stop),
+                    on_token,
+                )
             }
         })?,
         (Some(slots), _) => {
