@@ -470,6 +470,53 @@ fn chat_prompts_are_rendered_as_transformers_renders_them() {
 }
 
 #[test]
+fn generation_config_end_tokens_end_the_answer() {
+    let prompt = json!([1, 11, 12, 13, 14]);
+    let greedy = {
+        let server = Server::start(qwen(), &[]);
+        tokens_of(
+            &server
+                .post("/v1/completions", &completion(prompt.clone(), 12))
+                .json(),
+        )
+    };
+    // The first token that did not occur before it (so the answer ends exactly there).
+    let end = (2..greedy.len())
+        .find(|&i| !greedy[..i].contains(&greedy[i]))
+        .expect("a fresh token in the greedy output");
+    let converted = {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        for entry in std::fs::read_dir(fixture("qwen2_moe")).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, src.join(path.file_name().unwrap())).unwrap();
+        }
+        let config = json!({"bos_token_id": 1, "eos_token_id": [2, greedy[end]]});
+        std::fs::write(src.join("generation_config.json"), config.to_string()).unwrap();
+        let bundle = dir.path().join("qwen2_moe.specter");
+        convert(&src, &bundle, &ConvertOptions::default(), &Silent).unwrap();
+        Converted { _dir: dir, bundle }
+    };
+    let server = Server::start(&converted.bundle, &[]);
+    let ended = server
+        .post("/v1/completions", &completion(prompt.clone(), 12))
+        .json();
+    assert_eq!(tokens_of(&ended), greedy[..=end], "{ended}");
+    assert_eq!(ended["choices"][0]["finish_reason"], "stop", "{ended}");
+    assert_eq!(ended["usage"]["completion_tokens"], json!(end + 1));
+    // The text is the answer before the end token, streamed or not.
+    let before = server
+        .post("/v1/completions", &completion(prompt.clone(), end as i64))
+        .json();
+    assert_eq!(ended["choices"][0]["text"], before["choices"][0]["text"]);
+    let mut body = completion(prompt, 12);
+    body["stream"] = json!(true);
+    let (text, _) = streamed(&server.post("/v1/completions", &body), false);
+    assert_eq!(json!(text), before["choices"][0]["text"]);
+}
+
+#[test]
 fn a_bundle_without_a_chat_template_refuses_chat_and_still_completes() {
     let bare = convert_fixture("qwen2_moe", &["tokenizer_config.json"]);
     let server = Server::start(&bare.bundle, &["--model-name", "bare"]);

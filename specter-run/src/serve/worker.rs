@@ -128,10 +128,22 @@ pub fn spawn(
                     "cpu"
                 },
             };
+            let end_tokens = match end_tokens(&session) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
             if ready_tx.send(Ok(meta)).is_err() {
                 return;
             }
-            serve_queue(&session, &decode, jobs, &shutdown, &counters);
+            let model = Model {
+                session: &session,
+                decode: &decode,
+                end_tokens: &end_tokens,
+            };
+            serve_queue(&model, jobs, &shutdown, &counters);
         })
         .context("cannot start the model thread")?;
     let meta = match ready_rx.recv() {
@@ -165,13 +177,45 @@ fn open(bundle: &std::path::Path, opts: &SessionOptions, decode: &DecodeConfig) 
     Ok(session)
 }
 
-fn serve_queue(
-    session: &Session,
-    decode: &DecodeConfig,
-    jobs: Receiver<Job>,
-    shutdown: &AtomicBool,
-    counters: &Counters,
-) {
+/// The end-of-sequence tokens of the model's config.json and of its generation_config.json (chat
+/// models often end turns with a token only the latter names, such as ChatML's `<|im_end|>`).
+fn end_tokens(session: &Session) -> Result<Vec<u32>> {
+    let mut ids = session.info().eos_token_ids.clone();
+    let Some(bytes) = specter::pack::chat_file(&session.bundle, specter::pack::GENERATION_CONFIG)
+    else {
+        return Ok(ids);
+    };
+    let config: Value = serde_json::from_slice(bytes)
+        .context("the bundle's generation_config.json is not valid JSON")?;
+    let listed = match config.get("eos_token_id") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(Value::as_u64)
+            .collect::<Option<Vec<_>>>()
+            .context("generation_config.json: eos_token_id must hold token ids")?,
+        Some(v) => vec![v.as_u64().context(
+            "generation_config.json: eos_token_id must be a token id or a list of them",
+        )?],
+    };
+    for id in listed {
+        let id = u32::try_from(id).context("generation_config.json: eos_token_id out of range")?;
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    Ok(ids)
+}
+
+/// What every job is served with.
+struct Model<'a> {
+    session: &'a Session,
+    decode: &'a DecodeConfig,
+    /// Tokens that end a generation (see [`end_tokens`]).
+    end_tokens: &'a [u32],
+}
+
+fn serve_queue(model: &Model<'_>, jobs: Receiver<Job>, shutdown: &AtomicBool, counters: &Counters) {
     while let Ok(job) = jobs.recv() {
         counters.queued.fetch_sub(1, Ordering::SeqCst);
         if job.events.is_closed() {
@@ -187,7 +231,7 @@ fn serve_queue(
             continue;
         }
         counters.busy.store(true, Ordering::SeqCst);
-        let outcome = serve_job(session, decode, &job, shutdown, counters);
+        let outcome = serve_job(model, &job, shutdown, counters);
         counters.busy.store(false, Ordering::SeqCst);
         let counter = match outcome {
             Outcome::Completed => &counters.completed,
@@ -207,13 +251,8 @@ enum Outcome {
     Failed(ApiError),
 }
 
-fn serve_job(
-    session: &Session,
-    decode: &DecodeConfig,
-    job: &Job,
-    shutdown: &AtomicBool,
-    counters: &Counters,
-) -> Outcome {
+fn serve_job(model: &Model<'_>, job: &Job, shutdown: &AtomicBool, counters: &Counters) -> Outcome {
+    let (session, decode) = (model.session, model.decode);
     let prompt = match tokenize(session, &job.prompt) {
         Ok(prompt) => prompt,
         Err(e) => return Outcome::Failed(e),
@@ -274,7 +313,14 @@ fn serve_job(
     let mut tokens: Vec<u32> = Vec::with_capacity(max_tokens);
     let stop_string_seen = Cell::new(false);
     let client_gone = Cell::new(false);
+    let end_token_seen = Cell::new(false);
     let mut on_token = |token: u32| {
+        // A round may commit tokens past an end token the library does not stop at (one only
+        // generation_config.json names): they are not part of the answer.
+        if end_token_seen.get() || !job.params.ignore_eos && model.end_tokens.contains(&token) {
+            end_token_seen.set(true);
+            return;
+        }
         tokens.push(token);
         if !session.has_tokenizer() {
             return;
@@ -290,12 +336,13 @@ fn serve_job(
     };
     let stop = || {
         stop_string_seen.get()
+            || end_token_seen.get()
             || client_gone.get()
             || job.events.is_closed()
             || shutdown.load(Ordering::SeqCst)
     };
     let result = run_generation(session, decode, &prompt, &opts, &stop, &mut on_token);
-    let (output, experts) = match result {
+    let (mut output, experts) = match result {
         Ok(done) => done,
         Err(e) => {
             let request = matches!(
@@ -309,14 +356,31 @@ fn serve_job(
             });
         }
     };
+    // The answer ends at its first end token (kept, as the library keeps its own).
+    if !job.params.ignore_eos {
+        if let Some(end) = output
+            .tokens
+            .iter()
+            .position(|t| model.end_tokens.contains(t))
+        {
+            output.tokens.truncate(end + 1);
+        }
+    }
     counters
         .generated_tokens
         .fetch_add(output.tokens.len() as u64, Ordering::SeqCst);
     if job.events.is_closed() {
         return Outcome::Cancelled;
     }
+    let ended_on_eos = !job.params.ignore_eos
+        && output
+            .tokens
+            .last()
+            .is_some_and(|t| model.end_tokens.contains(t));
+    // The end token is not part of the text (as it was not streamed).
+    let answer = &output.tokens[..output.tokens.len() - usize::from(ended_on_eos)];
     let decoded = if session.has_tokenizer() {
-        match session.decode(&output.tokens) {
+        match session.decode(answer) {
             Ok(text) => text,
             Err(e) => return Outcome::Failed(ApiError::server(format!("{e:#}"))),
         }
@@ -327,10 +391,6 @@ fn serve_job(
     if let Some(rest) = rest {
         let _ = job.events.send(Event::Text(rest));
     }
-    let ended_on_eos = output
-        .tokens
-        .last()
-        .is_some_and(|t| info.eos_token_ids.contains(t));
     let finish_reason = if output.tokens.len() >= max_tokens && !ended_on_eos && !tracker.stopped()
     {
         "length"
