@@ -142,7 +142,7 @@ server_status=0
 wait "$server_pid" || server_status=$?
 server_pid=""
 
-echo "== specter-run serve load: $bundle $*"
+echo "== specter-run serve load: $bundle, serve options: ${*:-(defaults)}"
 cat "$work/report.txt"
 echo "server RSS   before $((rss_before / 1024)) MiB, after $((rss_after / 1024)) MiB"
 echo "server exit  $server_status after SIGTERM"
