@@ -15,6 +15,8 @@ use specter::session::{BackendKind, Session, SessionModel, SessionOptions};
 use specter::verify_mode::VerifyMode;
 use specter::with_session_model;
 
+mod serve;
+
 #[derive(Parser)]
 #[command(
     name = "specter-run",
@@ -85,6 +87,11 @@ enum Command {
     ///
     /// Example: specter-run profile model.specter --backend cuda --resident-experts 16 -o model.profile.json
     Profile(ProfileArgs),
+    /// Serve the bundle over HTTP with the OpenAI API: completions and chat completions (the
+    /// checkpoint's own chat template), streamed as server-sent events or whole.
+    ///
+    /// Example: specter-run serve model.specter --port 8080 --mode specter --depth 8
+    Serve(serve::ServeArgs),
     /// Report what this machine offers and what Specter will use: driver, GPU, NVRTC, the host copy
     /// path, measured host-to-device bandwidth, free RAM and disk.
     ///
@@ -345,6 +352,7 @@ fn main() -> ExitCode {
         } => demo(arch, dir, max_new_tokens, depth),
         Command::Profile(args) => profile(args),
         Command::Bench(args) => bench(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Doctor {
             json,
             device,

@@ -14,8 +14,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 mod calibrate;
+mod chat_files;
 
 pub use calibrate::{HOLDOUT_BLOCK, HOLDOUT_EVERY};
+pub use chat_files::{chat_file, CHAT_FILES, CHAT_TEMPLATE, GENERATION_CONFIG, TOKENIZER_CONFIG};
 
 use rayon::prelude::*;
 use specter_format::{
@@ -174,6 +176,7 @@ fn convert_inner(
             ))
         })?;
     }
+    let chat_files = chat_files::read_chat_files(ckpt.dir())?;
     let started = std::time::Instant::now();
     let calibration = match opts.quant {
         QuantMethod::Rtn => None,
@@ -300,6 +303,11 @@ fn convert_inner(
     if let Some(tok) = ckpt.tokenizer_json() {
         writer.begin_section("tokenizer.json", SectionKind::Tokenizer)?;
         writer.write_raw(tok)?;
+        writer.end_section()?;
+    }
+    for (name, bytes) in &chat_files {
+        writer.begin_section(name, SectionKind::Other)?;
+        writer.write_raw(bytes)?;
         writer.end_section()?;
     }
     writer.begin_section("config.json", SectionKind::Config)?;
