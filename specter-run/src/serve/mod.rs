@@ -20,8 +20,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
-use specter::backend::cuda::{HostPath, SlotPolicy};
+use specter::backend::cuda::HostPath;
 use specter::decode::{self, Mode};
+use specter::offload::Policy;
 use specter::session::{BackendKind, SessionOptions};
 use specter::verify_mode::VerifyMode;
 
@@ -161,8 +162,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     match backend {
         BackendKind::Cuda => {
             let policy = match args.policy {
-                ServePolicy::Lru => SlotPolicy::Lru,
-                ServePolicy::Ondemand => SlotPolicy::OnDemand,
+                ServePolicy::Lru => Policy::Lru,
+                ServePolicy::Ondemand => Policy::OnDemand,
             };
             session_opts.offload = args.resident_experts.map(|n| (n, policy));
             if args.pinned_staging {

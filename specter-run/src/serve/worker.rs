@@ -579,7 +579,7 @@ fn run_generation(
             "hits": o.hits,
             "misses": o.misses,
             "hit_rate": if o.lookups > 0 { o.hits as f64 / o.lookups as f64 } else { 0.0 },
-            "bytes_copied": o.bytes_moved,
+            "bytes_copied": o.bytes_copied,
         }))
     } else {
         match (session.cuda(), gpu_before) {
