@@ -41,3 +41,31 @@ __device__ __forceinline__ float4 load_float4(const float* p, bool aligned) {
 }
 
 #endif  // SPECTER_KERNELS_COMMON_CUH
+
+// The routed experts' SiLU, silu(g) = g / (1 + e^-g), with an exp of our own: the host expert
+// kernel (src/host_experts/activation.rs) computes the same operations in the same order, so an
+// expert gives the same bits on either side. Each step is one IEEE operation, spelled with its
+// round-to-nearest intrinsic so the compiler fuses nothing that is not written as an fma.
+__device__ __forceinline__ float spx_exp(float x) {
+    if (x != x) return x;
+    if (x < -87.0f) return 0.0f;
+    if (x > 88.0f) return __int_as_float(0x7f800000);
+    const float n = __fsub_rn(fmaf(x, __int_as_float(0x3fb8aa3b), 12582912.0f), 12582912.0f);
+    float r = fmaf(n, -__int_as_float(0x3f317200), x);
+    r = fmaf(n, -__int_as_float(0x35bfbe8e), r);
+    float p = __int_as_float(0x39500d01);
+    p = fmaf(p, r, __int_as_float(0x3ab60b61));
+    p = fmaf(p, r, __int_as_float(0x3c088889));
+    p = fmaf(p, r, __int_as_float(0x3d2aaaab));
+    p = fmaf(p, r, __int_as_float(0x3e2aaaab));
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    // n is an integer in [-126, 127]: 2^n is a normal float.
+    const float scale = __int_as_float(((int)n + 127) << 23);
+    return __fmul_rn(p, scale);
+}
+
+__device__ __forceinline__ float spx_silu(float g) {
+    return __fdiv_rn(g, __fadd_rn(1.0f, spx_exp(-g)));
+}

@@ -213,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up(
             if (m < mr) {
                 const float ga = warp_sum(a[m]);
                 const float ub = warp_sum(b[m]);
-                if (lane == 0) h[(size_t)(g.first + i0 + m) * inter + j] = ga / (1.0f + expf(-ga)) * ub;
+                if (lane == 0) h[(size_t)(g.first + i0 + m) * inter + j] = __fmul_rn(spx_silu(ga), ub);
             }
         }
     }

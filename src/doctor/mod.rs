@@ -43,6 +43,8 @@ pub struct DoctorOptions {
     pub repeats: usize,
     /// Seed for the random test data.
     pub seed: u64,
+    /// Bytes read by the host read-bandwidth measurement (0: skip it).
+    pub host_read_bytes: usize,
 }
 
 impl Default for DoctorOptions {
@@ -57,6 +59,7 @@ impl Default for DoctorOptions {
             chunk_bytes: 16 * MIB,
             repeats: 3,
             seed: 0x5eec_7e12,
+            host_read_bytes: 1024 * MIB,
         }
     }
 }
@@ -165,6 +168,11 @@ pub struct DoctorReport {
     pub registered_mmap: Option<MappingCheck>,
     pub host_copy_path: Option<HostCopyPath>,
     pub bandwidth: Option<BandwidthReport>,
+    /// How fast the host's threads read memory, one figure per thread count: the ceiling of the
+    /// host expert kernel (src/host_experts).
+    pub host_read: Vec<crate::host_experts::bandwidth::HostReadBandwidth>,
+    /// The host expert kernel's code path on this processor.
+    pub host_expert_path: String,
     pub problems: Vec<Problem>,
 }
 
@@ -191,8 +199,22 @@ pub fn diagnose(opts: &DoctorOptions) -> DoctorReport {
         registered_mmap: None,
         host_copy_path: None,
         bandwidth: None,
+        host_read: Vec::new(),
+        host_expert_path: crate::host_experts::KernelPath::detect().name().to_string(),
         problems: Vec::new(),
     };
+    if opts.host_read_bytes > 0 {
+        let cores = report.system.cpu_cores.max(1);
+        let mut counts: Vec<usize> = [1, 4, 8, 16, cores]
+            .into_iter()
+            .filter(|&t| t <= cores)
+            .collect();
+        counts.dedup();
+        report.host_read = counts
+            .into_iter()
+            .map(|t| crate::host_experts::bandwidth::measure(t, opts.host_read_bytes, opts.repeats))
+            .collect();
+    }
     if report.system.ram_total_bytes.is_none() {
         problems.push(Problem {
             what: "cannot read total and available RAM from /proc/meminfo".into(),

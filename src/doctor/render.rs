@@ -41,6 +41,15 @@ pub fn render_text(report: &DoctorReport) -> String {
         opt_gib(s.disk_free_bytes),
         s.work_dir
     );
+    if !report.host_read.is_empty() {
+        let reads: Vec<String> = report
+            .host_read
+            .iter()
+            .map(|r| format!("{} threads {:.1}", r.threads, r.bytes_per_s / 1e9))
+            .collect();
+        let _ = writeln!(out, "  host read         {} GB/s", reads.join(", "));
+    }
+    let _ = writeln!(out, "  host experts      {}", report.host_expert_path);
     let _ = writeln!(out);
     let _ = writeln!(out, "CUDA");
     let found = |b: bool| if b { "found" } else { "not found" };

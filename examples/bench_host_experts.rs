@@ -1,0 +1,91 @@
+//! Host expert kernel bandwidth against the host's read bandwidth, on DeepSeek-V2-Lite's routed
+//! expert shape (hidden 2048, inter 1408: 17.3 MB of FP16 weights per expert).
+//!
+//!     cargo run --release --example bench_host_experts -- [THREADS,...] [ROWS,...]
+//!
+//! Cycles through 64 experts (1.1 GB, past the last-level cache), so each call reads its weights
+//! from memory; reports the median of 7 timed passes of 64 calls, as GB/s of weights read and as
+//! a share of `doctor`'s host read bandwidth with the same threads.
+
+use std::time::Instant;
+
+use half::f16;
+use specter::host_experts::{bandwidth, ExpertWeights, HostExperts, KernelPath};
+
+const HIDDEN: usize = 2048;
+const INTER: usize = 1408;
+const EXPERTS: usize = 64;
+
+fn list(arg: Option<String>, default: &[usize]) -> Vec<usize> {
+    arg.map(|a| a.split(',').filter_map(|v| v.trim().parse().ok()).collect())
+        .filter(|v: &Vec<usize>| !v.is_empty())
+        .unwrap_or_else(|| default.to_vec())
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = list(args.next(), &[cores]);
+    let rows_list = list(args.next(), &[1, 4, 16]);
+    let mut seed = 0x1234_5678_u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05
+    };
+    let gate_up: Vec<Vec<f16>> = (0..EXPERTS)
+        .map(|_| {
+            (0..2 * INTER * HIDDEN)
+                .map(|_| f16::from_f32(next()))
+                .collect()
+        })
+        .collect();
+    let down: Vec<Vec<f16>> = (0..EXPERTS)
+        .map(|_| (0..HIDDEN * INTER).map(|_| f16::from_f32(next())).collect())
+        .collect();
+    let expert_bytes = 3 * INTER * HIDDEN * 2;
+    println!(
+        "host expert kernel, {HIDDEN}x{INTER} experts ({:.1} MB), path {}",
+        expert_bytes as f64 / 1e6,
+        KernelPath::detect().name()
+    );
+    println!("| threads | rows | host read GB/s | kernel GB/s | share | ms per expert |");
+    println!("|---|---|---|---|---|---|");
+    for &t in &threads {
+        let read = bandwidth::measure(t, 2 << 30, 5);
+        let kernel = HostExperts::new(t, None)?;
+        for &rows in &rows_list {
+            let x: Vec<f32> = (0..rows * HIDDEN)
+                .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+                .collect();
+            let weights = vec![0.5f32; rows];
+            let mut out = vec![0.0f32; rows * HIDDEN];
+            let mut run = || -> anyhow::Result<f64> {
+                let start = Instant::now();
+                for e in 0..EXPERTS {
+                    let w = ExpertWeights {
+                        gate_up: &gate_up[e],
+                        down: &down[e],
+                        hidden: HIDDEN,
+                        inter: INTER,
+                    };
+                    kernel.expert(&w, &x, &weights, &mut out)?;
+                }
+                Ok(start.elapsed().as_secs_f64())
+            };
+            run()?;
+            let mut times: Vec<f64> = (0..7).map(|_| run()).collect::<anyhow::Result<_>>()?;
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            let gbps = (EXPERTS * expert_bytes) as f64 / median / 1e9;
+            println!(
+                "| {t} | {rows} | {:.1} | {gbps:.1} | {:.0}% | {:.3} |",
+                read.bytes_per_s / 1e9,
+                100.0 * gbps * 1e9 / read.bytes_per_s,
+                median * 1e3 / EXPERTS as f64
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,155 @@
+//! The host expert kernel: the same bits on the AVX2 and the portable path, for every
+//! architecture's routed-expert shapes (fixture and full size) and 1 to 32 rows, and the value of
+//! the expert FFN (checked in f64). Bit equality with the GPU kernel is in tests/cuda_ops.rs.
+
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specter::host_experts::{ExpertWeights, HostExperts, KernelPath};
+
+fn random_expert(rng: &mut ChaCha8Rng, hidden: usize, inter: usize) -> (Vec<f16>, Vec<f16>) {
+    let scale = 1.0 / (hidden as f32).sqrt();
+    let gate_up = (0..2 * inter * hidden)
+        .map(|_| f16::from_f32(rng.random_range(-2.0..2.0f32) * scale))
+        .collect();
+    let down = (0..hidden * inter)
+        .map(|_| f16::from_f32(rng.random_range(-2.0..2.0f32) / (inter as f32).sqrt()))
+        .collect();
+    (gate_up, down)
+}
+
+fn run(kernel: &HostExperts, w: &ExpertWeights<'_>, x: &[f32], weights: &[f32]) -> Vec<f32> {
+    let mut out = vec![f32::NAN; x.len()];
+    kernel.expert(w, x, weights, &mut out).expect("expert");
+    out
+}
+
+/// (hidden, inter) of each architecture's routed experts: fixtures (128 wide) and real sizes.
+const SHAPES: [(usize, usize); 8] = [
+    (128, 48),
+    (128, 64),
+    (128, 36),
+    (2048, 1408), // DeepSeek-V2-Lite, Qwen1.5-MoE
+    (2048, 1024), // OLMoE
+    (2048, 768),  // Qwen3-30B-A3B
+    (4096, 6400), // Phi-3.5-MoE
+    (100, 52),    // lengths that are not multiples of 8 or 64
+];
+
+#[test]
+fn avx2_and_portable_paths_give_the_same_bits() {
+    if KernelPath::detect() != KernelPath::Avx2 {
+        eprintln!("no AVX2/FMA/F16C here: only the portable path exists, nothing to compare");
+        return;
+    }
+    let fast = HostExperts::new(2, Some(KernelPath::Avx2)).expect("avx2");
+    let portable = HostExperts::new(2, Some(KernelPath::Portable)).expect("portable");
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for (hidden, inter) in SHAPES {
+        let (gate_up, down) = random_expert(&mut rng, hidden, inter);
+        let w = ExpertWeights {
+            gate_up: &gate_up,
+            down: &down,
+            hidden,
+            inter,
+        };
+        // Big shapes at a few row counts (the portable path is slow), small ones at all.
+        let row_counts: Vec<usize> = if hidden * inter > 1 << 20 {
+            vec![1, 3, 9]
+        } else {
+            (1..=32).collect()
+        };
+        for rows in row_counts {
+            let x: Vec<f32> = (0..rows * hidden)
+                .map(|_| rng.random_range(-3.0..3.0))
+                .collect();
+            let weights: Vec<f32> = (0..rows).map(|_| rng.random_range(0.0..1.0)).collect();
+            let a = run(&fast, &w, &x, &weights);
+            let b = run(&portable, &w, &x, &weights);
+            let differ = a
+                .iter()
+                .zip(&b)
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{hidden}x{inter}, {rows} rows: {differ} outputs differ"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_expert_ffn_matches_an_f64_reference() {
+    let kernel = HostExperts::new(2, None).expect("kernel");
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for (hidden, inter) in [(128, 48), (256, 104), (100, 52)] {
+        let (gate_up, down) = random_expert(&mut rng, hidden, inter);
+        let w = ExpertWeights {
+            gate_up: &gate_up,
+            down: &down,
+            hidden,
+            inter,
+        };
+        let rows = 5;
+        let x: Vec<f32> = (0..rows * hidden)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let weights: Vec<f32> = (0..rows).map(|_| rng.random_range(0.1..1.0)).collect();
+        let got = run(&kernel, &w, &x, &weights);
+        let (mut err, mut norm) = (0.0f64, 0.0f64);
+        for r in 0..rows {
+            let xr = &x[r * hidden..(r + 1) * hidden];
+            let dot = |row: &[f16], v: &[f64]| -> f64 {
+                row.iter().zip(v).map(|(a, b)| a.to_f64() * b).sum()
+            };
+            let xv: Vec<f64> = xr.iter().map(|&v| v as f64).collect();
+            let h: Vec<f64> = (0..inter)
+                .map(|j| {
+                    let g = dot(&gate_up[j * hidden..(j + 1) * hidden], &xv);
+                    let u = dot(
+                        &gate_up[(inter + j) * hidden..(inter + j + 1) * hidden],
+                        &xv,
+                    );
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            for c in 0..hidden {
+                let want = weights[r] as f64 * dot(&down[c * inter..(c + 1) * inter], &h);
+                let have = got[r * hidden + c] as f64;
+                err += (have - want).powi(2);
+                norm += want.powi(2);
+            }
+        }
+        let rel = (err / norm).sqrt();
+        eprintln!("{hidden}x{inter}: relative error {rel:.2e}");
+        assert!(rel < 1e-5, "{hidden}x{inter}: relative error {rel:.2e}");
+    }
+}
+
+#[test]
+fn bad_settings_and_shapes_are_refused() {
+    assert!(HostExperts::new(0, None).is_err());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let err = HostExperts::new(cores + 1, None)
+        .err()
+        .expect("too many threads");
+    assert!(err.to_string().contains("host threads"), "{err}");
+    let kernel = HostExperts::new(1, None).expect("kernel");
+    let gate_up = vec![f16::ZERO; 2 * 8 * 16];
+    let down = vec![f16::ZERO; 16 * 8];
+    let w = ExpertWeights {
+        gate_up: &gate_up[1..],
+        down: &down,
+        hidden: 16,
+        inter: 8,
+    };
+    let mut out = vec![0.0; 16];
+    assert!(kernel.expert(&w, &[0.0; 16], &[1.0], &mut out).is_err());
+    let w = ExpertWeights {
+        gate_up: &gate_up,
+        ..w
+    };
+    assert!(kernel.expert(&w, &[0.0; 15], &[1.0], &mut out).is_err());
+    assert!(kernel.expert(&w, &[0.5; 16], &[1.0], &mut out).is_ok());
+}
