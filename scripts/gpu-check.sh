@@ -15,6 +15,9 @@
 #   lossless  every fixture model: speculative decoding on the GPU equals target-only
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
+#   compare   old against new binaries ($OLD_CARRY): TPOT all resident and lru16 on the bench model
+#   hostexp   the host expert kernel: same bits as the GPU kernel, and its bandwidth against the
+#             host's read bandwidth (tests/cuda_host_experts.rs, examples/bench_host_experts.rs)
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #   peer      transformers on the bench model's checkpoint: eager in VRAM and accelerate offload
 #   autoprofile  `specter-run profile` (depths and plain decoding without the draft) at 16
@@ -43,7 +46,7 @@ build() {
     cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
-    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures cuda_load)
+    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures cuda_load cuda_host_experts)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -55,6 +58,8 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["target"]["name"])
 ' "$CARRY"
+    cargo build --release --example bench_host_experts
+    cp target/release/examples/bench_host_experts "$CARRY/"
     if [ -f examples/bench_w4a16.rs ]; then
         cargo build --release --example bench_w4a16
         cp target/release/examples/bench_w4a16 "$CARRY/"
@@ -75,7 +80,7 @@ run_test() {
 # peer; HF_DIR on disk keeps it out of /dev/shm, which the bundle and the peer's offload share).
 bench_model() {
     local dir=$1 out=$2 layers=${LAYERS:-27} hf=${HF_DIR:-$1/hf}
-    local pack="$CARRY/specter-pack"
+    local pack="${PACK:-$CARRY/specter-pack}"
     if [ ! -f "$dir/dsv2.specter" ]; then
         "$pack" synth --preset deepseek-v2-lite --layers "$layers" -o "$hf" > "$out/synth.txt"
         "$pack" convert "$hf" -o "$dir/dsv2.specter" > "$out/convert.txt"
@@ -178,6 +183,53 @@ kprofile() {
         --launch-count "${KCOUNT:-3000}" "$run" "${gen[@]}" --max-new-tokens 40 \
         > "$out/ncu.csv" 2> "$out/ncu.err" || { tail -5 "$out/ncu.err"; return 1; }
     python3 "$ROOT/scripts/kprofile.py" ncu "$out/ncu.csv"
+}
+
+# Old against new: target-only TPOT all resident and with 16 resident experts (lru) on the bench
+# model, the binaries in $OLD_CARRY (an earlier commit's release build) and in $CARRY taking
+# turns, $REPEATS rounds; the bundle is made by the old specter-pack, so the new one reads it too.
+compare() {
+    local dir=$1 out=$2 old=${OLD_CARRY:?set OLD_CARRY to the earlier binaries}
+    PACK="$old/specter-pack" bench_model "$dir" "$out"
+    local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
+    : > "$out/compare.tsv"
+    for rep in $(seq "${REPEATS:-3}"); do
+        for side in old new; do
+            local bin="$CARRY/specter-run"
+            [ "$side" = old ] && bin="$old/specter-run"
+            for v in "resident|" "lru16|--resident-experts 16 --policy lru"; do
+                local name=${v%%|*} args=${v#*|}
+                # shellcheck disable=SC2086
+                "$bin" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 \
+                    --ignore-eos --json --backend cuda --mode target $args > "$out/cmp-$side-$name-$rep.json"
+                python3 - "$out/cmp-$side-$name-$rep.json" "$side" "$name" >> "$out/compare.tsv" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("\t".join([sys.argv[2], sys.argv[3], str(d["stats"]["tpot_ms"]), ",".join(map(str, d["tokens"]))]))
+EOF
+            done
+        done
+    done
+    python3 - "$out/compare.tsv" <<'EOF'
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
+print("| variant | old TPOT ms (median; runs) | new TPOT ms (median; runs) | new/old | tokens equal |")
+print("|---|---|---|---|---|")
+for name in dict.fromkeys(r[1] for r in rows):
+    t = {s: [float(r[2]) for r in rows if r[0] == s and r[1] == name] for s in ("old", "new")}
+    toks = {r[3] for r in rows if r[1] == name}
+    mo, mn = statistics.median(t["old"]), statistics.median(t["new"])
+    fmt = lambda v: ", ".join(f"{x:.3f}" for x in v)
+    print(f"| {name} | {mo:.3f} ({fmt(t['old'])}) | {mn:.3f} ({fmt(t['new'])}) | {mn / mo:.3f} | {len(toks) == 1} |")
+EOF
+}
+
+# The host expert kernel: bit equality with the GPU kernel, then its bandwidth against the
+# host's read bandwidth ($HOST_THREADS, $HOST_ROWS).
+hostexp() {
+    local out=$1
+    run_test cuda_host_experts "$out/hostexp.log" || return 1
+    "$CARRY/bench_host_experts" "${HOST_THREADS:-1,8,16}" "${HOST_ROWS:-1,4,16}" 2>&1 | tee "$out/hostexp-bench.log"
 }
 
 # `specter-run bench` for ds_high and ds_low on one bundle; JSON, markdown and SVG to $out.
@@ -379,6 +431,8 @@ run() {
             lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;
             bench) bench "$dir" "$out" || status=1 ;;
+            compare) compare "$dir" "$out" 2>&1 | tee "$out/compare.log" || status=1 ;;
+            hostexp) hostexp "$out" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
@@ -396,5 +450,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|fixtures|lossless|errors|bench|w4a16|kprofile|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|fixtures|lossless|errors|bench|w4a16|kprofile|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac
