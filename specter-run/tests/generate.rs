@@ -887,3 +887,67 @@ fn an_unknown_load_io_method_is_a_clean_error() {
     // Checked before any device is opened, so with or without a GPU.
     assert_clean_failure(&run, &["unknown load I/O method", "fast"]);
 }
+
+#[test]
+fn the_library_entry_point_streams_and_stops_when_told() {
+    use specter::generate::{generate, BackendChoice, GenerationHooks, GenerationRequest, Prompt};
+    let mut request = GenerationRequest::new(&converted().bundle, Prompt::Ids(vec![5, 6, 7]));
+    request.backend = BackendChoice::Cpu;
+    request.max_new_tokens = 12;
+    request.stop_at_eos = false;
+    request.depth = Some(4);
+    let full = generate(&request, GenerationHooks::default()).unwrap();
+    assert_eq!(full.tokens.len(), 12);
+    assert!(!full.stopped_by_caller);
+
+    // Stop after the third token: the speculative loop may have verified more in that round,
+    // but only what the caller saw is committed.
+    let mut seen = Vec::new();
+    let mut notes = Vec::new();
+    let mut on_tokens = |c: &specter::generate::Committed<'_>| {
+        seen.push(c.tokens.to_vec());
+        c.tokens.len() < 3
+    };
+    let mut on_note = |line: &str| notes.push(line.to_string());
+    let stopped = generate(
+        &request,
+        GenerationHooks {
+            on_note: Some(&mut on_note),
+            on_tokens: Some(&mut on_tokens),
+        },
+    )
+    .unwrap();
+    assert!(stopped.stopped_by_caller);
+    assert_eq!(stopped.tokens, full.tokens[..3]);
+    assert_eq!(stopped.stats.generated_tokens, 3);
+    assert_eq!(
+        seen,
+        vec![
+            full.tokens[..1].to_vec(),
+            full.tokens[..2].to_vec(),
+            full.tokens[..3].to_vec()
+        ]
+    );
+    // A forced backend is not announced.
+    assert!(
+        notes.iter().all(|n| !n.starts_with("backend:")),
+        "{notes:?}"
+    );
+    // The report serializes with the fields `generate --json` prints.
+    let json = serde_json::to_value(&stopped).unwrap();
+    for key in [
+        "bundle",
+        "architecture",
+        "backend",
+        "gpu",
+        "mode",
+        "startup",
+        "depth",
+        "prompt_tokens",
+        "tokens",
+        "text",
+        "stats",
+    ] {
+        assert!(json.get(key).is_some(), "no {key} in {json}");
+    }
+}
