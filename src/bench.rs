@@ -20,15 +20,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher};
-use crate::decode::{
-    generate, generate_observed, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling,
-    SPECMOEOFF_DEPTH,
-};
+use crate::backend::cuda::CudaOptions;
+use crate::decode::{GenerateOptions, GenerateOutput, Mode, Sampling, SPECMOEOFF_DEPTH};
 use crate::depth_profile::{DepthProfile, PlainCandidate};
-use crate::model::{LanguageModel, NoHook};
+use crate::generate::{decode_on_session, AutoDepthStart, DecodePlan};
 use crate::offload::Policy;
-use crate::session::{BackendKind, Session, SessionModel, SessionOptions};
+use crate::session::{BackendKind, Session, SessionOptions};
 use crate::{Error, Result};
 
 /// A protocol case: draft depth and experts per layer in VRAM.
@@ -248,6 +245,8 @@ pub struct BenchOptions {
     pub prompts: Vec<Vec<u32>>,
     pub new_tokens: usize,
     pub repeats: usize,
+    /// How the CUDA backend runs (recorded passes, load threads and I/O, copy path).
+    pub cuda: CudaOptions,
 }
 
 /// `count` prompts of `len` token ids drawn from the vocabulary with a fixed seed.
@@ -319,6 +318,7 @@ pub fn run(
     for mode in order {
         let mut session_opts = SessionOptions::new(opts.backend);
         session_opts.with_draft = !mode.target_only();
+        session_opts.cuda = opts.cuda.clone();
         let mut resident = match (mode, opts.backend) {
             (_, BackendKind::Cpu) | (BenchMode::Resident, _) => None,
             (BenchMode::Lru, _) => Some((opts.case.matched, Policy::Lru)),
@@ -339,9 +339,9 @@ pub fn run(
             stop_at_eos: false,
         };
         // Automatic depth starts from the case's depth, or from what its calibration measured.
-        let mut auto_start = (mode == BenchMode::Auto).then(|| AutoStart {
-            depth: gen.depth,
-            profile: Vec::new(),
+        let mut auto_start = (mode == BenchMode::Auto).then(|| AutoDepthStart {
+            start: gen.depth,
+            seed: Vec::new(),
         });
         let mut auto_choice = None;
         let mut auto_calibration = None;
@@ -359,9 +359,9 @@ pub fn run(
                     auto_start = None;
                 }
                 AutoChoice::Draft { profile } => {
-                    auto_start = Some(AutoStart {
-                        depth: gen.depth,
-                        profile,
+                    auto_start = Some(AutoDepthStart {
+                        start: gen.depth,
+                        seed: profile,
                     })
                 }
             }
@@ -498,10 +498,7 @@ pub fn run(
     let auto_over_specmoeoff = over_specmoeoff("auto");
     Ok(BenchReport {
         bundle: path.display().to_string(),
-        backend: match opts.backend {
-            BackendKind::Cpu => "cpu",
-            BackendKind::Cuda => "cuda",
-        },
+        backend: crate::generate::backend_name(opts.backend),
         device,
         case: opts.case,
         prompts: opts.prompts.len(),
@@ -521,76 +518,28 @@ fn run_one(
     session: &Session,
     prompt: &[u32],
     gen: &GenerateOptions,
-    auto: Option<&AutoStart>,
+    auto: Option<&AutoDepthStart>,
 ) -> Result<(GenerateOutput, Option<u64>)> {
     let started = Instant::now();
     let mut bytes_at_first = None;
-    let out = match &session.model {
-        SessionModel::Cpu(m) => {
-            if let Some(start) = auto {
-                let mut quiet = NoHook;
-                let mut ctl = start.controller(&mut quiet);
-                generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut |_| {})?
-            } else {
-                generate(m.as_ref(), prompt, gen, &mut NoHook, &mut |_| {})?
-            }
-        }
-        SessionModel::Cuda(m) => {
-            let gpu = m.backend();
-            let mut first = true;
-            let mut on_token = |_| {
-                if std::mem::take(&mut first) {
-                    bytes_at_first = gpu.offload_bytes_copied().ok().flatten();
-                }
-            };
-            if gen.mode == Mode::Specter && gpu.offload_slots()?.is_some() {
-                let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
-                let out = if let Some(start) = auto {
-                    let mut ctl = start.controller(&mut prefetcher);
-                    generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut on_token)?
-                } else {
-                    generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut on_token)?
-                };
-                if let Some(e) = prefetcher.take_error() {
-                    return Err(e);
-                }
-                out
-            } else if gen.mode == Mode::SpecMoeOff && gpu.offload_slots()?.is_some() {
-                let mut prefetcher = FrequencyPrefetcher::new(gpu, m.info())?;
-                let out =
-                    generate_observed(m.as_ref(), prompt, gen, &mut prefetcher, &mut on_token)?;
-                if let Some(e) = prefetcher.take_error() {
-                    return Err(e);
-                }
-                out
-            } else if let Some(start) = auto {
-                let mut quiet = NoHook;
-                let mut ctl = start.controller(&mut quiet);
-                generate_observed(m.as_ref(), prompt, gen, &mut ctl, &mut on_token)?
-            } else {
-                generate(m.as_ref(), prompt, gen, &mut NoHook, &mut on_token)?
-            }
-        }
+    let mut first = true;
+    let plan = DecodePlan {
+        auto_depth: auto.cloned(),
+        ..DecodePlan::default()
     };
+    let decoded = decode_on_session(session, prompt, gen, &plan, &mut |_| {
+        if std::mem::take(&mut first) {
+            bytes_at_first = session
+                .cuda()
+                .and_then(|gpu| gpu.offload_bytes_copied().ok().flatten());
+        }
+        true
+    })?;
     tracing::debug!(
         "bench run in {:.1} ms",
         started.elapsed().as_secs_f64() * 1e3
     );
-    Ok((out, bytes_at_first))
-}
-
-/// How `auto` runs with the draft: the most depth, and measured depths to seed control with.
-struct AutoStart {
-    depth: usize,
-    profile: Vec<(usize, f64)>,
-}
-
-impl AutoStart {
-    fn controller<'a>(&self, inner: &'a mut dyn crate::decode::DecodeObserver) -> AutoDepth<'a> {
-        let mut ctl = AutoDepth::new(inner, self.depth, self.depth);
-        ctl.seed(&self.profile);
-        ctl
-    }
+    Ok((decoded.output, bytes_at_first))
 }
 
 /// What `auto`'s calibration chose.

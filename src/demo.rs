@@ -1,18 +1,20 @@
 //! The embedded default: build a small model of a supported architecture with random weights,
 //! convert it, verify the bundle, and generate with the speculative loop, saying what each step
-//! did. It needs no download and no GPU, so it is the first thing a newcomer runs.
+//! did. It needs no download and no GPU, so it is the first thing a newcomer runs; on a GPU it
+//! decodes there, with real expert copies in its offloaded run.
 
 use std::path::Path;
 use std::time::Instant;
 
 use specter_format::Bundle;
 
-use crate::arch::{expected_tensors, ArchConfig, MoeModel};
-use crate::backend::cpu::Cpu;
-use crate::decode::{generate, generate_with_offload, GenerateOptions, Mode, Sampling};
-use crate::model::{LanguageModel, NoHook};
-use crate::offload::{OffloadSimulator, Policy, SimulatorConfig};
+use crate::arch::{expected_tensors, ArchConfig};
+use crate::backend::cuda::CudaOptions;
+use crate::decode::{GenerateOptions, Mode, Sampling};
+use crate::generate::{decode_on_session, DecodePlan, DEFAULT_COPY_BANDWIDTH};
+use crate::offload::Policy;
 use crate::pack::{convert, ConvertOptions, Silent};
+use crate::session::{BackendKind, Session, SessionOptions};
 use crate::{synth, Error, Result};
 
 #[derive(Clone, Debug)]
@@ -21,9 +23,11 @@ pub struct DemoOptions {
     pub architecture: String,
     pub max_new_tokens: usize,
     pub depth: usize,
-    /// Routed experts resident per MoE layer in the simulated offload run.
+    /// Routed experts resident per MoE layer in the offloaded run (simulated on the CPU).
     pub resident_experts: usize,
     pub seed: u64,
+    pub backend: BackendKind,
+    pub cuda: CudaOptions,
 }
 
 impl Default for DemoOptions {
@@ -34,6 +38,8 @@ impl Default for DemoOptions {
             depth: 4,
             resident_experts: 2,
             seed: 7,
+            backend: BackendKind::Cpu,
+            cuda: CudaOptions::default(),
         }
     }
 }
@@ -99,8 +105,11 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         t.elapsed().as_secs_f64()
     ));
 
-    let model = MoeModel::load(cfg.clone(), &bundle, Cpu)?;
-    let info = model.info().clone();
+    drop(bundle);
+    let mut session_opts = SessionOptions::new(opts.backend);
+    session_opts.cuda = opts.cuda.clone();
+    let session = Session::open_with(&bundle_path, &session_opts)?;
+    let info = session.info().clone();
     let prompt: Vec<u32> = (0..8u32)
         .map(|i| 3 + (i * 37 + opts.seed as u32) % (info.vocab_size as u32 - 3))
         .collect();
@@ -111,35 +120,70 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         sampling: Sampling::greedy(),
         stop_at_eos: false,
     };
-    say("4. backend: cpu (the exact f32 reference; on a GPU, `specter-run generate --backend cuda`)");
-    let target = generate(
-        &model,
-        &prompt,
-        &options(Mode::Target),
-        &mut NoHook,
-        &mut |_| {},
-    )?;
+    match session.cuda() {
+        None => say("4. backend: cpu (the exact f32 reference; on a GPU, `specter-run generate --backend cuda`)"),
+        Some(gpu) => say(&format!(
+            "4. backend: cuda ({}; FP16 experts, the INT4 draft on the W4A16 kernel)",
+            gpu.device().name()
+        )),
+    }
+    let decode = |session: &Session, mode, plan: &DecodePlan| {
+        decode_on_session(session, &prompt, &options(mode), plan, &mut |_| true)
+            .map(|decoded| decoded.output)
+    };
+    let target = decode(&session, Mode::Target, &DecodePlan::default())?;
     say(&format!(
         "   target-only: {} tokens, TPOT {:.2} ms",
         target.tokens.len(),
         target.stats.tpot_ms
     ));
     let slots = opts.resident_experts.clamp(1, info.num_experts);
-    let mut sim = OffloadSimulator::new(SimulatorConfig::copies_only(
-        &info,
-        slots,
-        Policy::Specter,
-        55e9,
-    ))?;
-    let spec = generate_with_offload(
-        &model,
-        &prompt,
-        &options(Mode::Specter),
-        &mut sim,
-        &mut |_| {},
-    )?;
+    // The same speculative run with most experts offloaded: on the CPU the copies are simulated,
+    // on the GPU they are real copies into VRAM slots, from a session opened with that residency.
+    let (spec, cache) = match session.cuda() {
+        None => {
+            let plan = DecodePlan {
+                simulated_slots: Some(slots),
+                ..DecodePlan::default()
+            };
+            let spec = decode(&session, Mode::Specter, &plan)?;
+            let o = spec.stats.offload.clone().unwrap_or_default();
+            let cache = CacheFigures {
+                how: format!(
+                    "copies simulated at {:.0} GB/s",
+                    DEFAULT_COPY_BANDWIDTH / 1e9
+                ),
+                hits: o.hits,
+                misses: o.misses,
+                prefetched: o.prefetched,
+                prefetched_used: o.prefetch_used,
+                bytes_moved: o.bytes_copied,
+            };
+            (spec, cache)
+        }
+        Some(_) => {
+            drop(session);
+            session_opts.offload = Some((slots, Policy::Lru));
+            let offloaded = Session::open_with(&bundle_path, &session_opts)?;
+            let spec = decode(&offloaded, Mode::Specter, &DecodePlan::default())?;
+            let o = offloaded
+                .cuda()
+                .map(|gpu| gpu.offload_stats())
+                .transpose()?
+                .flatten()
+                .unwrap_or_default();
+            let cache = CacheFigures {
+                how: format!("real copies into VRAM slots, {}", o.path),
+                hits: o.hits,
+                misses: o.misses,
+                prefetched: o.prefetched,
+                prefetched_used: o.prefetch_used,
+                bytes_moved: o.bytes_copied,
+            };
+            (spec, cache)
+        }
+    };
     let s = &spec.stats;
-    let o = s.offload.clone().unwrap_or_default();
     say(&format!(
         "   speculative (depth {}): {} tokens, acceptance {:.1}% ({} of {} drafted), {:.2} accepted per verify pass, TPOT {:.2} ms",
         opts.depth,
@@ -151,8 +195,8 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         s.tpot_ms
     ));
     say(&format!(
-        "   expert cache ({} of {} resident per layer, copies simulated at 55 GB/s): {} hits, {} misses, {} prefetched by the draft ({} used), {:.2} MB moved",
-        slots, info.num_experts, o.hits, o.misses, o.prefetched, o.prefetch_used, o.bytes_copied as f64 / 1e6
+        "   expert cache ({} of {} resident per layer, {}): {} hits, {} misses, {} prefetched by the draft ({} used), {:.2} MB moved",
+        slots, info.num_experts, cache.how, cache.hits, cache.misses, cache.prefetched, cache.prefetched_used, cache.bytes_moved as f64 / 1e6
     ));
     let lossless = spec.tokens == target.tokens;
     say(&format!(
@@ -168,7 +212,17 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         tokens: spec.tokens,
         lossless,
         acceptance_rate: s.acceptance_rate,
-        hits: o.hits,
-        misses: o.misses,
+        hits: cache.hits,
+        misses: cache.misses,
     })
+}
+
+/// The expert cache's figures in the demo's offloaded run, simulated or real.
+struct CacheFigures {
+    how: String,
+    hits: u64,
+    misses: u64,
+    prefetched: u64,
+    prefetched_used: u64,
+    bytes_moved: u64,
 }

@@ -16,10 +16,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::cuda::CudaPrefetcher;
-use crate::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
-use crate::model::{LanguageModel, NoHook};
-use crate::session::{Session, SessionModel};
+use crate::decode::{GenerateOptions, Mode, Sampling};
+use crate::generate::{decode_on_session, DecodePlan};
+use crate::session::Session;
 use crate::{Error, Result};
 
 /// What a profile was measured on.
@@ -182,31 +181,19 @@ pub fn measure_plain(
     Ok(runs[runs.len() / 2])
 }
 
-/// One greedy decode from the session's initial (empty) expert cache, with the draft-driven
-/// prefetcher when speculating over offloaded experts on the GPU.
+/// One greedy decode from the session's initial (empty) expert cache, observed as
+/// [`decode_on_session`] decides (the draft-driven prefetcher when speculating over offloaded
+/// experts on the GPU).
 fn timed_run(
     session: &Session,
     prompt: &[u32],
     opts: &GenerateOptions,
 ) -> Result<crate::decode::GenerateOutput> {
-    match &session.model {
-        SessionModel::Cpu(m) => generate(m.as_ref(), prompt, opts, &mut NoHook, &mut |_| {}),
-        SessionModel::Cuda(m) => {
-            let gpu = m.backend();
-            gpu.reset_offload()?;
-            if gpu.offload_slots()?.is_some() && opts.mode == Mode::Specter {
-                let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), 55e9)?;
-                let out =
-                    generate_observed(m.as_ref(), prompt, opts, &mut prefetcher, &mut |_| {})?;
-                if let Some(e) = prefetcher.take_error() {
-                    return Err(e);
-                }
-                Ok(out)
-            } else {
-                generate(m.as_ref(), prompt, opts, &mut NoHook, &mut |_| {})
-            }
-        }
+    if let Some(gpu) = session.cuda() {
+        gpu.reset_offload()?;
     }
+    let decoded = decode_on_session(session, prompt, opts, &DecodePlan::default(), &mut |_| true)?;
+    Ok(decoded.output)
 }
 
 impl DepthProfile {

@@ -16,6 +16,7 @@ pub mod demo;
 pub mod depth_profile;
 pub mod doctor;
 pub mod error;
+pub mod generate;
 pub mod host_experts;
 pub mod model;
 pub mod offload;

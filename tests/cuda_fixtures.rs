@@ -110,8 +110,12 @@ fn every_fixture_every_residency(speculative: bool) {
                 if speculative && gpu.backend().offload_slots().unwrap().is_some() {
                     // Draft-driven prefetch into the expert cache changes what is resident, never
                     // the tokens.
-                    let mut prefetcher =
-                        CudaPrefetcher::new(gpu.backend(), gpu.info(), 55e9).unwrap();
+                    let mut prefetcher = CudaPrefetcher::new(
+                        gpu.backend(),
+                        gpu.info(),
+                        specter::generate::DEFAULT_COPY_BANDWIDTH,
+                    )
+                    .unwrap();
                     let out = generate_observed(
                         &gpu,
                         prompt,

@@ -187,7 +187,7 @@ fn offload_simulation_runs_on_a_real_model() {
                 let mut sim = OffloadSimulator::new(SimulatorConfig {
                     residency: ResidencyConfig::for_model(&info, slots, policy),
                     initial: InitialResidency::FirstExperts,
-                    bandwidth_bytes_per_s: 55e9,
+                    bandwidth_bytes_per_s: specter::generate::DEFAULT_COPY_BANDWIDTH,
                     latency_s: 10e-6,
                     compute: ComputeModel {
                         draft_step_s: 2e-3,

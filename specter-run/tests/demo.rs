@@ -29,7 +29,7 @@ fn demo_runs_every_step_and_is_lossless() {
             "1. synthesized",
             "2. converted",
             "3. verified",
-            "4. backend: cpu",
+            "4. backend: ",
             "acceptance",
             "expert cache",
         ] {

@@ -37,9 +37,14 @@ fn converted() -> &'static Converted {
     })
 }
 
+/// `generate` on the CPU backend unless `args` name one (these tests check the CPU reference and
+/// its simulated offloading, whatever the machine has).
 fn generate_on(bundle: &Path, args: &[String]) -> Run {
     let mut all = vec!["generate".to_string(), bundle.display().to_string()];
     all.extend(args.iter().cloned());
+    if !args.iter().any(|a| a.starts_with("--backend")) {
+        all.extend(["--backend".to_string(), "cpu".to_string()]);
+    }
     cli::run(env!("CARGO_BIN_EXE_specter-run"), &all)
 }
 
@@ -293,6 +298,43 @@ fn the_cuda_backend_without_a_gpu_is_refused_clearly() {
         "2",
     ]);
     assert_clean_failure(&run, &["libcuda.so.1", "--backend cpu"]);
+}
+
+#[test]
+fn the_default_backend_is_chosen_and_named_on_stderr() {
+    let bundle = converted().bundle.display().to_string();
+    let run = cli::run(
+        env!("CARGO_BIN_EXE_specter-run"),
+        &[
+            "generate",
+            &bundle,
+            "--prompt-ids",
+            "5,6",
+            "--max-new-tokens",
+            "2",
+            "--json",
+        ],
+    );
+    assert!(run.ok(), "{run:?}");
+    let record: Value = serde_json::from_str(&run.stdout).unwrap();
+    let line = run
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("backend: "))
+        .unwrap_or_else(|| panic!("no backend line: {run:?}"));
+    if !specter::backend::cuda::driver_library_present() {
+        assert_eq!(
+            line,
+            "backend: cpu (no CUDA driver: libcuda.so.1 not found)"
+        );
+    }
+    let backend = record["backend"].as_str().unwrap();
+    let reason = record["backend_reason"].as_str().unwrap();
+    assert_eq!(line, format!("backend: {backend} ({reason})"));
+    // A forced backend prints no such line.
+    let run = generate(&["--prompt-ids", "5", "--max-new-tokens", "1"]);
+    assert!(run.ok(), "{run:?}");
+    assert!(!run.stderr.contains("backend: "), "{run:?}");
 }
 
 #[test]
@@ -579,6 +621,8 @@ fn a_depth_profile_is_measured_used_and_refused_for_another_bundle() {
             "0,1,4".to_string(),
             "--repeats".to_string(),
             "1".to_string(),
+            "--backend".to_string(),
+            "cpu".to_string(),
         ],
     );
     assert!(run.ok(), "{run:?}");
@@ -842,4 +886,68 @@ fn an_unknown_load_io_method_is_a_clean_error() {
     ]);
     // Checked before any device is opened, so with or without a GPU.
     assert_clean_failure(&run, &["unknown load I/O method", "fast"]);
+}
+
+#[test]
+fn the_library_entry_point_streams_and_stops_when_told() {
+    use specter::generate::{generate, BackendChoice, GenerationHooks, GenerationRequest, Prompt};
+    let mut request = GenerationRequest::new(&converted().bundle, Prompt::Ids(vec![5, 6, 7]));
+    request.backend = BackendChoice::Cpu;
+    request.max_new_tokens = 12;
+    request.stop_at_eos = false;
+    request.depth = Some(4);
+    let full = generate(&request, GenerationHooks::default()).unwrap();
+    assert_eq!(full.tokens.len(), 12);
+    assert!(!full.stopped_by_caller);
+
+    // Stop after the third token: the speculative loop may have verified more in that round,
+    // but only what the caller saw is committed.
+    let mut seen = Vec::new();
+    let mut notes = Vec::new();
+    let mut on_tokens = |c: &specter::generate::Committed<'_>| {
+        seen.push(c.tokens.to_vec());
+        c.tokens.len() < 3
+    };
+    let mut on_note = |line: &str| notes.push(line.to_string());
+    let stopped = generate(
+        &request,
+        GenerationHooks {
+            on_note: Some(&mut on_note),
+            on_tokens: Some(&mut on_tokens),
+        },
+    )
+    .unwrap();
+    assert!(stopped.stopped_by_caller);
+    assert_eq!(stopped.tokens, full.tokens[..3]);
+    assert_eq!(stopped.stats.generated_tokens, 3);
+    assert_eq!(
+        seen,
+        vec![
+            full.tokens[..1].to_vec(),
+            full.tokens[..2].to_vec(),
+            full.tokens[..3].to_vec()
+        ]
+    );
+    // A forced backend is not announced.
+    assert!(
+        notes.iter().all(|n| !n.starts_with("backend:")),
+        "{notes:?}"
+    );
+    // The report serializes with the fields `generate --json` prints.
+    let json = serde_json::to_value(&stopped).unwrap();
+    for key in [
+        "bundle",
+        "architecture",
+        "backend",
+        "gpu",
+        "mode",
+        "startup",
+        "depth",
+        "prompt_tokens",
+        "tokens",
+        "text",
+        "stats",
+    ] {
+        assert!(json.get(key).is_some(), "no {key} in {json}");
+    }
 }

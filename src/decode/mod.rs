@@ -177,6 +177,22 @@ pub fn generate_observed<M: LanguageModel>(
     observer: &mut dyn DecodeObserver,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<GenerateOutput> {
+    generate_until(model, prompt, opts, observer, &mut |token| {
+        on_token(token);
+        true
+    })
+}
+
+/// [`generate_observed`] that the caller can stop: decoding ends after the token for which
+/// `on_token` returns false (a closed connection, a cancelled request), as if `max_new_tokens`
+/// had been reached there.
+pub fn generate_until<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    observer: &mut dyn DecodeObserver,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<GenerateOutput> {
     let info = model.info();
     validate_request(info, prompt, opts)?;
     let start = Instant::now();
@@ -269,8 +285,21 @@ pub fn generate_with_offload<M: LanguageModel>(
     simulator: &mut OffloadSimulator,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<GenerateOutput> {
-    simulator.check_model(model.info())?;
-    let mut output = generate_observed(model, prompt, opts, simulator, on_token)?;
+    simulate_offload(model.info(), simulator, |simulator| {
+        generate_observed(model, prompt, opts, simulator, on_token)
+    })
+}
+
+/// Runs `decode`, which must pass `simulator` to the decode loop as its observer (alone or
+/// wrapped, for instance under automatic depth), after checking that the simulator fits the
+/// model; reports the simulator's figures in `stats.offload`.
+pub fn simulate_offload(
+    info: &ModelInfo,
+    simulator: &mut OffloadSimulator,
+    decode: impl FnOnce(&mut OffloadSimulator) -> Result<GenerateOutput>,
+) -> Result<GenerateOutput> {
+    simulator.check_model(info)?;
+    let mut output = decode(simulator)?;
     if let Some(problem) = simulator.routing_error() {
         return Err(Error::Model(format!(
             "routing reported by the model: {problem}"
@@ -342,7 +371,8 @@ struct Commits<'a> {
     finished: bool,
     first: Option<Instant>,
     last: Option<Instant>,
-    on_token: &'a mut dyn FnMut(u32),
+    /// Returns false to end generation after this token.
+    on_token: &'a mut dyn FnMut(u32) -> bool,
 }
 
 impl Commits<'_> {
@@ -352,11 +382,11 @@ impl Commits<'_> {
             return false;
         }
         self.tokens.push(token);
-        (self.on_token)(token);
+        let keep_going = (self.on_token)(token);
         let now = Instant::now();
         self.first.get_or_insert(now);
         self.last = Some(now);
-        if self.tokens.len() >= self.max_new || self.eos.contains(&token) {
+        if !keep_going || self.tokens.len() >= self.max_new || self.eos.contains(&token) {
             self.finished = true;
         }
         true

@@ -1,0 +1,182 @@
+//! The smaller subcommands: `probe`, `profile`, `demo` and `doctor`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use specter::session::{BackendKind, Session, SessionOptions};
+use specter::with_session_model;
+
+use crate::args::{cuda_options_from_env, slot_policy, BackendArg, ProfileArgs};
+
+/// What `probe` reads its tokens from.
+pub struct ProbeInput {
+    pub prompt: Option<String>,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub calib: Option<PathBuf>,
+    pub max_tokens: usize,
+}
+
+pub fn probe(
+    path: PathBuf,
+    input: ProbeInput,
+    depth: usize,
+    backend: BackendArg,
+    json: bool,
+) -> Result<()> {
+    let mut opts = SessionOptions::new(crate::resolve_backend(backend));
+    opts.cuda = cuda_options_from_env()?;
+    let session = Session::open_with(&path, &opts)?;
+    let tokens = match (input.prompt, input.prompt_ids, input.calib) {
+        (Some(text), _, _) => session.encode(&text)?,
+        (None, Some(ids), _) => ids,
+        (None, None, Some(file)) => specter::probe::read_calibration_tokens(
+            &file,
+            session.tokenizer.as_ref(),
+            input.max_tokens,
+        )?,
+        (None, None, None) => {
+            bail!("give tokens to probe with --prompt, --prompt-ids or --calib FILE")
+        }
+    };
+    let probe_opts = specter::probe::ProbeOptions { window: depth };
+    let report = with_session_model!(session, |m| specter::probe::probe(m, &tokens, &probe_opts))?;
+    if json {
+        println!("{}", specter::probe::render_json(&report)?);
+    } else {
+        print!("{}", specter::probe::render_text(&report));
+    }
+    Ok(())
+}
+
+pub fn demo(
+    arch: String,
+    dir: Option<PathBuf>,
+    max_new_tokens: usize,
+    depth: usize,
+    backend: BackendArg,
+) -> Result<()> {
+    if depth == 0 {
+        bail!("--depth must be at least 1");
+    }
+    let temp;
+    let work_dir = match dir {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            dir
+        }
+        None => {
+            temp = tempfile::tempdir().context("creating a temporary directory")?;
+            temp.path().to_path_buf()
+        }
+    };
+    let opts = specter::demo::DemoOptions {
+        architecture: arch,
+        max_new_tokens,
+        depth,
+        backend: crate::resolve_backend(backend),
+        cuda: cuda_options_from_env()?,
+        ..Default::default()
+    };
+    println!(
+        "Specter demo: {} (random weights, so the tokens mean nothing; the mechanics are real)",
+        opts.architecture
+    );
+    specter::demo::run(&work_dir, &opts, &mut |line| println!("{line}"))?;
+    println!("done. Next: convert a real checkpoint with `specter-pack convert HF_DIR -o model.specter`.");
+    Ok(())
+}
+
+pub fn doctor(json: bool, device: usize, no_gpu: bool, work_dir: PathBuf) -> Result<()> {
+    let opts = specter::doctor::DoctorOptions {
+        device,
+        gpu: !no_gpu,
+        work_dir,
+        ..Default::default()
+    };
+    let report = specter::doctor::diagnose(&opts);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", specter::doctor::render_text(&report));
+    }
+    Ok(())
+}
+
+pub fn profile(args: ProfileArgs) -> Result<()> {
+    let backend = crate::resolve_backend(args.backend);
+    let mut opts = SessionOptions::new(backend);
+    opts.cuda = cuda_options_from_env()?;
+    if let Some(n) = args.resident_experts {
+        if backend != BackendKind::Cuda {
+            bail!(
+                "--resident-experts needs --backend cuda when profiling (real copies are measured)"
+            );
+        }
+        opts.offload = Some((n, slot_policy(args.policy)));
+    }
+    let mut report = {
+        let session = Session::open_with(&args.bundle, &opts)?;
+        specter::depth_profile::sweep(
+            &session,
+            &args.prompt_ids,
+            args.new_tokens,
+            &args.depths,
+            args.repeats,
+        )?
+    };
+    if let Some((resident, policy)) = opts.offload {
+        // Plain decoding with the draft's memory as slots: what auto depth falls back to.
+        let bundle = specter_format::Bundle::open(&args.bundle)?;
+        let experts = specter::arch::ArchConfig::from_config_json(bundle.hyperparameters_json())?
+            .moe
+            .num_experts;
+        let slots = match args.plain_experts {
+            Some(n) => n,
+            None => {
+                (resident + specter::depth_profile::draft_slot_equivalent(&bundle)?).min(experts)
+            }
+        };
+        drop(bundle);
+        let mut plain_opts = opts.clone();
+        plain_opts.with_draft = false;
+        plain_opts.offload = Some((slots, policy));
+        let session = Session::open_with(&args.bundle, &plain_opts)?;
+        let tpot_ms = specter::depth_profile::measure_plain(
+            &session,
+            &args.prompt_ids,
+            args.new_tokens,
+            args.repeats,
+        )?;
+        report.plain = Some(specter::depth_profile::PlainCandidate { slots, tpot_ms });
+    }
+    report.save(&args.output)?;
+    println!("depth  tpot_ms  acceptance");
+    for ((d, t), a) in report
+        .depths
+        .iter()
+        .zip(&report.tpot_ms)
+        .zip(&report.acceptance)
+    {
+        println!("{d:>5}  {t:>7.3}  {a:>10.3}");
+    }
+    if let Some(p) = &report.plain {
+        println!(
+            "plain, no draft, {} slots per layer: {:.3} ms",
+            p.slots, p.tpot_ms
+        );
+    }
+    match report.prefers_plain() {
+        Some(p) => println!(
+            "best: plain decoding without the draft at {} slots per layer, written to {}",
+            p.slots,
+            args.output.display()
+        ),
+        None => println!(
+            "best depth {} ({}), written to {}",
+            report.best_depth,
+            report.key.residency,
+            args.output.display()
+        ),
+    }
+    Ok(())
+}
