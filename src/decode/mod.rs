@@ -113,11 +113,6 @@ pub trait DecodeObserver: RouteHook {
     fn next_depth(&mut self, configured: usize) -> usize {
         configured
     }
-    /// Asked before every round after the first token: `true` ends generation there, with the
-    /// tokens committed so far (a server whose client went away, or whose stop string appeared).
-    fn should_stop(&mut self) -> bool {
-        false
-    }
 }
 
 /// Wraps a plain route hook as an observer that ignores phase boundaries.
@@ -466,7 +461,7 @@ fn decode_single<M: LanguageModel>(
     let mut token = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
     commits.push(token);
     observer.on_commit(0, 1);
-    while !commits.finished && !observer.should_stop() {
+    while !commits.finished {
         let logits = forward(model, variant, &[token], &mut kv, observer)?;
         token = chooser.choose(logits_row(&logits, 1, vocab, 0)?);
         counters.rounds += 1;
@@ -499,7 +494,7 @@ fn decode_speculative<M: LanguageModel>(
     let mut drafts: Vec<u32> = Vec::with_capacity(depth);
     let mut draft_dists: Vec<Vec<f64>> = Vec::with_capacity(depth);
     let mut verify_tokens: Vec<u32> = Vec::with_capacity(depth + 1);
-    while !commits.finished && !observer.should_stop() {
+    while !commits.finished {
         // A round commits at most K + 1 tokens; never draft past max_new_tokens (which also keeps
         // the verify pass inside the KV capacity).
         let k = observer
@@ -633,7 +628,7 @@ fn decode_separate_draft<M: LanguageModel>(
     let mut drafts: Vec<u32> = Vec::with_capacity(depth);
     let mut draft_dists: Vec<Vec<f64>> = Vec::with_capacity(depth);
     let mut verify_tokens: Vec<u32> = Vec::with_capacity(depth + 1);
-    while !commits.finished && !observer.should_stop() {
+    while !commits.finished {
         let k = observer
             .next_depth(depth)
             .min(depth)

@@ -3,10 +3,9 @@
 //! One model in memory, one generation at a time on the thread that owns it ([`worker`]);
 //! requests wait in a bounded FIFO queue (429 when it is full). Completions and chat completions
 //! ([`routes`], [`wire`]), chat messages rendered with the checkpoint's own template ([`chat`]),
-//! streaming as server-sent events with stop strings ([`text`]), and generations stopped between
-//! decode rounds when their client leaves or the server shuts down ([`cancel`]).
+//! streaming as server-sent events with stop strings ([`text`]), and generations stopped at the
+//! next committed token when their client leaves or the server shuts down ([`worker`]).
 
-mod cancel;
 mod chat;
 mod routes;
 mod text;

@@ -13,15 +13,11 @@ use std::time::Instant;
 use anyhow::{anyhow, Context, Result};
 use axum::http::StatusCode;
 use serde_json::{json, Value};
-use specter::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher};
-use specter::decode::{self, AutoDepth, GenerateOptions, GenerateOutput, Mode, Sampling};
-use specter::model::{LanguageModel, NoHook};
-use specter::offload::{OffloadSimulator, Policy, SimulatorConfig};
+use specter::decode::{GenerateOptions, GenerateOutput, Mode, Sampling};
+use specter::generate::{decode_on_session, AutoDepthStart, DecodePlan};
 use specter::session::{Session, SessionModel, SessionOptions};
-use specter::with_session_model;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::cancel::Stoppable;
 use super::text::TextTracker;
 use super::wire::{ApiError, Params, PromptInput, Usage, DEFAULT_CHAT_TOKENS_CAP};
 
@@ -451,9 +447,10 @@ fn tokenize(session: &Session, prompt: &PromptInput) -> Result<Vec<u32>, ApiErro
 }
 
 /// Decodes one request with the server's configuration: the backend, residency, mode and depth
-/// chosen on the command line, as `generate` does, stopping between rounds once `stop` says so.
-/// Returns the output and the request's expert-residency figures (hits, misses, bytes copied)
-/// where experts are offloaded or their offloading simulated.
+/// chosen on the command line, through the library's one decode entry point
+/// ([`decode_on_session`]), stopping after the token at which `stop` says so. Returns the output
+/// and the request's expert-residency figures (hits, misses, bytes copied) where experts are
+/// offloaded or their offloading simulated.
 fn run_generation(
     session: &Session,
     cfg: &DecodeConfig,
@@ -462,116 +459,27 @@ fn run_generation(
     stop: &dyn Fn() -> bool,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<(GenerateOutput, Option<Value>)> {
-    let simulate = match (&session.model, cfg.simulated_experts) {
-        (SessionModel::Cpu(_), Some(slots)) => Some(slots),
-        _ => None,
+    let simulated_slots = match &session.model {
+        SessionModel::Cpu(_) => cfg.simulated_experts,
+        SessionModel::Cuda(_) => None,
     };
-    // On the GPU with offloaded experts, the speculative modes prefetch what the draft forecasts.
-    let prefetch_model = match (&session.model, opts.mode.is_speculative()) {
-        (SessionModel::Cuda(m), true) if m.backend().offload_slots()?.is_some() => Some(m.as_ref()),
-        _ => None,
+    let plan = DecodePlan {
+        auto_depth: cfg.auto_depth.then(|| AutoDepthStart {
+            start: opts.depth,
+            seed: Vec::new(),
+        }),
+        simulated_slots,
+        copy_bandwidth: cfg.bandwidth_gbps * 1e9,
     };
     let gpu_before = match session.cuda() {
         Some(gpu) => gpu.offload_stats()?,
         None => None,
     };
-    let output = match (simulate, prefetch_model) {
-        (None, Some(m)) if opts.mode == Mode::SpecMoeOff => {
-            let mut prefetcher = FrequencyPrefetcher::new(m.backend(), m.info())?;
-            let out = decode::generate_observed(
-                m,
-                prompt,
-                opts,
-                &mut Stoppable::new(&mut prefetcher, stop),
-                on_token,
-            )?;
-            if let Some(e) = prefetcher.take_error() {
-                return Err(e.into());
-            }
-            out
-        }
-        (None, Some(m)) => {
-            let mut prefetcher =
-                CudaPrefetcher::new(m.backend(), m.info(), cfg.bandwidth_gbps * 1e9)?;
-            let out = if cfg.auto_depth {
-                let mut auto = AutoDepth::new(&mut prefetcher, opts.depth, opts.depth);
-                decode::generate_observed(
-                    m,
-                    prompt,
-                    opts,
-                    &mut Stoppable::new(&mut auto, stop),
-                    on_token,
-                )?
-            } else {
-                decode::generate_observed(
-                    m,
-                    prompt,
-                    opts,
-                    &mut Stoppable::new(&mut prefetcher, stop),
-                    on_token,
-                )?
-            };
-            if let Some(e) = prefetcher.take_error() {
-                return Err(e.into());
-            }
-            out
-        }
-        (None, None) => with_session_model!(session, |m| {
-            let mut quiet = NoHook;
-            if cfg.auto_depth {
-                let mut auto = AutoDepth::new(&mut quiet, opts.depth, opts.depth);
-                decode::generate_observed(
-                    m,
-                    prompt,
-                    opts,
-                    &mut Stoppable::new(&mut auto, stop),
-                    on_token,
-                )
-            } else {
-                decode::generate_observed(
-                    m,
-                    prompt,
-                    opts,
-                    &mut Stoppable::new(&mut quiet, stop),
-                    on_token,
-                )
-            }
-        })?,
-        (Some(slots), _) => {
-            let info = session.info();
-            let policy = if opts.mode.is_speculative() {
-                Policy::Specter
-            } else {
-                Policy::Lru
-            };
-            // Compute is not simulated on the CPU: the clock measures copy time only.
-            let mut sim = OffloadSimulator::new(SimulatorConfig::copies_only(
-                info,
-                slots,
-                policy,
-                cfg.bandwidth_gbps * 1e9,
-            ))?;
-            if opts.mode == Mode::SpecMoeOff {
-                sim = sim.with_frequency_prefetch(specter::offload::frequency_top_m(
-                    slots, info.top_k,
-                ))?;
-            }
-            let model = session.cpu_model()?;
-            sim.check_model(model.info())?;
-            let mut out = decode::generate_observed(
-                model,
-                prompt,
-                opts,
-                &mut Stoppable::new(&mut sim, stop),
-                on_token,
-            )?;
-            if let Some(problem) = sim.routing_error() {
-                return Err(anyhow!("routing reported by the model: {problem}"));
-            }
-            out.stats.offload = Some(sim.stats());
-            out
-        }
-    };
+    let output = decode_on_session(session, prompt, opts, &plan, &mut |t| {
+        on_token(t);
+        !stop()
+    })?
+    .output;
     let experts = if let Some(o) = &output.stats.offload {
         Some(json!({
             "simulated": true,
