@@ -252,20 +252,11 @@ pub struct StartupReport {
     pub first_token_ms: Option<f64>,
 }
 
-/// The decode loop's figures (see [`decode::GenerateStats`]).
+/// The decode loop's figures, and the CPU simulation of expert copies when it ran.
 #[derive(Clone, Debug, Serialize)]
 pub struct StatsReport {
-    pub prompt_tokens: usize,
-    pub generated_tokens: usize,
-    pub rounds: usize,
-    pub drafted: usize,
-    pub accepted: usize,
-    pub acceptance_rate: f64,
-    pub mean_accepted_per_round: f64,
-    pub ttft_ms: f64,
-    pub tpot_ms: f64,
-    pub total_ms: f64,
-    /// The CPU simulation of expert copies, when it ran.
+    #[serde(flatten)]
+    pub decode: decode::GenerateStats,
     pub cache: Option<SimulatedCacheReport>,
 }
 
@@ -488,16 +479,7 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
         per_layer_misses: o.layer_misses.clone(),
     });
     let stats = StatsReport {
-        prompt_tokens: s.prompt_tokens,
-        generated_tokens: s.generated_tokens,
-        rounds: s.rounds,
-        drafted: s.drafted,
-        accepted: s.accepted,
-        acceptance_rate: s.acceptance_rate,
-        mean_accepted_per_round: s.mean_accepted_per_round,
-        ttft_ms: s.ttft_ms,
-        tpot_ms: s.tpot_ms,
-        total_ms: s.total_ms,
+        decode: s.clone(),
         cache,
     };
     Ok(GenerationReport {

@@ -111,7 +111,7 @@ fn print_new(text: &str, printed: &mut String) {
 /// One bracketed line: tokens, TTFT, TPOT, and acceptance and expert-cache figures where they
 /// apply.
 fn summary(report: &GenerationReport) -> String {
-    let s = &report.stats;
+    let s = &report.stats.decode;
     let mut line = format!(
         "[{} tokens, TTFT {:.1} ms, TPOT {:.2} ms",
         s.generated_tokens, s.ttft_ms, s.tpot_ms
@@ -125,7 +125,7 @@ fn summary(report: &GenerationReport) -> String {
             s.mean_accepted_per_round
         );
     }
-    if let Some(o) = &s.cache {
+    if let Some(o) = &report.stats.cache {
         line += &format!(
             ", experts: {} hits / {} misses, {} prefetched ({} used), {:.1} MB moved",
             o.hits,

@@ -919,7 +919,7 @@ fn the_library_entry_point_streams_and_stops_when_told() {
     .unwrap();
     assert!(stopped.stopped_by_caller);
     assert_eq!(stopped.tokens, full.tokens[..3]);
-    assert_eq!(stopped.stats.generated_tokens, 3);
+    assert_eq!(stopped.stats.decode.generated_tokens, 3);
     assert_eq!(
         seen,
         vec![

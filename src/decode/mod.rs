@@ -63,7 +63,7 @@ pub struct GenerateOptions {
     pub stop_at_eos: bool,
 }
 
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct GenerateStats {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
@@ -83,7 +83,9 @@ pub struct GenerateStats {
     /// `(t_last_commit - t_first_commit) / (generated_tokens - 1)` (0 below two tokens).
     pub tpot_ms: f64,
     pub total_ms: f64,
-    /// Expert residency figures when decoding ran under an [`OffloadSimulator`].
+    /// Expert residency figures when decoding ran under an [`OffloadSimulator`] (reported
+    /// apart, so not serialized with the rest).
+    #[serde(skip)]
     pub offload: Option<OffloadStats>,
 }
 
