@@ -23,9 +23,9 @@ use serde::Serialize;
 use crate::backend::cuda::CudaOptions;
 use crate::decode::{GenerateOptions, GenerateOutput, Mode, Sampling, SPECMOEOFF_DEPTH};
 use crate::depth_profile::{DepthProfile, PlainCandidate};
-use crate::generate::{decode_on_session, AutoDepthStart, DecodePlan};
 use crate::offload::Policy;
 use crate::session::{BackendKind, Session, SessionOptions};
+use crate::strategy::{decode_on_session, AutoDepthStart, DecodePlan};
 use crate::{Error, Result};
 
 /// A protocol case: draft depth and experts per layer in VRAM.

@@ -11,10 +11,10 @@ use specter_format::Bundle;
 use crate::arch::{expected_tensors, ArchConfig};
 use crate::backend::cuda::CudaOptions;
 use crate::decode::{GenerateOptions, Mode, Sampling};
-use crate::generate::{decode_on_session, DecodePlan, DEFAULT_COPY_BANDWIDTH};
 use crate::offload::Policy;
 use crate::pack::{convert, ConvertOptions, Silent};
 use crate::session::{BackendKind, Session, SessionOptions};
+use crate::strategy::{decode_on_session, DecodePlan, DEFAULT_COPY_BANDWIDTH};
 use crate::{synth, Error, Result};
 
 #[derive(Clone, Debug)]

@@ -17,8 +17,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::decode::{GenerateOptions, Mode, Sampling};
-use crate::generate::{decode_on_session, DecodePlan};
 use crate::session::Session;
+use crate::strategy::{decode_on_session, DecodePlan};
 use crate::{Error, Result};
 
 /// What a profile was measured on.

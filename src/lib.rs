@@ -25,6 +25,7 @@ pub mod probe;
 pub mod quant;
 pub mod session;
 pub mod startup;
+pub mod strategy;
 pub mod synth;
 pub mod verify_mode;
 pub mod weights;

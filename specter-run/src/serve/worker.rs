@@ -14,8 +14,8 @@ use anyhow::{anyhow, Context, Result};
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 use specter::decode::{GenerateOptions, GenerateOutput, Mode, Sampling};
-use specter::generate::{decode_on_session, AutoDepthStart, DecodePlan};
 use specter::session::{Session, SessionModel, SessionOptions};
+use specter::strategy::{decode_on_session, AutoDepthStart, DecodePlan};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::text::TextTracker;
