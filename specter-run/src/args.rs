@@ -163,7 +163,8 @@ pub struct BenchArgs {
     pub case: String,
     /// Comma-separated modes: resident, lru, ondemand, specter, auto, specmoeoff (the
     /// SpecMoEOff-style baseline: the INT4 draft with its own KV cache, K = 3, route-frequency
-    /// Top-M prefetch, the case's SpecMoEOff residency).
+    /// Top-M prefetch, the case's SpecMoEOff residency), hybrid and specter-hybrid (lru and
+    /// specter with part of the missing experts computed on host threads; `--host-threads`).
     #[arg(
         long,
         value_delimiter = ',',
