@@ -65,7 +65,8 @@ fn main() -> anyhow::Result<()> {
                 let start = Instant::now();
                 for e in 0..EXPERTS {
                     let w = ExpertWeights {
-                        gate_up: &gate_up[e],
+                        gate: &gate_up[e][..INTER * HIDDEN],
+                        up: &gate_up[e][INTER * HIDDEN..],
                         down: &down[e],
                         hidden: HIDDEN,
                         inter: INTER,

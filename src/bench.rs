@@ -115,6 +115,10 @@ pub enum BenchMode {
     Specter,
     Auto,
     SpecMoeOff,
+    /// lru's residency with the host path: part of the misses computed on host threads.
+    Hybrid,
+    /// specter's residency and depth with the host path.
+    SpecterHybrid,
 }
 
 impl BenchMode {
@@ -126,9 +130,11 @@ impl BenchMode {
             "specter" => BenchMode::Specter,
             "auto" => BenchMode::Auto,
             "specmoeoff" => BenchMode::SpecMoeOff,
+            "hybrid" => BenchMode::Hybrid,
+            "specter-hybrid" => BenchMode::SpecterHybrid,
             other => {
                 return Err(Error::Request(format!(
-                    "unknown mode {other:?} (resident, lru, ondemand, specter, auto, specmoeoff)"
+                    "unknown mode {other:?} (resident, lru, ondemand, specter, auto, specmoeoff, hybrid, specter-hybrid)"
                 )))
             }
         })
@@ -142,15 +148,22 @@ impl BenchMode {
             BenchMode::Specter => "specter",
             BenchMode::Auto => "auto",
             BenchMode::SpecMoeOff => "specmoeoff",
+            BenchMode::Hybrid => "hybrid",
+            BenchMode::SpecterHybrid => "specter-hybrid",
         }
+    }
+
+    /// Whether this mode computes part of the missing experts on the host.
+    fn hybrid(self) -> bool {
+        matches!(self, BenchMode::Hybrid | BenchMode::SpecterHybrid)
     }
 
     /// The draft depth this mode runs at in `case`: the case's, SpecMoEOff's fixed K = 3, or
     /// none for target-only modes.
     pub fn depth(self, case: &BenchCase) -> Option<usize> {
         match self {
-            BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand => None,
-            BenchMode::Specter | BenchMode::Auto => Some(case.depth),
+            BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand | BenchMode::Hybrid => None,
+            BenchMode::Specter | BenchMode::Auto | BenchMode::SpecterHybrid => Some(case.depth),
             BenchMode::SpecMoeOff => Some(SPECMOEOFF_DEPTH),
         }
     }
@@ -158,7 +171,7 @@ impl BenchMode {
     fn target_only(self) -> bool {
         matches!(
             self,
-            BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand
+            BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand | BenchMode::Hybrid
         )
     }
 }
@@ -298,7 +311,7 @@ pub fn run(
         if let Some(m) = opts
             .modes
             .iter()
-            .find(|m| matches!(m, BenchMode::Lru | BenchMode::Ondemand))
+            .find(|m| m.hybrid() || matches!(m, BenchMode::Lru | BenchMode::Ondemand))
         {
             return Err(Error::Request(format!(
                 "mode {} copies experts into VRAM and needs --backend cuda",
@@ -319,18 +332,30 @@ pub fn run(
         let mut session_opts = SessionOptions::new(opts.backend);
         session_opts.with_draft = !mode.target_only();
         session_opts.cuda = opts.cuda.clone();
+        // Only the hybrid modes take the host path (with `--host-threads`, else every core).
+        session_opts.cuda.host_experts =
+            match mode.hybrid() {
+                true => Some(opts.cuda.host_experts.unwrap_or_else(|| {
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                })),
+                false => None,
+            };
         let mut resident = match (mode, opts.backend) {
             (_, BackendKind::Cpu) | (BenchMode::Resident, _) => None,
-            (BenchMode::Lru, _) => Some((opts.case.matched, Policy::Lru)),
+            (BenchMode::Lru | BenchMode::Hybrid, _) => Some((opts.case.matched, Policy::Lru)),
             (BenchMode::Ondemand, _) => Some((opts.case.matched, Policy::OnDemand)),
-            (BenchMode::Specter | BenchMode::Auto, _) => Some((opts.case.resident, Policy::Lru)),
+            (BenchMode::Specter | BenchMode::Auto | BenchMode::SpecterHybrid, _) => {
+                Some((opts.case.resident, Policy::Lru))
+            }
             (BenchMode::SpecMoeOff, _) => Some((opts.case.specmoeoff, Policy::Lru)),
         };
         session_opts.offload = resident;
         let mut gen = GenerateOptions {
             mode: match mode {
-                BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand => Mode::Target,
-                BenchMode::Specter | BenchMode::Auto => Mode::Specter,
+                BenchMode::Resident | BenchMode::Lru | BenchMode::Ondemand | BenchMode::Hybrid => {
+                    Mode::Target
+                }
+                BenchMode::Specter | BenchMode::Auto | BenchMode::SpecterHybrid => Mode::Specter,
                 BenchMode::SpecMoeOff => Mode::SpecMoeOff,
             },
             max_new_tokens: opts.new_tokens,

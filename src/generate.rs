@@ -16,7 +16,7 @@ use crate::backend::cuda::{
 };
 use crate::decode::{self, AutoDepthReport, GenerateOptions, Mode, Sampling};
 use crate::depth_profile::DepthProfile;
-use crate::offload::Policy;
+use crate::offload::{OffloadStats, Policy};
 use crate::session::{BackendKind, Session, SessionOptions};
 use crate::startup::since_start_ms;
 pub use crate::strategy::{
@@ -282,29 +282,18 @@ pub struct GpuReport {
     pub offload: Option<GpuOffloadReport>,
 }
 
-/// Real expert copies into VRAM slots.
+/// Real expert copies into VRAM slots (and, with the hybrid path, experts computed on the host):
+/// the cache's counters and the rates derived from them.
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuOffloadReport {
-    pub policy: String,
-    pub path: String,
-    pub slots_per_layer: usize,
-    pub slot_vram_bytes: usize,
-    pub hits: u64,
-    pub misses: u64,
+    #[serde(flatten)]
+    pub stats: OffloadStats,
     pub hit_rate: f64,
-    pub bytes_copied: u64,
-    pub copy_seconds: f64,
     pub copy_gbps: f64,
-    pub prefetched: u64,
-    pub prefetch_used: u64,
     pub prefetch_precision: f64,
     pub prefetch_recall: f64,
-    pub prefetch_bytes: u64,
-    pub prefetch_copy_seconds: f64,
-    pub prefetch_hidden_seconds: f64,
     /// Mean time of one draft step as the prefetch schedule measured it.
     pub draft_step_ms: Option<f64>,
-    pub registration_seconds: f64,
 }
 
 /// Runs `req`: the backend resolved, the session opened in the requested residency, the prompt
@@ -514,21 +503,8 @@ fn gpu_report(session: &Session, draft_step_ms: Option<f64>) -> Result<Option<Gp
         copy_gbps: o.copy_bandwidth() / 1e9,
         prefetch_precision: o.prefetch_precision(),
         prefetch_recall: o.prefetch_recall(),
-        policy: o.policy,
-        path: o.path,
-        slots_per_layer: o.slots_per_layer,
-        slot_vram_bytes: o.slot_vram_bytes,
-        hits: o.hits,
-        misses: o.misses,
-        bytes_copied: o.bytes_copied,
-        copy_seconds: o.copy_seconds,
-        prefetched: o.prefetched,
-        prefetch_used: o.prefetch_used,
-        prefetch_bytes: o.prefetch_bytes,
-        prefetch_copy_seconds: o.prefetch_copy_seconds,
-        prefetch_hidden_seconds: o.prefetch_hidden_seconds,
         draft_step_ms,
-        registration_seconds: o.registration_seconds,
+        stats: o,
     });
     Ok(Some(GpuReport {
         device: g.device().name().to_string(),

@@ -15,7 +15,8 @@ use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
-    CudaBackend, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostPath, OffloadConfig,
+    CudaBackend, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostExpertsConfig, HostPath,
+    OffloadConfig,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook};
@@ -74,19 +75,38 @@ fn every_fixture_every_residency(speculative: bool) {
             ("resident, recorded passes".into(), None),
             ("resident, op by op".into(), None),
         ];
-        for (policy, slots, host_path) in [
-            (Policy::Lru, 2, HostPath::Auto),
-            (Policy::OnDemand, experts / 2, HostPath::Auto),
-            (Policy::Lru, 3, HostPath::PinnedStaging),
+        // The hybrid path: the split starts half and half, or (a link a billion times slower than
+        // the host) sends every miss to the host.
+        let half = HostExpertsConfig {
+            threads: 2,
+            link_bytes_per_s: 50e9,
+            host_bytes_per_s: 50e9,
+        };
+        let all = HostExpertsConfig {
+            link_bytes_per_s: 50.0,
+            ..half
+        };
+        for (policy, slots, host_path, host_experts) in [
+            (Policy::Lru, 2, HostPath::Auto, None),
+            (Policy::OnDemand, experts / 2, HostPath::Auto, None),
+            (Policy::Lru, 3, HostPath::PinnedStaging, None),
+            (Policy::Lru, 2, HostPath::Auto, Some(half)),
+            (Policy::Lru, 1, HostPath::Auto, Some(all)),
         ] {
+            let hybrid = match host_experts {
+                Some(h) if h.link_bytes_per_s < 1e3 => ", every miss on the host",
+                Some(_) => ", misses split with the host",
+                None => "",
+            };
             variants.push((
-                format!("{} {slots} slots {host_path:?}", policy.name()),
+                format!("{} {slots} slots {host_path:?}{hybrid}", policy.name()),
                 Some(OffloadConfig {
                     bundle: bundle.clone(),
                     config: fixture.cfg.clone(),
                     slots_per_layer: slots,
                     policy,
                     host_path,
+                    host_experts,
                 }),
             ));
         }
@@ -168,6 +188,17 @@ fn every_fixture_every_residency(speculative: bool) {
                     }
                 }
             }
+            if label.contains("host") {
+                let stats = gpu.backend().offload_stats().unwrap().expect("offloaded");
+                eprintln!(
+                    "{name} {label}: {} experts on the host, {} hits, {} copied",
+                    stats.host_experts, stats.hits, stats.misses
+                );
+                assert!(
+                    stats.host_experts > 0,
+                    "{name} ({label}): no expert ran on the host"
+                );
+            }
             let graphs = gpu.backend().step_graph_stats().unwrap();
             eprintln!("{name} {label}: {graphs:?}");
             assert_eq!(graphs.failures, 0, "{name} ({label}): a capture failed");
@@ -196,8 +227,8 @@ fn every_fixture_every_residency(speculative: bool) {
                     );
                 }
                 assert!(
-                    stats.misses > 0,
-                    "{name} ({label}): nothing was ever copied"
+                    stats.misses + stats.host_experts > 0,
+                    "{name} ({label}): no expert was ever copied in or computed on the host"
                 );
             }
         }
@@ -221,6 +252,7 @@ fn impossible_residency_is_a_clear_error() {
             slots_per_layer: slots,
             policy: Policy::Lru,
             host_path: HostPath::Auto,
+            host_experts: None,
         };
         match CudaBackend::with_device(device.clone(), Some(cfg), &CudaOptions::default()) {
             Err(e) => assert!(e.to_string().contains("--resident-experts"), "{e}"),

@@ -48,7 +48,8 @@ fn host_expert_kernel_has_the_gpu_kernels_bits() {
                 .expect("upload"),
         };
         let w = ExpertWeights {
-            gate_up: &gate_up,
+            gate: &gate_up[..inter * hidden],
+            up: &gate_up[inter * hidden..],
             down: &down,
             hidden,
             inter,

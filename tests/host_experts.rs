@@ -48,7 +48,8 @@ fn avx2_and_portable_paths_give_the_same_bits() {
     for (hidden, inter) in SHAPES {
         let (gate_up, down) = random_expert(&mut rng, hidden, inter);
         let w = ExpertWeights {
-            gate_up: &gate_up,
+            gate: &gate_up[..inter * hidden],
+            up: &gate_up[inter * hidden..],
             down: &down,
             hidden,
             inter,
@@ -86,7 +87,8 @@ fn the_expert_ffn_matches_an_f64_reference() {
     for (hidden, inter) in [(128, 48), (256, 104), (100, 52)] {
         let (gate_up, down) = random_expert(&mut rng, hidden, inter);
         let w = ExpertWeights {
-            gate_up: &gate_up,
+            gate: &gate_up[..inter * hidden],
+            up: &gate_up[inter * hidden..],
             down: &down,
             hidden,
             inter,
@@ -139,7 +141,8 @@ fn bad_settings_and_shapes_are_refused() {
     let gate_up = vec![f16::ZERO; 2 * 8 * 16];
     let down = vec![f16::ZERO; 16 * 8];
     let w = ExpertWeights {
-        gate_up: &gate_up[1..],
+        gate: &gate_up[1..128],
+        up: &gate_up[128..],
         down: &down,
         hidden: 16,
         inter: 8,
@@ -147,7 +150,7 @@ fn bad_settings_and_shapes_are_refused() {
     let mut out = vec![0.0; 16];
     assert!(kernel.expert(&w, &[0.0; 16], &[1.0], &mut out).is_err());
     let w = ExpertWeights {
-        gate_up: &gate_up,
+        gate: &gate_up[..128],
         ..w
     };
     assert!(kernel.expert(&w, &[0.0; 15], &[1.0], &mut out).is_err());

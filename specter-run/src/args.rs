@@ -73,6 +73,8 @@ pub struct GenerateArgs {
     /// the first token, instead of copying through pinned staging until it finishes.
     #[arg(long)]
     pub wait_registration: bool,
+    #[command(flatten)]
+    pub hybrid: HybridArgs,
     /// Host-to-device bandwidth the CPU simulation of expert copies assumes (GB/s); on CUDA, the
     /// first estimate the prefetch schedule uses.
     #[arg(long, default_value_t = specter::generate::DEFAULT_COPY_BANDWIDTH / 1e9)]
@@ -100,6 +102,58 @@ pub struct GenerateArgs {
     pub verify: VerifyArg,
 }
 
+/// The host path for cold experts (CUDA with offloaded experts).
+#[derive(clap::Args, Clone, Debug)]
+pub struct HybridArgs {
+    /// auto: compute part of the missing experts on host threads from the bundle's mapping while
+    /// the rest are copied (the split follows both paths' measured rates); off: copy every miss.
+    #[arg(long, value_enum, default_value_t = HostExpertsArg::Off)]
+    pub host_experts: HostExpertsArg,
+    /// Host threads of the host path (default: every core).
+    #[arg(long)]
+    pub host_threads: Option<usize>,
+    /// The link's rate in GB/s that the split starts from (default 54, a PCIe 5.0 x16 link's
+    /// pinned copies; 25 for PCIe 4.0 x16).
+    #[arg(long, value_parser = positive_gbps)]
+    pub link_gbps: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HostExpertsArg {
+    Auto,
+    Off,
+}
+
+fn positive_gbps(text: &str) -> std::result::Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{text:?} is not a positive number of GB/s")),
+    }
+}
+
+impl HybridArgs {
+    /// Sets the host path in `cuda` as these arguments ask.
+    pub fn apply(&self, cuda: &mut CudaOptions) -> Result<()> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let Some(t) = self.host_threads {
+            if t == 0 || t > cores {
+                bail!("--host-threads {t}: this machine has {cores} cores (use 1 to {cores})");
+            }
+            if self.host_experts == HostExpertsArg::Off {
+                bail!("--host-threads needs --host-experts auto");
+            }
+        }
+        if let Some(gbps) = self.link_gbps {
+            cuda.link_bytes_per_s = gbps * 1e9;
+        }
+        cuda.host_experts = match self.host_experts {
+            HostExpertsArg::Auto => Some(self.host_threads.unwrap_or(cores)),
+            HostExpertsArg::Off => None,
+        };
+        Ok(())
+    }
+}
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     pub bundle: PathBuf,
@@ -109,7 +163,8 @@ pub struct BenchArgs {
     pub case: String,
     /// Comma-separated modes: resident, lru, ondemand, specter, auto, specmoeoff (the
     /// SpecMoEOff-style baseline: the INT4 draft with its own KV cache, K = 3, route-frequency
-    /// Top-M prefetch, the case's SpecMoEOff residency).
+    /// Top-M prefetch, the case's SpecMoEOff residency), hybrid and specter-hybrid (lru and
+    /// specter with part of the missing experts computed on host threads; `--host-threads`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -150,6 +205,8 @@ pub struct BenchArgs {
     /// Write an SVG bar chart of mean TPOT per mode here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub hybrid: HybridArgs,
 }
 
 #[derive(clap::Args)]

@@ -127,7 +127,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         prompts,
         new_tokens: args.new_tokens,
         repeats: args.repeats,
-        cuda: cuda_options_from_env()?,
+        cuda: {
+            let mut cuda = cuda_options_from_env()?;
+            args.hybrid.apply(&mut cuda)?;
+            cuda
+        },
     };
     let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
         Some(bar) => {

@@ -19,6 +19,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     if args.pinned_staging {
         cuda.host_path = HostPath::PinnedStaging;
     }
+    args.hybrid.apply(&mut cuda)?;
     let prompt = match (args.prompt, args.prompt_ids) {
         (Some(text), _) => Prompt::Text(text),
         (None, Some(ids)) => Prompt::Ids(ids),

@@ -44,11 +44,12 @@ impl KernelPath {
     }
 }
 
-/// One routed expert's FP16 weights: `gate_up` is `[2 * inter, hidden]` (gate rows, then up
-/// rows), `down` is `[hidden, inter]`.
+/// One routed expert's FP16 weights: `gate` and `up` are `[inter, hidden]`, `down` is
+/// `[hidden, inter]` (row-major, as in the bundle).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights<'a> {
-    pub gate_up: &'a [f16],
+    pub gate: &'a [f16],
+    pub up: &'a [f16],
     pub down: &'a [f16],
     pub hidden: usize,
     pub inter: usize,
@@ -56,16 +57,17 @@ pub struct ExpertWeights<'a> {
 
 impl ExpertWeights<'_> {
     fn check(&self) -> Result<()> {
-        if self.gate_up.len() != 2 * self.inter * self.hidden
+        if self.gate.len() != self.inter * self.hidden
+            || self.up.len() != self.inter * self.hidden
             || self.down.len() != self.hidden * self.inter
             || self.hidden == 0
             || self.inter == 0
         {
             return Err(Error::Request(format!(
-                "host expert: gate/up has {} and down {} halves, expected {} and {} for hidden {} and inter {}",
-                self.gate_up.len(),
+                "host expert: gate, up and down have {}, {} and {} halves, expected {} each for hidden {} and inter {}",
+                self.gate.len(),
+                self.up.len(),
                 self.down.len(),
-                2 * self.inter * self.hidden,
                 self.hidden * self.inter,
                 self.hidden,
                 self.inter
@@ -161,8 +163,8 @@ impl HostExperts {
                     let mut gate = vec![0.0; rows];
                     let mut up = vec![0.0; rows];
                     for j in lo..hi {
-                        let wg = &w.gate_up[j * hidden..(j + 1) * hidden];
-                        let wu = &w.gate_up[(inter + j) * hidden..(inter + j + 1) * hidden];
+                        let wg = &w.gate[j * hidden..(j + 1) * hidden];
+                        let wu = &w.up[j * hidden..(j + 1) * hidden];
                         dots(path, wg, &xt, &xs, &mut gate);
                         dots(path, wu, &xt, &xs, &mut up);
                         col.extend(gate.iter().zip(&up).map(|(&g, &u)| activation::silu(g) * u));

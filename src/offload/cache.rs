@@ -101,13 +101,23 @@ pub struct Load {
     pub evicted: Option<Evicted>,
 }
 
+/// A needed expert that is not resident and that the caller computes outside the slots (on the
+/// host): it takes no slot and changes no recency.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Elsewhere {
+    /// Its position in the list given to [`ExpertCache::serve_split`].
+    pub index: usize,
+    pub expert: u32,
+}
+
 /// One round of a pass's layer: experts served from their slots, then experts to copy in first.
 /// A pass needing more experts than the layer has slots runs in several rounds; the slots a round
-/// uses are not reused within it.
+/// uses are not reused within it. The first round also lists the misses served elsewhere.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Round {
     pub hits: Vec<Hit>,
     pub loads: Vec<Load>,
+    pub elsewhere: Vec<Elsewhere>,
 }
 
 /// Per MoE layer: which expert each slot holds and the slot's marks.
@@ -324,6 +334,20 @@ impl ExpertCache {
     /// a free slot, else the least recently used one; a planned slot only when no other is left.
     /// Counts hits, misses, prefetches used and wasted.
     pub fn serve(&mut self, layer: usize, experts: &[u32]) -> Result<Vec<Round>> {
+        self.serve_split(layer, experts, &[], 0)
+    }
+
+    /// As [`Self::serve`], with up to `elsewhere` of the misses left to the caller to compute
+    /// outside the slots: those used by the fewest rows (`rows[i]` for `experts[i]`; the later
+    /// expert on ties), so the experts many rows share get slots. They are counted as
+    /// `host_experts`, not as misses.
+    pub fn serve_split(
+        &mut self,
+        layer: usize,
+        experts: &[u32],
+        rows: &[u32],
+        elsewhere: usize,
+    ) -> Result<Vec<Round>> {
         let num_experts = self.config.num_experts;
         if let Some(&bad) = experts.iter().find(|&&e| e as usize >= num_experts) {
             return Err(Error::Request(format!(
@@ -341,6 +365,25 @@ impl ExpertCache {
         }
         let mut rounds = Vec::new();
         let mut pending: Vec<usize> = (0..experts.len()).collect();
+        let mut away = Vec::new();
+        if elsewhere > 0 {
+            let mut misses: Vec<usize> = pending
+                .iter()
+                .copied()
+                .filter(|&i| state.expert_slot[experts[i] as usize].is_none())
+                .collect();
+            misses.sort_by_key(|&i| (rows.get(i).copied().unwrap_or(1), std::cmp::Reverse(i)));
+            misses.truncate(elsewhere);
+            misses.sort_unstable();
+            pending.retain(|i| misses.binary_search(i).is_err());
+            away = misses
+                .into_iter()
+                .map(|index| Elsewhere {
+                    index,
+                    expert: experts[index],
+                })
+                .collect();
+        }
         let (mut used_prefetches, mut planned_hits, mut wasted) = (0u64, 0u64, 0u64);
         while !pending.is_empty() {
             tick += 1;
@@ -390,10 +433,19 @@ impl ExpertCache {
             pending = deferred;
             rounds.push(round);
         }
+        if !away.is_empty() {
+            if rounds.is_empty() {
+                rounds.push(Round::default());
+            }
+            rounds[0].elsewhere = away;
+        }
         self.tick = tick;
         let hits: u64 = rounds.iter().map(|r| r.hits.len() as u64).sum();
         let misses: u64 = rounds.iter().map(|r| r.loads.len() as u64).sum();
+        let host = rounds.first().map_or(0, |r| r.elsewhere.len() as u64);
         let s = &mut self.stats;
+        s.host_experts += host;
+        s.host_bytes += host * self.config.expert_bytes as u64;
         s.lookups += experts.len() as u64;
         s.hits += hits;
         s.misses += misses;

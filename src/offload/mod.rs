@@ -5,14 +5,16 @@
 //! and stalls under a given bandwidth can be measured on the CPU.
 
 mod cache;
+mod placement;
 mod planner;
 mod simulator;
 mod stats;
 mod transfer;
 
 pub use cache::{
-    Evicted, ExpertCache, Hit, InitialResidency, Load, Policy, ResidencyConfig, Round,
+    Elsewhere, Evicted, ExpertCache, Hit, InitialResidency, Load, Policy, ResidencyConfig, Round,
 };
+pub use placement::HostSplit;
 pub use planner::{frequency_top_m, Plan, Planner, FREQUENCY_STEPS};
 pub use simulator::{ComputeModel, OffloadSimulator, SimulatorConfig};
 pub use stats::OffloadStats;

@@ -42,6 +42,12 @@ pub struct OffloadStats {
     /// Seconds the background registration of the expert sections took (0 until it is done, and
     /// without registration); copies go through staging until then.
     pub registration_seconds: f64,
+    /// Needed experts computed on the host instead of copied in (not counted as misses), and
+    /// the expert bytes the host read for them.
+    pub host_experts: u64,
+    pub host_bytes: u64,
+    /// Wall-clock seconds of host expert work (inputs down, compute, outputs up).
+    pub host_seconds: f64,
     /// Target-pass hits and misses per MoE layer.
     pub layer_hits: Vec<u64>,
     pub layer_misses: Vec<u64>,

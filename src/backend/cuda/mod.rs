@@ -43,7 +43,7 @@ pub use nvrtc::{
 };
 pub use options::CudaOptions;
 pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
-pub use slots::{HostPath, OffloadConfig};
+pub use slots::{HostExpertsConfig, HostPath, OffloadConfig};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

@@ -255,7 +255,7 @@ impl CudaBackend {
         };
         match &first.gate_up {
             GpuWeight::Offloaded { layer, .. } => {
-                self.run_offloaded(*layer, &plan, &mut launch)?;
+                self.run_offloaded(*layer, &plan, x, &mut launch)?;
             }
             _ => {
                 let mut groups = Vec::with_capacity(plan.hit.len());
@@ -599,9 +599,18 @@ impl CudaBackend {
         self.int4.launch(&self.stream, l)
     }
 
-    /// Runs the routed experts of one offloaded layer in the rounds the cache policy decides:
-    /// each round's resident experts from their slots, then the experts copied in for it.
-    fn run_offloaded(&self, layer: usize, plan: &MoePlan, launch: &mut MoeLaunch) -> Result<()> {
+    /// Runs the routed experts of one offloaded layer as the cache policy decides: each round's
+    /// resident experts from their slots, then the experts copied in for it; and, with the host
+    /// path, the misses it leaves to the host, computed by the host kernel from `x` while the GPU
+    /// works, their outputs copied into `out`'s items before the combine. The host kernel has the
+    /// GPU kernel's bits, so the placement changes no output.
+    fn run_offloaded(
+        &self,
+        layer: usize,
+        plan: &MoePlan,
+        x: &GpuAct,
+        launch: &mut MoeLaunch,
+    ) -> Result<()> {
         let o = self
             .offload
             .as_ref()
@@ -609,20 +618,86 @@ impl CudaBackend {
         let mut slots = self.lock(o)?;
         let stream = self.stream.clone();
         let down_offset = 2 * slots.matrix_bytes() as u64;
-        for round in slots.serve(layer, &plan.hit)? {
-            if !round.hits.is_empty() {
-                let ptrs = slots.hit_slots(layer, &round.hits, &stream)?;
-                let groups: Vec<usize> = round.hits.iter().map(|h| h.index).collect();
-                self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+        let rows: Vec<u32> = (0..plan.hit.len()).map(|g| plan.range(g).1).collect();
+        let rounds = slots.serve(layer, &plan.hit, &rows)?;
+        let elsewhere = rounds
+            .first()
+            .map(|r| r.elsewhere.clone())
+            .unwrap_or_default();
+        let host_job = match (elsewhere.is_empty(), slots.host_kernel()) {
+            (true, _) => None,
+            (false, None) => {
+                return Err(Error::Backend(
+                    "the cache left experts to the host, but no host kernel runs".into(),
+                ))
             }
-            if !round.loads.is_empty() {
-                let ptrs = slots.load_slots(layer, &round.loads, &stream)?;
-                let groups: Vec<usize> = round.loads.iter().map(|l| l.index).collect();
-                self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+            (false, Some(kernel)) => {
+                let started = std::time::Instant::now();
+                let experts = elsewhere
+                    .iter()
+                    .map(|e| Ok((e.index, slots.in_place(layer, e.expert)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                Some((kernel, experts, self.to_host(x)?, started))
             }
-            slots.release(&stream)?;
-        }
-        Ok(())
+        };
+        let (hidden, inter) = (launch.hidden, launch.inter);
+        std::thread::scope(|scope| -> Result<()> {
+            let host = host_job.map(|(kernel, experts, xh, started)| {
+                let handle = scope.spawn(move || -> Result<Vec<(usize, Vec<f32>)>> {
+                    let mut outputs = Vec::with_capacity(experts.len());
+                    for (g, expert) in &experts {
+                        let (first, count) = plan.range(*g);
+                        let items = first as usize..(first + count) as usize;
+                        let mut xs = Vec::with_capacity(items.len() * hidden);
+                        for &row in &plan.item_row[items.clone()] {
+                            let row = row as usize;
+                            xs.extend_from_slice(&xh[row * hidden..(row + 1) * hidden]);
+                        }
+                        let mut out = vec![0.0f32; items.len() * hidden];
+                        let w = expert.weights(hidden, inter)?;
+                        kernel.expert(&w, &xs, &plan.item_weight[items.clone()], &mut out)?;
+                        outputs.push((items.start, out));
+                    }
+                    Ok(outputs)
+                });
+                (handle, started)
+            });
+            for round in &rounds {
+                if !round.hits.is_empty() {
+                    let ptrs = slots.hit_slots(layer, &round.hits, &stream)?;
+                    let groups: Vec<usize> = round.hits.iter().map(|h| h.index).collect();
+                    self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+                }
+                if !round.loads.is_empty() {
+                    let ptrs = slots.load_slots(layer, &round.loads, &stream)?;
+                    let groups: Vec<usize> = round.loads.iter().map(|l| l.index).collect();
+                    self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+                }
+                slots.release(&stream)?;
+            }
+            if let Some((handle, started)) = host {
+                let outputs = handle
+                    .join()
+                    .map_err(|_| Error::Backend("a host expert thread panicked".into()))??;
+                for (first_item, out) in &outputs {
+                    let dst = launch.out + (first_item * hidden * 4) as u64;
+                    guarded("cuMemcpyHtoDAsync (host expert outputs)", || {
+                        // SAFETY: `dst` lies inside `out`'s allocation (items `first_item..` of
+                        // a group of this plan, `hidden` f32 each), made on this stream; the
+                        // source is pageable, which the driver stages before returning.
+                        unsafe {
+                            cudarc::driver::result::memcpy_htod_async(
+                                dst,
+                                out.as_slice(),
+                                stream.cu_stream(),
+                            )
+                        }
+                    })?;
+                }
+                slots.record_host(outputs.len(), started.elapsed().as_secs_f64());
+            }
+            Ok(())
+        })
     }
 
     /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights

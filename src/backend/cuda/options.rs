@@ -4,7 +4,7 @@
 use super::{HostPath, LoadIo};
 
 /// How a [`CudaBackend`](super::CudaBackend) runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CudaOptions {
     /// Record forward passes as CUDA graphs and replay them (see src/backend/cuda/graphs.rs).
     pub graphs: bool,
@@ -14,6 +14,12 @@ pub struct CudaOptions {
     pub load_io: LoadIo,
     /// Where offloaded experts are copied from.
     pub host_path: HostPath,
+    /// With offloaded experts: compute some missing ones on this many host threads instead of
+    /// copying them (the hybrid path); `None`: copy every miss.
+    pub host_experts: Option<usize>,
+    /// The link's rate, bytes per second, that the hybrid split starts from (the host's is
+    /// measured as the run goes).
+    pub link_bytes_per_s: f64,
 }
 
 impl Default for CudaOptions {
@@ -23,6 +29,8 @@ impl Default for CudaOptions {
             load_threads: None,
             load_io: LoadIo::default(),
             host_path: HostPath::Auto,
+            host_experts: None,
+            link_bytes_per_s: 54e9,
         }
     }
 }

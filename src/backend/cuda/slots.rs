@@ -21,10 +21,13 @@ use super::driver::guarded;
 use super::host::{PinnedBuffer, RegisteredHost};
 use super::CudaDevice;
 use crate::arch::{expert_tensor_name, ArchConfig, Proj};
+use crate::host_experts::{ExpertWeights, HostExperts};
 use crate::offload::{
-    ExpertCache, Hit, InitialResidency, Load, OffloadStats, Policy, ResidencyConfig, Round,
+    ExpertCache, Hit, HostSplit, InitialResidency, Load, OffloadStats, Policy, ResidencyConfig,
+    Round,
 };
 use crate::{Error, Result};
+use half::f16;
 
 /// Where expert bytes are copied from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +46,48 @@ pub struct OffloadConfig {
     /// The cache policy: [`Policy::Lru`], [`Policy::OnDemand`] or [`Policy::Specter`].
     pub policy: Policy,
     pub host_path: HostPath,
+    /// Compute some missing experts on the host instead of copying them (see
+    /// [`HostExpertsConfig`]); `None`: every miss is copied.
+    pub host_experts: Option<HostExpertsConfig>,
+}
+
+/// The host path for missing experts: its threads and the first estimates of both paths' rates
+/// (the split then follows the measured ones).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostExpertsConfig {
+    pub threads: usize,
+    pub link_bytes_per_s: f64,
+    pub host_bytes_per_s: f64,
+}
+
+/// One expert's FP16 tensors where they lie in the bundle's mapping, for the host kernel.
+pub(crate) struct InPlaceExpert {
+    pub bundle: Arc<Bundle>,
+    pub gate: std::ops::Range<usize>,
+    pub up: std::ops::Range<usize>,
+    pub down: std::ops::Range<usize>,
+}
+
+impl InPlaceExpert {
+    /// The tensors as FP16 slices (`hidden`, `inter`: the expert's shape).
+    pub fn weights(&self, hidden: usize, inter: usize) -> Result<ExpertWeights<'_>> {
+        let bytes = self.bundle.as_bytes();
+        let half = |r: &std::ops::Range<usize>| -> Result<&[f16]> {
+            bytemuck::try_cast_slice(&bytes[r.clone()]).map_err(|e| {
+                Error::Model(format!(
+                    "host experts: expert bytes at {}..{} cannot be read in place as FP16 ({e})",
+                    r.start, r.end
+                ))
+            })
+        };
+        Ok(ExpertWeights {
+            gate: half(&self.gate)?,
+            up: half(&self.up)?,
+            down: half(&self.down)?,
+            hidden,
+            inter,
+        })
+    }
 }
 
 /// Where one expert's tensors sit inside its blob.
@@ -79,6 +124,8 @@ pub struct ExpertOffload {
     bundle: Arc<Bundle>,
     /// Which expert is in which slot: the policy shared with the simulator.
     cache: ExpertCache,
+    /// The host path for missing experts and the split between it and the link.
+    host: Option<(Arc<HostExperts>, HostSplit)>,
     slots_per_layer: usize,
     inter: usize,
     /// Bytes of one projection matrix (`inter * hidden` halves).
@@ -259,6 +306,13 @@ impl ExpertOffload {
         };
         let registrations = Vec::new();
         let staging = vec![dev.alloc_pinned(slot_bytes)?, dev.alloc_pinned(slot_bytes)?];
+        let host = match cfg.host_experts {
+            Some(h) => Some((
+                Arc::new(HostExperts::new(h.threads, None)?),
+                HostSplit::new(h.link_bytes_per_s, h.host_bytes_per_s),
+            )),
+            None => None,
+        };
         let cache = ExpertCache::new(
             ResidencyConfig {
                 num_moe_layers: moe_layers.len(),
@@ -276,6 +330,7 @@ impl ExpertOffload {
             next_staging: 0,
             bundle: cfg.bundle,
             cache,
+            host,
             slots_per_layer: cfg.slots_per_layer,
             inter,
             matrix_bytes,
@@ -390,9 +445,56 @@ impl ExpertOffload {
 
     /// The cache policy's rounds for the experts (distinct, ascending) one target pass needs in
     /// model layer `layer`: see [`ExpertCache::serve`].
-    pub(crate) fn serve(&mut self, layer: usize, experts: &[u32]) -> Result<Vec<Round>> {
+    pub(crate) fn serve(
+        &mut self,
+        layer: usize,
+        experts: &[u32],
+        rows: &[u32],
+    ) -> Result<Vec<Round>> {
         let moe_index = self.layer_mut(layer)?.moe_index;
-        self.cache.serve(moe_index, experts)
+        let elsewhere = match &self.host {
+            Some((_, split)) => {
+                let misses = experts
+                    .iter()
+                    .filter(|&&e| !self.cache.is_resident(moe_index, e))
+                    .count();
+                split.host_share(misses)
+            }
+            None => 0,
+        };
+        self.cache.serve_split(moe_index, experts, rows, elsewhere)
+    }
+
+    /// The host expert kernel, when missing experts may be computed on the host.
+    pub(crate) fn host_kernel(&self) -> Option<Arc<HostExperts>> {
+        self.host.as_ref().map(|(k, _)| k.clone())
+    }
+
+    /// Expert `expert` of model layer `layer` where it lies in the bundle, for the host kernel.
+    pub(crate) fn in_place(&mut self, layer: usize, expert: u32) -> Result<InPlaceExpert> {
+        let mb = self.matrix_bytes;
+        let blob = *self
+            .layer_mut(layer)?
+            .blobs
+            .get(expert as usize)
+            .ok_or_else(|| Error::Model(format!("offload: no expert {expert} in layer {layer}")))?;
+        let at = |off: usize| blob.file_offset + off..blob.file_offset + off + mb;
+        Ok(InPlaceExpert {
+            bundle: self.bundle.clone(),
+            gate: at(blob.gate),
+            up: at(blob.up),
+            down: at(blob.down),
+        })
+    }
+
+    /// The host computed `experts` experts in `seconds` (wall clock, inputs and outputs
+    /// included): the split learns the host's rate.
+    pub(crate) fn record_host(&mut self, experts: usize, seconds: f64) {
+        let bytes = (experts * self.slot_bytes) as u64;
+        if let Some((_, split)) = &mut self.host {
+            split.record_host(bytes, seconds);
+        }
+        self.cache.stats_mut().host_seconds += seconds;
     }
 
     /// The slot pointers of a round's hits, in order; `compute` first waits for any prefetch
