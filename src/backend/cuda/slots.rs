@@ -518,6 +518,21 @@ impl ExpertOffload {
             .collect()
     }
 
+    /// Starts a timed batch of copies on `copy`, after the kernels that last read the slots:
+    /// returns its start (recorded) and end (to record) events.
+    fn begin_copy_batch(&self, copy: &CudaStream) -> Result<(CudaEvent, CudaEvent)> {
+        guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
+        let ctx = copy.context().clone();
+        let timing = || {
+            guarded("cuEventCreate", || {
+                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            })
+        };
+        let (start, end) = (timing()?, timing()?);
+        guarded("cuEventRecord", || start.record(copy))?;
+        Ok((start, end))
+    }
+
     /// Copies a round's loads into their slots on the copy stream, after the kernels that last
     /// read those slots; `compute` waits for the copies. Returns the slot pointers, in order.
     pub(crate) fn load_slots(
@@ -527,15 +542,7 @@ impl ExpertOffload {
         compute: &CudaStream,
     ) -> Result<Vec<u64>> {
         let copy = self.copy_stream.clone();
-        guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
-        let ctx = copy.context().clone();
-        let timing = || {
-            guarded("cuEventCreate", || {
-                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            })
-        };
-        let (start, end) = (timing()?, timing()?);
-        guarded("cuEventRecord", || start.record(&copy))?;
+        let (start, end) = self.begin_copy_batch(&copy)?;
         for load in loads {
             // Slot layout: gate, up (together the fused gate/up matrix), down.
             self.layer_mut(layer)?.slot_pending[load.slot] = false;
@@ -574,15 +581,7 @@ impl ExpertOffload {
             return Ok(0);
         }
         // The slots may still be read by kernels issued before now.
-        guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
-        let ctx = copy.context().clone();
-        let timing = || {
-            guarded("cuEventCreate", || {
-                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            })
-        };
-        let (start, end) = (timing()?, timing()?);
-        guarded("cuEventRecord", || start.record(&copy))?;
+        let (start, end) = self.begin_copy_batch(&copy)?;
         for load in &chosen {
             self.copy_expert(layer, load.expert as usize, load.slot)?;
             let l = self.layer_mut(layer)?;
