@@ -67,6 +67,8 @@ fn read_bench_prompts(path: &std::path::Path, bundle: &std::path::Path) -> Resul
 
 pub fn bench(args: BenchArgs) -> Result<()> {
     use specter::bench::{self, BenchCase, BenchMode, BenchOptions};
+    let mut cuda = cuda_options_from_env()?;
+    args.hybrid.apply(&mut cuda)?;
     let modes = args
         .modes
         .iter()
@@ -127,11 +129,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         prompts,
         new_tokens: args.new_tokens,
         repeats: args.repeats,
-        cuda: {
-            let mut cuda = cuda_options_from_env()?;
-            args.hybrid.apply(&mut cuda)?;
-            cuda
-        },
+        cuda,
     };
     let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
         Some(bar) => {

@@ -366,8 +366,16 @@ impl ExpertOffload {
     }
 
     pub(crate) fn describe(&self) -> String {
+        let host = match &self.host {
+            Some((kernel, _)) => format!(
+                "; part of the misses computed by {} host threads ({})",
+                kernel.threads(),
+                kernel.path().name()
+            ),
+            None => String::new(),
+        };
         format!(
-            "{} of {} experts per layer in VRAM ({} policy, {:.1} MB slots, copies from {})",
+            "{} of {} experts per layer in VRAM ({} policy, {:.1} MB slots, copies from {}{host})",
             self.slots_per_layer,
             self.layers
                 .iter()
