@@ -201,6 +201,8 @@ pub struct BenchRun {
     pub layer_hit_rates: Vec<f64>,
     /// Equal to the reference (target-only) tokens for this prompt.
     pub agrees: bool,
+    /// See [`repeated_4gram_share`].
+    pub repeated_4gram_share: f64,
 }
 
 /// Per mode, over all its runs.
@@ -228,6 +230,8 @@ pub struct ModeSummary {
     pub layer_hit_rates: Vec<f64>,
     pub peak_vram_bytes: Option<u64>,
     pub agreement: f64,
+    /// Mean over the runs of [`repeated_4gram_share`].
+    pub mean_repeated_4gram_share: f64,
     /// `auto` with offloaded experts: what its calibration chose (see [`calibrate_auto`]) ...
     pub auto_choice: Option<String>,
     /// ... and what it measured: every depth with the draft, and plain decoding without it.
@@ -243,6 +247,9 @@ pub struct BenchReport {
     pub prompts: usize,
     pub new_tokens: usize,
     pub repeats: usize,
+    /// The sampling temperature (0: greedy) and seed of every run.
+    pub temperature: f32,
+    pub seed: u64,
     pub modes: Vec<ModeSummary>,
     /// The paper's headline figure: SpecMoEOff's mean TPOT over Specter's (and over auto depth's),
     /// when both ran.
@@ -260,6 +267,22 @@ pub struct BenchOptions {
     pub repeats: usize,
     /// How the CUDA backend runs (recorded passes, load threads and I/O, copy path).
     pub cuda: CudaOptions,
+    /// Greedy (the paper's protocol) or sampled: speculative rejection sampling keeps the
+    /// target's distribution, so modes then agree in distribution, not token by token.
+    pub sampling: Sampling,
+}
+
+/// The share of an output's 4-grams that repeat an earlier one: looping output inflates expert
+/// cache hit rates, so every run reports it.
+pub fn repeated_4gram_share(tokens: &[u32]) -> f64 {
+    if tokens.len() < 4 {
+        return 0.0;
+    }
+    let mut seen = std::collections::HashSet::new();
+    let grams = tokens.windows(4);
+    let total = grams.len();
+    let repeats = grams.filter(|g| !seen.insert(*g)).count();
+    repeats as f64 / total as f64
 }
 
 /// `count` prompts of `len` token ids drawn from the vocabulary with a fixed seed.
@@ -360,7 +383,7 @@ pub fn run(
             },
             max_new_tokens: opts.new_tokens,
             depth: mode.depth(&opts.case).unwrap_or(1),
-            sampling: Sampling::greedy(),
+            sampling: opts.sampling,
             stop_at_eos: false,
         };
         // Automatic depth starts from the case's depth, or from what its calibration measured.
@@ -454,6 +477,7 @@ pub fn run(
                         .map(|s| s.layer_hit_rates())
                         .unwrap_or_default(),
                     agrees,
+                    repeated_4gram_share: repeated_4gram_share(&out.tokens),
                 });
                 tpots.push(out.stats.tpot_ms);
                 ttfts.push(out.stats.ttft_ms);
@@ -503,6 +527,12 @@ pub fn run(
                 .collect(),
             peak_vram_bytes: session.cuda().map(|g| g.vram_peak_bytes()).transpose()?,
             agreement: agree as f64 / tpots.len().max(1) as f64,
+            mean_repeated_4gram_share: mean(
+                &mine
+                    .iter()
+                    .map(|r| r.repeated_4gram_share)
+                    .collect::<Vec<_>>(),
+            ),
             auto_choice,
             auto_calibration,
         });
@@ -529,6 +559,8 @@ pub fn run(
         prompts: opts.prompts.len(),
         new_tokens: opts.new_tokens,
         repeats: opts.repeats,
+        temperature: opts.sampling.temperature,
+        seed: opts.sampling.seed,
         modes: summaries,
         specter_over_specmoeoff,
         auto_over_specmoeoff,
@@ -639,20 +671,25 @@ pub fn render_markdown(r: &BenchReport) -> String {
         .or_else(|| r.modes.first())
         .map_or(0.0, |m| m.mean_tpot_ms);
     let mut s = format!(
-        "case {} ({} backend{}), {} prompts x {} repeats, {} new tokens\n\n\
-         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | acceptance | prefetch P/R | hidden | copied GB/token | floor ms | TPOT/floor | peak VRAM GB | agreement |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "case {} ({} backend{}), {} prompts x {} repeats, {} new tokens, {}\n\n\
+         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | acceptance | prefetch P/R | hidden | copied GB/token | floor ms | TPOT/floor | peak VRAM GB | agreement | repeated 4-grams |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         r.case.name,
         r.backend,
         if r.device.is_empty() { String::new() } else { format!(", {}", r.device) },
         r.prompts,
         r.repeats,
         r.new_tokens,
+        if r.temperature > 0.0 {
+            format!("sampled at temperature {} (seed {})", r.temperature, r.seed)
+        } else {
+            "greedy".to_string()
+        },
         if r.modes.iter().any(|m| m.mode == "lru") { "lru" } else { "the first mode" },
     );
     for m in &r.modes {
         s += &format!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {} | {} | {} | {} | {} | {} | {:.0}% |\n",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0}% |\n",
             m.mode,
             m.resident_experts
                 .map_or("all".to_string(), |n| n.to_string()),
@@ -686,11 +723,15 @@ pub fn render_markdown(r: &BenchReport) -> String {
             m.peak_vram_bytes
                 .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / 1e9)),
             100.0 * m.agreement,
+            100.0 * m.mean_repeated_4gram_share,
         );
     }
     s +=
         "\nhidden: share of prefetch copy time before the verify pass it served began. floor: the \
-          expert bytes copied per token after the first, at the run's measured copy bandwidth.\n";
+          expert bytes copied per token after the first, at the run's measured copy bandwidth. \
+          agreement: runs whose tokens equal target-only's (sampled runs agree in distribution, \
+          not token by token). repeated 4-grams: share of the output's 4-grams that repeat an \
+          earlier one (looping output inflates hit rates).\n";
     for m in &r.modes {
         if let Some(choice) = &m.auto_choice {
             s += &format!(
@@ -789,6 +830,19 @@ pub fn render_svg(r: &BenchReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeated_4grams_are_counted_against_earlier_ones() {
+        assert_eq!(repeated_4gram_share(&[1, 2, 3]), 0.0);
+        assert_eq!(repeated_4gram_share(&[1, 2, 3, 4, 5, 6]), 0.0);
+        // A loop of period 2: after the first 4-gram (1 2 1 2) and the second (2 1 2 1) every
+        // 4-gram repeats: 5 of 7.
+        assert_eq!(
+            repeated_4gram_share(&[1, 2, 1, 2, 1, 2, 1, 2, 1, 2]),
+            5.0 / 7.0
+        );
+        assert_eq!(repeated_4gram_share(&[7; 10]), 6.0 / 7.0);
+    }
 
     #[test]
     fn the_calibration_line_names_every_depth_and_the_plain_candidate() {

@@ -205,6 +205,17 @@ pub struct BenchArgs {
     /// Write an SVG bar chart of mean TPOT per mode here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Sampling temperature of every run; 0 (the default) is the paper's greedy protocol.
+    /// Sampled runs use speculative rejection sampling, so every mode keeps the target's
+    /// distribution.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1] when sampling.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the sampling RNG.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     #[command(flatten)]
     pub hybrid: HybridArgs,
 }

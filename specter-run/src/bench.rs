@@ -130,6 +130,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         new_tokens: args.new_tokens,
         repeats: args.repeats,
         cuda,
+        sampling: specter::decode::Sampling {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
     };
     let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
         Some(bar) => {
@@ -154,8 +159,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         std::fs::write(path, bench::render_svg(&report))
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
+    // Greedy decoding is lossless token for token; sampled runs agree only in distribution.
     let disagreeing = report.runs.iter().filter(|r| !r.agrees).count();
-    if disagreeing > 0 {
+    if disagreeing > 0 && report.temperature == 0.0 {
         bail!("{disagreeing} run(s) gave tokens different from target-only decoding: see the agreement column");
     }
     Ok(())

@@ -794,6 +794,10 @@ fn bench_runs_the_protocol_on_the_cpu_and_refuses_what_it_cannot_do() {
         "{table}"
     );
     assert!(run.stdout.contains("| resident |"), "{run:?}");
+    assert!(
+        table.contains("greedy") && table.contains("repeated 4-grams"),
+        "{table}"
+    );
     assert!(std::fs::read_to_string(out("b.svg"))
         .unwrap()
         .starts_with("<svg"));
