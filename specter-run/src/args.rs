@@ -6,8 +6,9 @@ use anyhow::{bail, Result};
 use clap::ValueEnum;
 use specter::backend::cuda::CudaOptions;
 use specter::decode::Mode;
-use specter::generate::BackendChoice;
+use specter::generate::{resolve_backend as resolve, BackendChoice};
 use specter::offload::Policy;
+use specter::session::BackendKind;
 use specter::verify_mode::VerifyMode;
 
 #[derive(clap::Args)]
@@ -321,6 +322,16 @@ impl From<VerifyArg> for VerifyMode {
             VerifyArg::None => VerifyMode::None,
         }
     }
+}
+
+/// The backend `arg` names; `auto` is resolved here and says on stderr which it chose and why.
+pub fn resolve_backend(arg: BackendArg) -> BackendKind {
+    let choice = BackendChoice::from(arg);
+    let resolved = resolve(choice);
+    if choice == BackendChoice::Auto {
+        eprintln!("{}", resolved.describe());
+    }
+    resolved.kind
 }
 
 /// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns

@@ -104,7 +104,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
         bench::case(&args.case)?
     };
-    let backend = crate::resolve_backend(args.backend);
+    let backend = crate::args::resolve_backend(args.backend);
     let prompts = match &args.prompts {
         Some(path) => read_bench_prompts(path, &args.bundle)?,
         None => {

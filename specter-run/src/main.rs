@@ -14,8 +14,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use specter::generate::{resolve_backend as resolve, BackendChoice};
-use specter::session::BackendKind;
 
 use args::{BackendArg, BenchArgs, GenerateArgs, ProfileArgs};
 
@@ -176,14 +174,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// The backend `arg` names; `auto` is resolved here and says on stderr which it chose and why.
-fn resolve_backend(arg: BackendArg) -> BackendKind {
-    let choice = BackendChoice::from(arg);
-    let resolved = resolve(choice);
-    if choice == BackendChoice::Auto {
-        eprintln!("{}", resolved.describe());
-    }
-    resolved.kind
 }

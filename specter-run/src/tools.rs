@@ -23,7 +23,7 @@ pub fn probe(
     backend: BackendArg,
     json: bool,
 ) -> Result<()> {
-    let mut opts = SessionOptions::new(crate::resolve_backend(backend));
+    let mut opts = SessionOptions::new(crate::args::resolve_backend(backend));
     opts.cuda = cuda_options_from_env()?;
     let session = Session::open_with(&path, &opts)?;
     let tokens = match (input.prompt, input.prompt_ids, input.calib) {
@@ -73,7 +73,7 @@ pub fn demo(
         architecture: arch,
         max_new_tokens,
         depth,
-        backend: crate::resolve_backend(backend),
+        backend: crate::args::resolve_backend(backend),
         cuda: cuda_options_from_env()?,
         ..Default::default()
     };
@@ -103,7 +103,7 @@ pub fn doctor(json: bool, device: usize, no_gpu: bool, work_dir: PathBuf) -> Res
 }
 
 pub fn profile(args: ProfileArgs) -> Result<()> {
-    let backend = crate::resolve_backend(args.backend);
+    let backend = crate::args::resolve_backend(args.backend);
     let mut opts = SessionOptions::new(backend);
     opts.cuda = cuda_options_from_env()?;
     if let Some(n) = args.resident_experts {

@@ -18,12 +18,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::ValueEnum;
 use specter::backend::cuda::HostPath;
 use specter::decode::{self, Mode};
-use specter::offload::Policy;
 use specter::session::{BackendKind, SessionOptions};
-use specter::verify_mode::VerifyMode;
+
+use crate::args::{
+    cuda_options_from_env, resolve_backend, slot_policy, BackendArg, HybridArgs, ModeArg,
+    PolicyArg, VerifyArg,
+};
 
 use chat::ChatTemplate;
 use routes::AppState;
@@ -48,8 +50,8 @@ pub struct ServeArgs {
     /// specter: the INT4 draft proposes, the FP16 target verifies (output equals target's);
     /// target: the FP16 model alone; draft: the INT4 draft alone (not lossless); specmoeoff: the
     /// SpecMoEOff-style baseline.
-    #[arg(long, value_enum, default_value_t = ServeMode::Specter)]
-    mode: ServeMode,
+    #[arg(long, value_enum, default_value_t = ModeArg::Specter)]
+    mode: ModeArg,
     /// Draft tokens per verify pass (with --auto-depth, the most it may use). Default: 8, or 3
     /// with --mode specmoeoff.
     #[arg(long)]
@@ -57,15 +59,16 @@ pub struct ServeArgs {
     /// Choose each round's depth from measured cost per committed token (Specter mode).
     #[arg(long)]
     auto_depth: bool,
-    #[arg(long, value_enum, default_value_t = ServeBackend::Cpu)]
-    backend: ServeBackend,
+    /// auto (the GPU when one is usable, else the CPU; says which on stderr), cpu or cuda.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
     /// Routed experts kept resident per MoE layer; the rest are copied in when needed (CUDA:
     /// real copies into VRAM slots under --policy; CPU: simulated at --bandwidth-gbps).
     #[arg(long)]
     resident_experts: Option<usize>,
     /// CUDA: how expert slots are reused.
-    #[arg(long, value_enum, default_value_t = ServePolicy::Lru)]
-    policy: ServePolicy,
+    #[arg(long, value_enum, default_value_t = PolicyArg::Lru)]
+    policy: PolicyArg,
     /// CUDA: copy offloaded experts through pinned staging buffers.
     #[arg(long)]
     pinned_staging: bool,
@@ -74,45 +77,17 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 55.0)]
     bandwidth_gbps: f64,
     /// How much of the bundle to check before serving: full, manifest or none.
-    #[arg(long, value_enum, default_value_t = ServeVerify::Manifest)]
-    verify: ServeVerify,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ServeMode {
-    Specter,
-    Target,
-    Draft,
-    Specmoeoff,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ServeBackend {
-    Cpu,
-    Cuda,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ServePolicy {
-    Lru,
-    Ondemand,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ServeVerify {
-    Full,
-    Manifest,
-    None,
+    #[arg(long, value_enum, default_value_t = VerifyArg::Manifest)]
+    verify: VerifyArg,
+    #[command(flatten)]
+    hybrid: HybridArgs,
 }
 
 /// Loads the bundle, listens, and serves until SIGINT or SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<()> {
-    let mode = match args.mode {
-        ServeMode::Specter => Mode::Specter,
-        ServeMode::Target => Mode::Target,
-        ServeMode::Draft => Mode::Draft,
-        ServeMode::Specmoeoff => Mode::SpecMoeOff,
-    };
+    let mode = Mode::from(args.mode);
+    let mut cuda = cuda_options_from_env()?;
+    args.hybrid.apply(&mut cuda)?;
     if args.auto_depth && mode != Mode::Specter {
         bail!("--auto-depth needs --mode specter");
     }
@@ -146,25 +121,15 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 )
             })?,
     };
-    let backend = match args.backend {
-        ServeBackend::Cpu => BackendKind::Cpu,
-        ServeBackend::Cuda => BackendKind::Cuda,
-    };
+    let backend = resolve_backend(args.backend);
     let mut session_opts = SessionOptions::new(backend);
+    session_opts.cuda = cuda;
     session_opts.with_draft = mode != Mode::Target;
-    session_opts.verify = match args.verify {
-        ServeVerify::Full => VerifyMode::Full,
-        ServeVerify::Manifest => VerifyMode::Manifest,
-        ServeVerify::None => VerifyMode::None,
-    };
+    session_opts.verify = args.verify.into();
     let mut simulated_experts = None;
     match backend {
         BackendKind::Cuda => {
-            let policy = match args.policy {
-                ServePolicy::Lru => Policy::Lru,
-                ServePolicy::Ondemand => Policy::OnDemand,
-            };
-            session_opts.offload = args.resident_experts.map(|n| (n, policy));
+            session_opts.offload = args.resident_experts.map(|n| (n, slot_policy(args.policy)));
             if args.pinned_staging {
                 session_opts.cuda.host_path = HostPath::PinnedStaging;
             }
