@@ -230,6 +230,20 @@ impl ExpertOffload {
                     down: offset_of(Proj::Down, [hidden, inter])?,
                 });
             }
+            if cfg.host_experts.is_some() {
+                // The host kernel reads the FP16 tensors where they lie: each must start on an
+                // even byte (the mapping itself is page-aligned).
+                if let Some(e) = blobs.iter().position(|b| {
+                    [b.gate, b.up, b.down]
+                        .iter()
+                        .any(|&t| (b.file_offset + t) % 2 != 0)
+                }) {
+                    return Err(Error::Request(format!(
+                        "--host-experts: expert {e} of layer {l} cannot be read in place as FP16 \
+                         (its tensors start on an odd byte); use --host-experts off"
+                    )));
+                }
+            }
             let lo = blobs.iter().map(|b| b.file_offset).min().unwrap_or(0);
             let hi = blobs
                 .iter()
