@@ -61,9 +61,10 @@ fn produced_output(run: &Run) -> bool {
     !run.stdout.trim().is_empty()
 }
 
-/// The bundle with one bit of the first Experts section's middle byte flipped, and that
-/// section's name. The low bit of a byte of FP16 weights: the model still loads and runs.
-fn with_flipped_expert_byte() -> (PathBuf, String) {
+/// The bundle with one bit of the first Experts section's middle byte flipped, written as `name`
+/// (each test its own file: tests run in parallel), and that section's name. The low bit of a
+/// byte of FP16 weights: the model still loads and runs.
+fn with_flipped_expert_byte(name: &str) -> (PathBuf, String) {
     let bytes = std::fs::read(&converted().bundle).unwrap();
     let bundle = Bundle::from_slice(&bytes).unwrap();
     let manifest = bundle.to_manifest().unwrap();
@@ -73,13 +74,13 @@ fn with_flipped_expert_byte() -> (PathBuf, String) {
         .find(|s| matches!(s.kind, SectionKind::Experts { .. }))
         .unwrap();
     let at = section.offset + section.length / 2;
-    let path = write_bundle("flipped-expert.specter", &damage::flip(&bytes, at, 0));
+    let path = write_bundle(name, &damage::flip(&bytes, at, 0));
     (path, section.name.clone())
 }
 
 #[test]
 fn full_refuses_a_flipped_expert_byte_naming_the_section_and_generates_nothing() {
-    let (path, section) = with_flipped_expert_byte();
+    let (path, section) = with_flipped_expert_byte("flipped-expert.specter");
     let run = generate(&path, "full");
     assert_clean_failure(
         &run,
@@ -92,7 +93,7 @@ fn full_refuses_a_flipped_expert_byte_naming_the_section_and_generates_nothing()
 fn manifest_and_none_do_not_hash_sections_so_a_flipped_expert_byte_goes_unnoticed() {
     // Documented behaviour: without --verify full no section is hashed, so a flip inside the
     // FP16 experts is only a slightly different weight, and generation succeeds.
-    let (path, _) = with_flipped_expert_byte();
+    let (path, _) = with_flipped_expert_byte("flipped-expert-unverified.specter");
     for mode in ["manifest", "none"] {
         let run = generate(&path, mode);
         assert!(run.ok(), "{mode}: {run:?}");
