@@ -444,3 +444,39 @@ fn planner_ranks_draft_routing_and_lists_missing_experts_layer_by_layer() {
     assert_eq!(plan.prefetch, expected);
     assert!(!plan.prefetch.is_empty());
 }
+
+#[test]
+fn misses_left_elsewhere_are_those_fewest_rows_use_and_take_no_slot() {
+    let mut cache = ExpertCache::new(
+        config(Policy::Lru, 1, 8, 4),
+        &InitialResidency::PerLayer(vec![vec![0, 1]]),
+    )
+    .expect("cache");
+    // Experts 0 and 1 are resident; 2, 3, 5 and 7 are misses used by 4, 1, 3 and 1 rows.
+    let experts = [0, 1, 2, 3, 5, 7];
+    let rows = [2, 2, 4, 1, 3, 1];
+    let rounds = cache.serve_split(0, &experts, &rows, 2).expect("serve");
+    let away: Vec<u32> = rounds[0].elsewhere.iter().map(|e| e.expert).collect();
+    assert_eq!(away, vec![3, 7], "the two misses with one row each");
+    for e in &rounds[0].elsewhere {
+        assert_eq!(experts[e.index], e.expert);
+        assert!(!cache.is_resident(0, e.expert), "a host expert took a slot");
+    }
+    let hits: Vec<u32> = rounds
+        .iter()
+        .flat_map(|r| r.hits.iter().map(|h| h.expert))
+        .collect();
+    let loads: Vec<u32> = rounds
+        .iter()
+        .flat_map(|r| r.loads.iter().map(|l| l.expert))
+        .collect();
+    assert_eq!(hits, vec![0, 1]);
+    assert_eq!(loads, vec![2, 5]);
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.misses, stats.host_experts), (2, 2, 2));
+    assert_eq!(stats.host_bytes, 2 * 4096);
+    // More left elsewhere than there are misses: every miss, never a hit.
+    let rounds = cache.serve_split(0, &experts, &rows, 10).expect("serve");
+    assert_eq!(rounds[0].elsewhere.len(), 2, "only 3 and 7 miss now");
+    assert!(rounds.iter().all(|r| r.loads.is_empty()));
+}
