@@ -229,20 +229,22 @@ fn serve_queue(model: &Model<'_>, jobs: Receiver<Job>, shutdown: &AtomicBool, co
         counters.busy.store(true, Ordering::SeqCst);
         let outcome = serve_job(model, &job, shutdown, counters);
         counters.busy.store(false, Ordering::SeqCst);
-        let counter = match outcome {
-            Outcome::Completed => &counters.completed,
-            Outcome::Cancelled => &counters.cancelled,
-            Outcome::Failed(error) => {
-                let _ = job.events.send(Event::Failed(error));
-                &counters.failed
-            }
+        // Counted before the client hears the end, so /health never lags an answer it has.
+        let (counter, last) = match outcome {
+            Outcome::Completed(done) => (&counters.completed, Some(done)),
+            Outcome::Cancelled => (&counters.cancelled, None),
+            Outcome::Failed(error) => (&counters.failed, Some(Event::Failed(error))),
         };
         counter.fetch_add(1, Ordering::SeqCst);
+        if let Some(event) = last {
+            let _ = job.events.send(event);
+        }
     }
 }
 
 enum Outcome {
-    Completed,
+    /// The answer's last event, for the worker to send once it has counted the job.
+    Completed(Event),
     Cancelled,
     Failed(ApiError),
 }
@@ -411,7 +413,7 @@ fn serve_job(model: &Model<'_>, job: &Job, shutdown: &AtomicBool, counters: &Cou
         "total_ms": s.total_ms,
         "experts": experts,
     });
-    let _ = job.events.send(Event::Done {
+    Outcome::Completed(Event::Done {
         text,
         finish_reason,
         usage: Usage {
@@ -419,8 +421,7 @@ fn serve_job(model: &Model<'_>, job: &Job, shutdown: &AtomicBool, counters: &Cou
             completion_tokens: output.tokens.len(),
         },
         stats,
-    });
-    Outcome::Completed
+    })
 }
 
 fn tokenize(session: &Session, prompt: &PromptInput) -> Result<Vec<u32>, ApiError> {
