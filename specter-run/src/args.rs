@@ -80,13 +80,8 @@ pub struct GenerateArgs {
     /// first estimate the prefetch schedule uses.
     #[arg(long, default_value_t = specter::generate::DEFAULT_COPY_BANDWIDTH / 1e9)]
     pub bandwidth_gbps: f64,
-    /// Sampling temperature; 0 is greedy (the default).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -101,6 +96,31 @@ pub struct GenerateArgs {
     /// through an unchecked manifest could read outside the file).
     #[arg(long, value_enum, default_value_t = VerifyArg::Manifest)]
     pub verify: VerifyArg,
+}
+
+/// Sampling of `generate` and `bench`: sampled runs use speculative rejection sampling, so every
+/// mode keeps the target's distribution.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy (the default).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1] when sampling.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of the sampling RNG.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn sampling(&self) -> specter::decode::Sampling {
+        specter::decode::Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
 }
 
 /// The host path for cold experts (CUDA with offloaded experts).
@@ -206,17 +226,9 @@ pub struct BenchArgs {
     /// Write an SVG bar chart of mean TPOT per mode here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Sampling temperature of every run; 0 (the default) is the paper's greedy protocol.
-    /// Sampled runs use speculative rejection sampling, so every mode keeps the target's
-    /// distribution.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Nucleus sampling mass in (0, 1] when sampling.
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Seed of the sampling RNG.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Every run's sampling; temperature 0 (the default) is the paper's greedy protocol.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     #[command(flatten)]
     pub hybrid: HybridArgs,
 }

@@ -130,11 +130,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         new_tokens: args.new_tokens,
         repeats: args.repeats,
         cuda,
-        sampling: specter::decode::Sampling {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling: args.sampling.sampling(),
     };
     let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
         Some(bar) => {

@@ -5,7 +5,6 @@ use std::io::Write;
 
 use anyhow::Result;
 use specter::backend::cuda::{HostPath, LoadIo};
-use specter::decode::Sampling;
 use specter::generate::{
     generate as run_request, Committed, GenerationHooks, GenerationReport, GenerationRequest,
     Prompt, Residency,
@@ -39,11 +38,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         backend: args.backend.into(),
         residency,
         policy: slot_policy(args.policy),
-        sampling: Sampling {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling: args.sampling.sampling(),
         stop_at_eos: !args.ignore_eos,
         verify: args.verify.into(),
         cuda,
