@@ -4,17 +4,20 @@
 //!     cargo run --release --example bench_host_experts -- [THREADS,...] [ROWS,...]
 //!
 //! Cycles through 64 experts (1.1 GB, past the last-level cache), so each call reads its weights
-//! from memory; reports the median of 7 timed passes of 64 calls, as GB/s of weights read and as
-//! a share of `doctor`'s host read bandwidth with the same threads.
+//! from memory; reports the median of 7 timed passes over the 64 experts, as GB/s of weights read
+//! and as a share of `doctor`'s host read bandwidth with the same threads. Two ways: one call per
+//! expert, and one call per 6 experts (a layer's host share, as the runtime batches them).
 
 use std::time::Instant;
 
 use half::f16;
-use specter::host_experts::{bandwidth, ExpertWeights, HostExperts, KernelPath};
+use specter::host_experts::{bandwidth, ExpertJob, ExpertWeights, HostExperts, KernelPath};
 
 const HIDDEN: usize = 2048;
 const INTER: usize = 1408;
 const EXPERTS: usize = 64;
+/// Experts per batched call.
+const BATCH: usize = 6;
 
 fn list(arg: Option<String>, default: &[usize]) -> Vec<usize> {
     arg.map(|a| a.split(',').filter_map(|v| v.trim().parse().ok()).collect())
@@ -50,8 +53,8 @@ fn main() -> anyhow::Result<()> {
         expert_bytes as f64 / 1e6,
         KernelPath::detect().name()
     );
-    println!("| threads | rows | host read GB/s | kernel GB/s | share | ms per expert |");
-    println!("|---|---|---|---|---|---|");
+    println!("| threads | rows | experts per call | host read GB/s | kernel GB/s | share | ms per expert |");
+    println!("|---|---|---|---|---|---|---|");
     for &t in &threads {
         let read = bandwidth::measure(t, 2 << 30, 5);
         let kernel = HostExperts::new(t, None)?;
@@ -60,32 +63,46 @@ fn main() -> anyhow::Result<()> {
                 .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
                 .collect();
             let weights = vec![0.5f32; rows];
-            let mut out = vec![0.0f32; rows * HIDDEN];
-            let mut run = || -> anyhow::Result<f64> {
-                let start = Instant::now();
-                for e in 0..EXPERTS {
-                    let w = ExpertWeights {
-                        gate: &gate_up[e][..INTER * HIDDEN],
-                        up: &gate_up[e][INTER * HIDDEN..],
-                        down: &down[e],
-                        hidden: HIDDEN,
-                        inter: INTER,
-                    };
-                    kernel.expert(&w, &x, &weights, &mut out)?;
-                }
-                Ok(start.elapsed().as_secs_f64())
+            let expert = |e: usize| ExpertWeights {
+                gate: &gate_up[e][..INTER * HIDDEN],
+                up: &gate_up[e][INTER * HIDDEN..],
+                down: &down[e],
+                hidden: HIDDEN,
+                inter: INTER,
             };
-            run()?;
-            let mut times: Vec<f64> = (0..7).map(|_| run()).collect::<anyhow::Result<_>>()?;
-            times.sort_by(f64::total_cmp);
-            let median = times[times.len() / 2];
-            let gbps = (EXPERTS * expert_bytes) as f64 / median / 1e9;
-            println!(
-                "| {t} | {rows} | {:.1} | {gbps:.1} | {:.0}% | {:.3} |",
-                read.bytes_per_s / 1e9,
-                100.0 * gbps * 1e9 / read.bytes_per_s,
-                median * 1e3 / EXPERTS as f64
-            );
+            for per_call in [1, BATCH] {
+                let mut outs = vec![vec![0.0f32; rows * HIDDEN]; per_call];
+                let mut run = || -> anyhow::Result<f64> {
+                    let start = Instant::now();
+                    for first in (0..EXPERTS).step_by(per_call) {
+                        let jobs: Vec<ExpertJob> = (first..(first + per_call).min(EXPERTS))
+                            .map(|e| ExpertJob {
+                                weights: expert(e),
+                                x: &x,
+                                row_weights: &weights,
+                            })
+                            .collect();
+                        let mut out_refs: Vec<&mut [f32]> = outs
+                            .iter_mut()
+                            .take(jobs.len())
+                            .map(|o| o.as_mut_slice())
+                            .collect();
+                        kernel.experts(&jobs, &mut out_refs)?;
+                    }
+                    Ok(start.elapsed().as_secs_f64())
+                };
+                run()?;
+                let mut times: Vec<f64> = (0..7).map(|_| run()).collect::<anyhow::Result<_>>()?;
+                times.sort_by(f64::total_cmp);
+                let median = times[times.len() / 2];
+                let gbps = (EXPERTS * expert_bytes) as f64 / median / 1e9;
+                println!(
+                    "| {t} | {rows} | {per_call} | {:.1} | {gbps:.1} | {:.0}% | {:.3} |",
+                    read.bytes_per_s / 1e9,
+                    100.0 * gbps * 1e9 / read.bytes_per_s,
+                    median * 1e3 / EXPERTS as f64
+                );
+            }
         }
     }
     Ok(())

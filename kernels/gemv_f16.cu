@@ -10,7 +10,8 @@
 // whatever the number of rows in the launch, the row's place in its group of MR, or which of the
 // warp's two slots the feature sits in (the backend's exactness contract), and each weight byte
 // is read once per group of MR rows. Groups of 1, 2 or 4 rows run narrower code (fewer
-// accumulators live), with the same per-row arithmetic.
+// accumulators live), with the same per-row arithmetic. The routed-expert kernels keep eight
+// partials per lane instead of one, so the host can compute the same bits (`lane_dot2_split`).
 
 #include <cuda_fp16.h>
 
@@ -124,6 +125,124 @@ __device__ __forceinline__ void group_dot2(const __half* __restrict__ w0, const 
     }
 }
 
+// The routed experts' dot products keep eight partials per lane instead of one: partial e of lane
+// l sums position e of the lane's 16-byte pieces (elements 8c + e, c = l, l + 32, ...), by fused
+// multiply-adds in ascending c. Eight contiguous weights then feed eight different partials, so
+// the host expert kernel (src/host_experts/lanes.rs) computes the same partials from plain vector
+// loads, with no transposes, and gives the same bits. `split_sum` fixes the combine. Groups hold
+// at most MR_SPLIT rows (64 accumulators for the two features). When k is not a multiple of 8,
+// lane l sums elements l, l + 32, ... into its partial 0 (the others stay 0).
+#define MR_SPLIT 4
+
+template <int MT>
+__device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
+                                                const __half* __restrict__ w1, const float* const* xr,
+                                                int mr, int k, int lane, float a0[MR_SPLIT][8],
+                                                float a1[MR_SPLIT][8]) {
+    if ((k & 7) == 0) {
+        const int chunks = k >> 3;
+        const uint4* v0 = reinterpret_cast<const uint4*>(w0);
+        const uint4* v1 = reinterpret_cast<const uint4*>(w1);
+        for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
+            uint4 p0[UNROLL], p1[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = c0 + 32 * u;
+                if (c < chunks) {
+                    p0[u] = __ldg(v0 + c);
+                    p1[u] = __ldg(v1 + c);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = c0 + 32 * u;
+                if (c < chunks) {
+                    float f0[8], f1[8];
+                    halves_to_floats(p0[u], f0);
+                    halves_to_floats(p1[u], f1);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        if (m < mr) {
+                            const float4 xa = reinterpret_cast<const float4*>(xr[m] + 8 * c)[0];
+                            const float4 xb = reinterpret_cast<const float4*>(xr[m] + 8 * c)[1];
+                            const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) {
+                                a0[m][e] = fmaf(f0[e], xv[e], a0[m][e]);
+                                a1[m][e] = fmaf(f1[e], xv[e], a1[m][e]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < k; i += 32) {
+            const float f0 = __half2float(w0[i]), f1 = __half2float(w1[i]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                if (m < mr) {
+                    const float xv = xr[m][i];
+                    a0[m][0] = fmaf(f0, xv, a0[m][0]);
+                    a1[m][0] = fmaf(f1, xv, a1[m][0]);
+                }
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void group_dot2_split(const __half* __restrict__ w0,
+                                                 const __half* __restrict__ w1, const float* const* xr,
+                                                 int mr, int k, int lane, float a0[MR_SPLIT][8],
+                                                 float a1[MR_SPLIT][8]) {
+#pragma unroll
+    for (int m = 0; m < MR_SPLIT; ++m) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            a0[m][e] = 0.0f;
+            a1[m][e] = 0.0f;
+        }
+    }
+    if (mr == 1) {
+        lane_dot2_split<1>(w0, w1, xr, mr, k, lane, a0, a1);
+    } else if (mr == 2) {
+        lane_dot2_split<2>(w0, w1, xr, mr, k, lane, a0, a1);
+    } else {
+        lane_dot2_split<MR_SPLIT>(w0, w1, xr, mr, k, lane, a0, a1);
+    }
+}
+
+// One half of the values a lane sends to the lane `offset` away and adds the other half of that
+// lane's: lanes with `offset` clear keep positions 0..n/2, the others n/2..n.
+template <int N>
+__device__ __forceinline__ void split_step(const float in[N], float out[N / 2], int lane, int offset) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+        const float send = upper ? in[j] : in[j + N / 2];
+        const float keep = upper ? in[j + N / 2] : in[j];
+        out[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+}
+
+// The combine of a lane's eight partials over the warp, the same bits in every lane:
+// S[e] = the butterfly (xor 16, 8, 4, 2, 1) of position e over the 32 lanes, then
+// ((S0 + S1) + (S2 + S3)) + ((S4 + S5) + (S6 + S7)). Computed with 12 shuffles: three halving
+// steps leave lane l with S[4 b4 + 2 b3 + b2] (b = bits of l) summed over bits 4..2, two more sum
+// bits 1..0, and the last three add the positions in the tree's order.
+__device__ __forceinline__ float split_sum(const float p[8], int lane) {
+    float q[4], r[2], s;
+    split_step<8>(p, q, lane, 16);
+    split_step<4>(q, r, lane, 8);
+    split_step<2>(r, &s, lane, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    s += __shfl_xor_sync(0xffffffffu, s, 16);
+    return s;
+}
+
 // y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Warp w of block b owns features
 // FEATURES * (b * WARPS + w) and the next. Grid: ceil(n / (FEATURES * WARPS)); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16(
@@ -201,18 +320,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up(
     if (j >= inter) return;
     const __half* wg = reinterpret_cast<const __half*>(g.gate_up) + (size_t)j * hidden;
     const __half* wu = reinterpret_cast<const __half*>(g.gate_up) + (size_t)(inter + j) * hidden;
-    for (int i0 = 0; i0 < (int)g.count; i0 += MR) {
-        const int mr = min(MR, (int)g.count - i0);
-        const float* xr[MR];
-        float a[MR], b[MR];
+    for (int i0 = 0; i0 < (int)g.count; i0 += MR_SPLIT) {
+        const int mr = min(MR_SPLIT, (int)g.count - i0);
+        const float* xr[MR_SPLIT];
+        float a[MR_SPLIT][8], b[MR_SPLIT][8];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)item_row[g.first + i0 + min(m, mr - 1)] * hidden;
-        group_dot2(wg, wu, xr, mr, hidden, lane, a, b);
+        for (int m = 0; m < MR_SPLIT; ++m) xr[m] = x + (size_t)item_row[g.first + i0 + min(m, mr - 1)] * hidden;
+        group_dot2_split(wg, wu, xr, mr, hidden, lane, a, b);
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
+        for (int m = 0; m < MR_SPLIT; ++m) {
             if (m < mr) {
-                const float ga = warp_sum(a[m]);
-                const float ub = warp_sum(b[m]);
+                const float ga = split_sum(a[m], lane);
+                const float ub = split_sum(b[m], lane);
                 if (lane == 0) h[(size_t)(g.first + i0 + m) * inter + j] = __fmul_rn(spx_silu(ga), ub);
             }
         }
@@ -232,18 +351,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down(
     const bool second = c + 1 < hidden;
     const __half* w0 = reinterpret_cast<const __half*>(g.down) + (size_t)c * inter;
     const __half* w1 = second ? w0 + inter : w0;
-    for (int i0 = 0; i0 < (int)g.count; i0 += MR) {
-        const int mr = min(MR, (int)g.count - i0);
-        const float* xr[MR];
-        float a0[MR], a1[MR];
+    for (int i0 = 0; i0 < (int)g.count; i0 += MR_SPLIT) {
+        const int mr = min(MR_SPLIT, (int)g.count - i0);
+        const float* xr[MR_SPLIT];
+        float a0[MR_SPLIT][8], a1[MR_SPLIT][8];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) xr[m] = h + (size_t)(g.first + i0 + min(m, mr - 1)) * inter;
-        group_dot2(w0, w1, xr, mr, inter, lane, a0, a1);
+        for (int m = 0; m < MR_SPLIT; ++m) xr[m] = h + (size_t)(g.first + i0 + min(m, mr - 1)) * inter;
+        group_dot2_split(w0, w1, xr, mr, inter, lane, a0, a1);
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
+        for (int m = 0; m < MR_SPLIT; ++m) {
             if (m < mr) {
-                const float s0 = warp_sum(a0[m]);
-                const float s1 = warp_sum(a1[m]);
+                const float s0 = split_sum(a0[m], lane);
+                const float s1 = split_sum(a1[m], lane);
                 if (lane == 0) {
                     const size_t item = g.first + i0 + m;
                     const float wt = item_weight[item];

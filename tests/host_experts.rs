@@ -5,7 +5,7 @@
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specter::host_experts::{ExpertWeights, HostExperts, KernelPath};
+use specter::host_experts::{ExpertJob, ExpertWeights, HostExperts, KernelPath};
 
 fn random_expert(rng: &mut ChaCha8Rng, hidden: usize, inter: usize) -> (Vec<f16>, Vec<f16>) {
     let scale = 1.0 / (hidden as f32).sqrt();
@@ -155,4 +155,62 @@ fn bad_settings_and_shapes_are_refused() {
     };
     assert!(kernel.expert(&w, &[0.0; 15], &[1.0], &mut out).is_err());
     assert!(kernel.expert(&w, &[0.5; 16], &[1.0], &mut out).is_ok());
+}
+
+#[test]
+fn a_batch_of_experts_gives_each_experts_own_output() {
+    // A layer's host share runs as one call; each output must be the bits of its expert alone,
+    // whatever else shares the call (including experts with no rows).
+    let kernel = HostExperts::new(2, None).expect("kernel");
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let (hidden, inter) = (128, 48);
+    let experts: Vec<(Vec<f16>, Vec<f16>)> = (0..4)
+        .map(|_| random_expert(&mut rng, hidden, inter))
+        .collect();
+    let rows = [3usize, 0, 1, 5];
+    let xs: Vec<Vec<f32>> = rows
+        .iter()
+        .map(|&r| {
+            (0..r * hidden)
+                .map(|_| rng.random_range(-3.0..3.0))
+                .collect()
+        })
+        .collect();
+    let ws: Vec<Vec<f32>> = rows
+        .iter()
+        .map(|&r| (0..r).map(|_| rng.random_range(0.0..1.0)).collect())
+        .collect();
+    let weights = |e: usize| ExpertWeights {
+        gate: &experts[e].0[..inter * hidden],
+        up: &experts[e].0[inter * hidden..],
+        down: &experts[e].1,
+        hidden,
+        inter,
+    };
+    let jobs: Vec<ExpertJob> = (0..4)
+        .map(|e| ExpertJob {
+            weights: weights(e),
+            x: &xs[e],
+            row_weights: &ws[e],
+        })
+        .collect();
+    let mut outs: Vec<Vec<f32>> = rows.iter().map(|&r| vec![f32::NAN; r * hidden]).collect();
+    let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+    kernel.experts(&jobs, &mut refs).expect("batch");
+    for e in 0..4 {
+        let alone = run(&kernel, &weights(e), &xs[e], &ws[e]);
+        let same = alone
+            .iter()
+            .zip(&outs[e])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "expert {e} differs in the batch");
+    }
+    // Mismatched lengths are refused, not guessed at.
+    let mut short = vec![0.0f32; 1];
+    assert!(kernel
+        .experts(&jobs[..1], &mut [short.as_mut_slice()])
+        .is_err());
+    assert!(kernel
+        .experts(&jobs[..2], &mut [short.as_mut_slice()])
+        .is_err());
 }

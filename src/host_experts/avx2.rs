@@ -1,19 +1,19 @@
-//! The GPU-order lane partials (see `lanes.rs`) eight lanes at a time with AVX2, FMA and F16C.
+//! The GPU-order partials (see `lanes.rs`) with AVX2, FMA and F16C.
 //!
-//! Eight consecutive 8-element chunks (64 weights) belong to eight consecutive lanes. Their
-//! halves are widened to f32 and transposed, so vector `e` holds element `e` of each lane's chunk;
-//! eight fused multiply-adds in `e` order then advance those eight lanes exactly as the GPU's
-//! eight lanes advance. The activations are transposed the same way once per row ([`transpose_x`]),
-//! and each weight block serves every row before the next is read.
+//! A lane's 8 partials are one vector: chunk `c`'s 8 weights are loaded, widened to f32 and added
+//! into lane `c % 32`'s vector by one fused multiply-add per row, with the row's 8 activations at
+//! the same place. The 32 lanes are visited a few at a time (as many as keep `rows x lanes`
+//! accumulators in registers), each group in one pass over the weight row; the row stays in the
+//! L1 cache between passes, so memory sees it once.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::lanes::{lane_chunks, LANES};
+use super::lanes::{Partials, LANES};
 
-/// Rows whose accumulators one pass over the weights keeps live.
+/// Rows one call computes at most.
 pub const ROWS_PER_PASS: usize = 8;
 
 /// Whether this processor has what the fast path needs.
@@ -30,92 +30,116 @@ pub fn available() -> bool {
     }
 }
 
-/// `x` with each full block of 64 elements stored transposed (element `e` of chunk `i` of the
-/// block at `8 * e + i`); the tail (fewer than 8 chunks) as it is.
-pub fn transpose_x(x: &[f32], out: &mut Vec<f32>) {
-    out.clear();
-    out.extend_from_slice(x);
-    let blocks = x.len() / 64;
-    for b in 0..blocks {
-        for i in 0..8 {
-            for e in 0..8 {
-                out[64 * b + 8 * e + i] = x[64 * b + 8 * i + e];
-            }
-        }
-    }
-}
-
-/// Lane partials of `w · x[r]` for each row `r` (at most [`ROWS_PER_PASS`]): `xt[r]` is row `r`
-/// transposed by [`transpose_x`], `x[r]` the row itself. `w.len()` must be a multiple of 8.
+/// Partials of `w · x[r]` for each row `r` (at most [`ROWS_PER_PASS`]) into `out[r]`.
+/// `w.len()` must be a multiple of 8 and every row as long as `w`.
 ///
 /// # Safety
 /// The processor must have AVX2, FMA and F16C ([`available`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn partials(w: &[f16], xt: &[&[f32]], x: &[&[f32]], out: &mut [[f32; LANES]]) {
+pub unsafe fn partials(w: &[f16], x: &[&[f32]], out: &mut [Partials]) {
     let k = w.len();
-    let rows = out.len();
-    debug_assert!(k & 7 == 0 && rows <= ROWS_PER_PASS && xt.len() == rows && x.len() == rows);
+    debug_assert!(k & 7 == 0 && x.len() == out.len() && x.len() <= ROWS_PER_PASS);
+    debug_assert!(x.iter().all(|r| r.len() == k));
     let chunks = k / 8;
-    let blocks = chunks / 8;
-    let mut acc = [[_mm256_setzero_ps(); 4]; ROWS_PER_PASS];
-    let wp = w.as_ptr() as *const __m128i;
-    for b in 0..blocks {
-        // SAFETY: block b's 8 chunks of 8 halves lie inside `w` (b < chunks / 8).
-        let r: [__m256; 8] =
-            std::array::from_fn(|i| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(wp.add(8 * b + i))) });
-        let c = transpose8(r);
-        let g = b % 4;
-        for (row, a) in acc.iter_mut().enumerate().take(rows) {
-            let xp = xt[row].as_ptr().add(64 * b);
-            let mut s = a[g];
-            for (e, ce) in c.iter().enumerate() {
-                // SAFETY: xt[row] has the length of w, and 64 * b + 8 * e + 8 <= 64 * blocks.
-                s = _mm256_fmadd_ps(*ce, _mm256_loadu_ps(xp.add(8 * e)), s);
-            }
-            a[g] = s;
-        }
+    // SAFETY (every arm): the caller guarantees the features, the lengths and the row count.
+    match x.len() {
+        0 => {}
+        1 => lane_groups::<1, 8>(w, x, chunks, out),
+        2 => lane_groups::<2, 4>(w, x, chunks, out),
+        3 => lane_groups::<3, 2>(w, x, chunks, out),
+        4 => lane_groups::<4, 2>(w, x, chunks, out),
+        5 => lane_groups::<5, 1>(w, x, chunks, out),
+        6 => lane_groups::<6, 1>(w, x, chunks, out),
+        7 => lane_groups::<7, 1>(w, x, chunks, out),
+        _ => lane_groups::<8, 1>(w, x, chunks, out),
     }
-    for (row, o) in out.iter_mut().enumerate() {
-        for (g, a) in acc[row].iter().enumerate() {
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * g), *a);
+}
+
+/// `R` rows, `G` lanes per pass (`R * G <= 8` accumulators live).
+#[cfg(target_arch = "x86_64")]
+// Register blocking reads best with indices: `acc[r][g]` pairs with chunk `base + l0 + g`.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_groups<const R: usize, const G: usize>(
+    w: &[f16],
+    x: &[&[f32]],
+    chunks: usize,
+    out: &mut [Partials],
+) {
+    let wp = w.as_ptr();
+    let xp: [*const f32; R] = std::array::from_fn(|r| x[r].as_ptr());
+    for l0 in (0..LANES).step_by(G) {
+        let mut acc = [[_mm256_setzero_ps(); G]; R];
+        let mut base = 0;
+        // Rounds where all G lanes have a chunk, then the last, partial round.
+        while base + l0 + G <= chunks {
+            for g in 0..G {
+                let c = base + l0 + g;
+                // SAFETY: c < chunks, so halves 8c..8c + 8 lie inside `w` and floats
+                // 8c..8c + 8 inside every row.
+                let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(8 * c) as *const __m128i));
+                for r in 0..R {
+                    acc[r][g] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp[r].add(8 * c)), acc[r][g]);
+                }
+            }
+            base += LANES;
         }
-        // Chunks past the last full block: each its lane's last, added in ascending order.
-        for c in 8 * blocks..chunks {
-            let lane = c % LANES;
-            lane_chunks(w, x[row], lane, c, c + 1, &mut o[lane]);
+        for g in 0..G {
+            let c = base + l0 + g;
+            if c < chunks {
+                // SAFETY: as above, c < chunks.
+                let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(8 * c) as *const __m128i));
+                for r in 0..R {
+                    acc[r][g] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp[r].add(8 * c)), acc[r][g]);
+                }
+            }
+        }
+        for r in 0..R {
+            for g in 0..G {
+                // SAFETY: out[r][l0 + g] is 8 floats (l0 + g < LANES).
+                _mm256_storeu_ps(out[r][l0 + g].as_mut_ptr(), acc[r][g]);
+            }
         }
     }
 }
 
-/// `c[e][i] = r[i][e]`.
+/// Asks the cache for the lines of `w` ahead of their use.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub fn prefetch(w: &[f16]) {
+    let bytes = std::mem::size_of_val(w);
+    let p = w.as_ptr() as *const i8;
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults; the address lies inside `w`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+    }
+}
+
+/// [`super::lanes::combine`] with vector adds: the butterfly adds the 8 positions of two lanes
+/// at once (the same additions, so the same bits), then the positions' tree by two in-register
+/// swaps.
+///
+/// # Safety
+/// The processor must have AVX2 ([`available`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
-    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-    [
-        _mm256_permute2f128_ps::<0x20>(u0, u4),
-        _mm256_permute2f128_ps::<0x20>(u1, u5),
-        _mm256_permute2f128_ps::<0x20>(u2, u6),
-        _mm256_permute2f128_ps::<0x20>(u3, u7),
-        _mm256_permute2f128_ps::<0x31>(u0, u4),
-        _mm256_permute2f128_ps::<0x31>(u1, u5),
-        _mm256_permute2f128_ps::<0x31>(u2, u6),
-        _mm256_permute2f128_ps::<0x31>(u3, u7),
-    ]
+pub unsafe fn combine(p: &Partials) -> f32 {
+    // SAFETY: each p[l] is 8 floats.
+    let mut v: [__m256; LANES] = std::array::from_fn(|l| unsafe { _mm256_loadu_ps(p[l].as_ptr()) });
+    let mut offset = LANES / 2;
+    while offset > 0 {
+        for l in 0..offset {
+            v[l] = _mm256_add_ps(v[l], v[l + offset]);
+        }
+        offset /= 2;
+    }
+    let s = v[0];
+    // t = [s0 + s1, _, s2 + s3, _, s4 + s5, _, s6 + s7, _]
+    let t = _mm256_add_ps(s, _mm256_permute_ps::<0xB1>(s));
+    // u[0] = (s0 + s1) + (s2 + s3), u[4] = (s4 + s5) + (s6 + s7)
+    let u = _mm256_add_ps(t, _mm256_permute_ps::<0x4E>(t));
+    let lo = _mm256_castps256_ps128(u);
+    let hi = _mm256_extractf128_ps::<1>(u);
+    _mm_cvtss_f32(_mm_add_ss(lo, hi))
 }

@@ -84,8 +84,37 @@ pub struct HostExperts {
     path: KernelPath,
 }
 
-/// Features one task computes; small enough to balance 16 threads on 1,408 features.
-const FEATURES_PER_TASK: usize = 32;
+/// Features one task computes: small enough to balance 16 threads over a layer's experts, large
+/// enough that a task's weights (16 rows of 2,048 halves per matrix) dwarf its scheduling.
+const FEATURES_PER_TASK: usize = 16;
+
+/// One expert's work for the host: its weights, its rows' activations (`rows x hidden`,
+/// row-major) and each row's combine weight.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertJob<'a> {
+    pub weights: ExpertWeights<'a>,
+    pub x: &'a [f32],
+    pub row_weights: &'a [f32],
+}
+
+impl ExpertJob<'_> {
+    fn rows(&self) -> usize {
+        self.row_weights.len()
+    }
+
+    fn check(&self) -> Result<()> {
+        self.weights.check()?;
+        if self.x.len() != self.rows() * self.weights.hidden {
+            return Err(Error::Request(format!(
+                "host expert: {} activations for {} rows of {}",
+                self.x.len(),
+                self.rows(),
+                self.weights.hidden
+            )));
+        }
+        Ok(())
+    }
+}
 
 impl HostExperts {
     /// `threads` host threads (at least 1, at most the machine's), on `path` (or the fastest).
@@ -126,6 +155,12 @@ impl HostExperts {
         self.path
     }
 
+    /// The thread pool, for callers that overlap host expert work with their own
+    /// ([`rayon::ThreadPool::in_place_scope`]).
+    pub fn pool(&self) -> &rayon::ThreadPool {
+        &self.pool
+    }
+
     /// `out[r] = weight[r] * down(silu(gate(x[r])) * up(x[r]))` for each row `r` of `x`
     /// (`rows x hidden`, row-major), into `out` (`rows x hidden`): the GPU's per-item output.
     pub fn expert(
@@ -135,118 +170,178 @@ impl HostExperts {
         weights: &[f32],
         out: &mut [f32],
     ) -> Result<()> {
-        w.check()?;
-        let rows = weights.len();
-        if x.len() != rows * w.hidden || out.len() != rows * w.hidden {
+        let job = ExpertJob {
+            weights: *w,
+            x,
+            row_weights: weights,
+        };
+        self.experts(&[job], &mut [out])
+    }
+
+    /// Every job's output (`rows x hidden`) into the matching `outs` entry, the features of all
+    /// jobs shared among the threads: one parallel pass for gate and up, one for down.
+    pub fn experts(&self, jobs: &[ExpertJob<'_>], outs: &mut [&mut [f32]]) -> Result<()> {
+        if jobs.len() != outs.len() {
             return Err(Error::Request(format!(
-                "host expert: {} activations and {} outputs for {rows} rows of {}",
-                x.len(),
-                out.len(),
-                w.hidden
+                "host expert: {} jobs and {} outputs",
+                jobs.len(),
+                outs.len()
             )));
         }
-        if rows == 0 {
-            return Ok(());
+        for (job, out) in jobs.iter().zip(outs.iter()) {
+            job.check()?;
+            if out.len() != job.rows() * job.weights.hidden {
+                return Err(Error::Request(format!(
+                    "host expert: {} outputs for {} rows of {}",
+                    out.len(),
+                    job.rows(),
+                    job.weights.hidden
+                )));
+            }
         }
-        let (hidden, inter) = (w.hidden, w.inter);
-        // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
-        let xs: Vec<&[f32]> = x.chunks_exact(hidden).collect();
-        let xt = self.transposed(&xs);
         let path = self.path;
+        // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
+        let inputs: Vec<Vec<&[f32]>> = jobs
+            .iter()
+            .map(|j| j.x.chunks_exact(j.weights.hidden).collect())
+            .collect();
+        let tasks = feature_tasks(jobs, |w| w.inter);
         let h_cols: Vec<Vec<f32>> = self.pool.install(|| {
-            (0..inter.div_ceil(FEATURES_PER_TASK))
-                .into_par_iter()
-                .map(|task| {
-                    let lo = task * FEATURES_PER_TASK;
-                    let hi = (lo + FEATURES_PER_TASK).min(inter);
+            tasks
+                .par_iter()
+                .map(|&(job, lo, hi)| {
+                    let w = &jobs[job].weights;
+                    let xs = &inputs[job];
+                    let rows = xs.len();
+                    let hidden = w.hidden;
                     let mut col = Vec::with_capacity((hi - lo) * rows);
                     let mut gate = vec![0.0; rows];
                     let mut up = vec![0.0; rows];
                     for j in lo..hi {
                         let wg = &w.gate[j * hidden..(j + 1) * hidden];
                         let wu = &w.up[j * hidden..(j + 1) * hidden];
-                        dots(path, wg, &xt, &xs, &mut gate);
-                        dots(path, wu, &xt, &xs, &mut up);
+                        if j + 1 < hi {
+                            prefetch(path, &w.gate[(j + 1) * hidden..(j + 2) * hidden]);
+                            prefetch(path, &w.up[(j + 1) * hidden..(j + 2) * hidden]);
+                        }
+                        dots(path, wg, xs, &mut gate);
+                        dots(path, wu, xs, &mut up);
                         col.extend(gate.iter().zip(&up).map(|(&g, &u)| activation::silu(g) * u));
                     }
                     col
                 })
                 .collect()
         });
-        let mut h = vec![0.0f32; rows * inter];
-        for (task, col) in h_cols.iter().enumerate() {
-            let lo = task * FEATURES_PER_TASK;
-            for (n, &v) in col.iter().enumerate() {
-                let (j, r) = (lo + n / rows, n % rows);
-                h[r * inter + j] = v;
-            }
+        let mut hs: Vec<Vec<f32>> = jobs
+            .iter()
+            .map(|j| vec![0.0f32; j.rows() * j.weights.inter])
+            .collect();
+        for (&(job, lo, _), col) in tasks.iter().zip(&h_cols) {
+            scatter(
+                col,
+                lo,
+                jobs[job].rows(),
+                jobs[job].weights.inter,
+                &mut hs[job],
+            );
         }
         // Down: out[r][c] = weight[r] * (h[r] . down_c).
-        let hs: Vec<&[f32]> = h.chunks_exact(inter).collect();
-        let ht = self.transposed(&hs);
+        let h_rows: Vec<Vec<&[f32]>> = jobs
+            .iter()
+            .zip(&hs)
+            .map(|(j, h)| h.chunks_exact(j.weights.inter).collect())
+            .collect();
+        let tasks = feature_tasks(jobs, |w| w.hidden);
         let out_cols: Vec<Vec<f32>> = self.pool.install(|| {
-            (0..hidden.div_ceil(FEATURES_PER_TASK))
-                .into_par_iter()
-                .map(|task| {
-                    let lo = task * FEATURES_PER_TASK;
-                    let hi = (lo + FEATURES_PER_TASK).min(hidden);
-                    let mut col = Vec::with_capacity((hi - lo) * rows);
-                    let mut s = vec![0.0; rows];
+            tasks
+                .par_iter()
+                .map(|&(job, lo, hi)| {
+                    let w = &jobs[job].weights;
+                    let hr = &h_rows[job];
+                    let inter = w.inter;
+                    let mut col = Vec::with_capacity((hi - lo) * hr.len());
+                    let mut s = vec![0.0; hr.len()];
                     for c in lo..hi {
-                        dots(path, &w.down[c * inter..(c + 1) * inter], &ht, &hs, &mut s);
-                        col.extend(s.iter().zip(weights).map(|(&v, &wt)| wt * v));
+                        if c + 1 < hi {
+                            prefetch(path, &w.down[(c + 1) * inter..(c + 2) * inter]);
+                        }
+                        dots(path, &w.down[c * inter..(c + 1) * inter], hr, &mut s);
+                        col.extend(s.iter().zip(jobs[job].row_weights).map(|(&v, &wt)| wt * v));
                     }
                     col
                 })
                 .collect()
         });
-        for (task, col) in out_cols.iter().enumerate() {
-            let lo = task * FEATURES_PER_TASK;
-            for (n, &v) in col.iter().enumerate() {
-                let (c, r) = (lo + n / rows, n % rows);
-                out[r * hidden + c] = v;
-            }
+        for (&(job, lo, _), col) in tasks.iter().zip(&out_cols) {
+            scatter(
+                col,
+                lo,
+                jobs[job].rows(),
+                jobs[job].weights.hidden,
+                outs[job],
+            );
         }
         Ok(())
     }
+}
 
-    /// The rows transposed for the AVX2 path (empty on the portable one).
-    fn transposed(&self, rows: &[&[f32]]) -> Vec<Vec<f32>> {
-        #[cfg(target_arch = "x86_64")]
-        if self.path == KernelPath::Avx2 {
-            return rows
-                .iter()
-                .map(|r| {
-                    let mut t = Vec::new();
-                    avx2::transpose_x(r, &mut t);
-                    t
-                })
-                .collect();
+/// `(job, first feature, end)` for every job with rows, `FEATURES_PER_TASK` features each.
+fn feature_tasks(
+    jobs: &[ExpertJob<'_>],
+    features: impl Fn(&ExpertWeights<'_>) -> usize,
+) -> Vec<(usize, usize, usize)> {
+    let mut tasks = Vec::new();
+    for (j, job) in jobs.iter().enumerate() {
+        if job.rows() == 0 {
+            continue;
         }
-        let _ = rows;
-        Vec::new()
+        let n = features(&job.weights);
+        for lo in (0..n).step_by(FEATURES_PER_TASK) {
+            tasks.push((j, lo, (lo + FEATURES_PER_TASK).min(n)));
+        }
+    }
+    tasks
+}
+
+/// Writes a task's feature-major column block (`features x rows`, starting at feature `lo`)
+/// into the row-major `rows x width` matrix `m`.
+fn scatter(col: &[f32], lo: usize, rows: usize, width: usize, m: &mut [f32]) {
+    for (n, &v) in col.iter().enumerate() {
+        let (f, r) = (lo + n / rows, n % rows);
+        m[r * width + f] = v;
     }
 }
 
+/// Asks the cache for the next weight row while this one is computed (the AVX2 path's passes
+/// over a row leave the hardware prefetcher an irregular stream).
+#[inline]
+fn prefetch(path: KernelPath, w: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    if path == KernelPath::Avx2 {
+        avx2::prefetch(w);
+    }
+    let _ = (path, w);
+}
+
 /// `out[r] = w . x[r]` in the GPU's order for every row.
-fn dots(path: KernelPath, w: &[f16], xt: &[Vec<f32>], xs: &[&[f32]], out: &mut [f32]) {
+fn dots(path: KernelPath, w: &[f16], xs: &[&[f32]], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if path == KernelPath::Avx2 && w.len() & 7 == 0 {
-        let mut partials = [[0.0f32; lanes::LANES]; avx2::ROWS_PER_PASS];
+        let mut partials = [[[0.0f32; lanes::POSITIONS]; lanes::LANES]; avx2::ROWS_PER_PASS];
         for start in (0..xs.len()).step_by(avx2::ROWS_PER_PASS) {
             let end = (start + avx2::ROWS_PER_PASS).min(xs.len());
-            let xt_rows: Vec<&[f32]> = xt[start..end].iter().map(Vec::as_slice).collect();
             let part = &mut partials[..end - start];
             // SAFETY: the Avx2 path is only chosen when the processor has AVX2, FMA and F16C
             // (`HostExperts::new`); `w.len()` is a multiple of 8 and every row has its length.
-            unsafe { avx2::partials(w, &xt_rows, &xs[start..end], part) };
+            unsafe { avx2::partials(w, &xs[start..end], part) };
             for (o, p) in out[start..end].iter_mut().zip(part.iter()) {
-                *o = lanes::lane_sum(p);
+                // SAFETY: as above.
+                *o = unsafe { avx2::combine(p) };
             }
         }
         return;
     }
-    let _ = (path, xt);
+    let _ = path;
     for (o, x) in out.iter_mut().zip(xs) {
         *o = lanes::dot(w, x);
     }

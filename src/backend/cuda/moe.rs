@@ -9,8 +9,10 @@ use super::backend::{CudaBackend, RouteCounts};
 use super::driver::guarded;
 use super::experts::{ExpertGroup, MoeLaunch};
 use super::kernels::*;
+use super::slots::{ExpertOffload, InPlaceExpert};
 use crate::backend::cpu::{Cpu, Mat};
 use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
+use crate::host_experts::{ExpertJob, HostExperts};
 use crate::{Error, Result};
 
 /// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
@@ -641,27 +643,7 @@ impl CudaBackend {
             }
         };
         let (hidden, inter) = (launch.hidden, launch.inter);
-        std::thread::scope(|scope| -> Result<()> {
-            let host = host_job.map(|(kernel, experts, xh, started)| {
-                let handle = scope.spawn(move || -> Result<Vec<(usize, Vec<f32>)>> {
-                    let mut outputs = Vec::with_capacity(experts.len());
-                    for (g, expert) in &experts {
-                        let (first, count) = plan.range(*g);
-                        let items = first as usize..(first + count) as usize;
-                        let mut xs = Vec::with_capacity(items.len() * hidden);
-                        for &row in &plan.item_row[items.clone()] {
-                            let row = row as usize;
-                            xs.extend_from_slice(&xh[row * hidden..(row + 1) * hidden]);
-                        }
-                        let mut out = vec![0.0f32; items.len() * hidden];
-                        let w = expert.weights(hidden, inter)?;
-                        kernel.expert(&w, &xs, &plan.item_weight[items.clone()], &mut out)?;
-                        outputs.push((items.start, out));
-                    }
-                    Ok(outputs)
-                });
-                (handle, started)
-            });
+        let mut enqueue_gpu = |slots: &mut ExpertOffload| -> Result<()> {
             for round in &rounds {
                 if !round.hits.is_empty() {
                     let ptrs = slots.hit_slots(layer, &round.hits, &stream)?;
@@ -675,29 +657,50 @@ impl CudaBackend {
                 }
                 slots.release(&stream)?;
             }
-            if let Some((handle, started)) = host {
-                let outputs = handle
-                    .join()
-                    .map_err(|_| Error::Backend("a host expert thread panicked".into()))??;
-                for (first_item, out) in &outputs {
-                    let dst = launch.out + (first_item * hidden * 4) as u64;
-                    guarded("cuMemcpyHtoDAsync (host expert outputs)", || {
-                        // SAFETY: `dst` lies inside `out`'s allocation (items `first_item..` of
-                        // a group of this plan, `hidden` f32 each), made on this stream; the
-                        // source is pageable, which the driver stages before returning.
-                        unsafe {
-                            cudarc::driver::result::memcpy_htod_async(
-                                dst,
-                                out.as_slice(),
-                                stream.cu_stream(),
-                            )
-                        }
-                    })?;
-                }
-                slots.record_host(outputs.len(), started.elapsed().as_secs_f64());
-            }
             Ok(())
-        })
+        };
+        let Some((kernel, experts, xh, started)) = host_job else {
+            return enqueue_gpu(&mut slots);
+        };
+        // The host experts run on the kernel's pool while this thread enqueues the GPU's share
+        // (hits and copies, all asynchronous); then it waits for the host, whose outputs go up
+        // in one small copy per expert before the combine reads them.
+        let mut host_result = None;
+        let mut gpu_result = Ok(());
+        let mut waited = std::time::Instant::now();
+        kernel.pool().in_place_scope(|scope| {
+            let host_result = &mut host_result;
+            let (kernel, experts, xh) = (&kernel, &experts, &xh);
+            scope.spawn(move |_| {
+                *host_result = Some(host_expert_outputs(
+                    kernel, plan, experts, xh, hidden, inter,
+                ));
+            });
+            gpu_result = enqueue_gpu(&mut slots);
+            waited = std::time::Instant::now();
+        });
+        let stall = waited.elapsed().as_secs_f64();
+        gpu_result?;
+        let outputs = host_result
+            .ok_or_else(|| Error::Backend("the host expert job did not run".into()))??;
+        for (first_item, out) in &outputs {
+            let dst = launch.out + (first_item * hidden * 4) as u64;
+            guarded("cuMemcpyHtoDAsync (host expert outputs)", || {
+                // SAFETY: `dst` lies inside `out`'s allocation (items `first_item..` of a group
+                // of this plan, `hidden` f32 each), made on this stream; the source is pageable,
+                // which the driver stages before returning.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dst,
+                        out.as_slice(),
+                        stream.cu_stream(),
+                    )
+                }
+            })?;
+        }
+        slots.record_host(outputs.len(), started.elapsed().as_secs_f64());
+        let _ = stall;
+        Ok(())
     }
 
     /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights
@@ -733,6 +736,52 @@ impl CudaBackend {
         self.defer_free(d_groups);
         Ok(())
     }
+}
+
+/// The host's share of a layer: every expert's rows gathered from `xh` (the layer input on the
+/// host, `rows x hidden`), all experts in one call of the host kernel. Returns each expert's
+/// first item and its items' outputs (`items x hidden`).
+fn host_expert_outputs(
+    kernel: &HostExperts,
+    plan: &MoePlan,
+    experts: &[(usize, InPlaceExpert)],
+    xh: &[f32],
+    hidden: usize,
+    inter: usize,
+) -> Result<Vec<(usize, Vec<f32>)>> {
+    let mut inputs = Vec::with_capacity(experts.len());
+    for (g, _) in experts {
+        let (first, count) = plan.range(*g);
+        let items = first as usize..(first + count) as usize;
+        let mut xs = Vec::with_capacity(items.len() * hidden);
+        for &row in &plan.item_row[items.clone()] {
+            let row = row as usize;
+            xs.extend_from_slice(&xh[row * hidden..(row + 1) * hidden]);
+        }
+        inputs.push((items, xs));
+    }
+    let jobs = experts
+        .iter()
+        .zip(&inputs)
+        .map(|((_, expert), (items, xs))| {
+            Ok(ExpertJob {
+                weights: expert.weights(hidden, inter)?,
+                x: xs,
+                row_weights: &plan.item_weight[items.clone()],
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut outs: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|(items, _)| vec![0.0f32; items.len() * hidden])
+        .collect();
+    let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+    kernel.experts(&jobs, &mut refs)?;
+    Ok(inputs
+        .into_iter()
+        .map(|(items, _)| items.start)
+        .zip(outs)
+        .collect())
 }
 
 #[cfg(test)]
