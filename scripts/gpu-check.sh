@@ -18,6 +18,9 @@
 #   compare   old against new binaries ($OLD_CARRY): TPOT all resident and lru16 on the bench model
 #   hostexp   the host expert kernel: same bits as the GPU kernel, and its bandwidth against the
 #             host's read bandwidth (tests/cuda_host_experts.rs, examples/bench_host_experts.rs)
+#   hybrid    on the bench model: target-only TPOT copying every miss (lru) against the host path
+#             (--host-experts auto) at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
+#             added to both (e.g. "--link-gbps 25 --host-threads 8"); tokens must agree
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #   peer      transformers on the bench model's checkpoint: eager in VRAM and accelerate offload
 #   autoprofile  `specter-run profile` (depths and plain decoding without the draft) at 16
@@ -222,6 +225,38 @@ for name in dict.fromkeys(r[1] for r in rows):
     fmt = lambda v: ", ".join(f"{x:.3f}" for x in v)
     print(f"| {name} | {mo:.3f} ({fmt(t['old'])}) | {mn:.3f} ({fmt(t['new'])}) | {mn / mo:.3f} | {len(toks) == 1} |")
 EOF
+}
+
+# Plain decoding on the bench model, copying every miss against the host path, per slot count.
+hybrid() {
+    local dir=$1 out=$2
+    local run="$CARRY/specter-run"
+    bench_model "$dir" "$out"
+    local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
+    # shellcheck disable=SC2206
+    local extra=(${HYBRID_ARGS:-})
+    local tag=${HYBRID_TAG:-hybrid}
+    printf "| slots | args | lru ms | hybrid ms | speedup | host experts/token | host GB/s | link GB/s | same tokens |\n|---|---|---|---|---|---|---|---|---|\n"
+    for slots in ${SLOTS//,/ }; do
+        for variant in lru hybrid; do
+            local host=()
+            [ "$variant" = hybrid ] && host=(--host-experts auto)
+            "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
+                --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
+                "${host[@]}" "${extra[@]}" > "$out/$tag-$variant-$slots.json" 2> "$out/$tag-$variant-$slots.err" ||
+                { tail -3 "$out/$tag-$variant-$slots.err"; return 1; }
+        done
+        python3 - "$out/$tag-lru-$slots.json" "$out/$tag-hybrid-$slots.json" "$slots" "${extra[*]}" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+o = b["gpu"]["offload"] or {}
+la = a["stats"]["tpot_ms"]; lb = b["stats"]["tpot_ms"]
+n = max(len(b["tokens"]) - 1, 1)
+host_gbps = o.get("host_bytes", 0) / o["host_seconds"] / 1e9 if o.get("host_seconds") else 0.0
+print(f"| {sys.argv[3]} | {sys.argv[4] or '-'} | {la:.2f} | {lb:.2f} | {la / lb:.2f}x | "
+      f"{o.get('host_experts', 0) / n:.1f} | {host_gbps:.1f} | {o.get('copy_gbps', 0):.1f} | {a['tokens'] == b['tokens']} |")
+PY
+    done
 }
 
 # The host expert kernel: bit equality with the GPU kernel, then its bandwidth against the
@@ -433,6 +468,7 @@ run() {
             bench) bench "$dir" "$out" || status=1 ;;
             compare) compare "$dir" "$out" 2>&1 | tee "$out/compare.log" || status=1 ;;
             hostexp) hostexp "$out" || status=1 ;;
+            hybrid) SLOTS=${SLOTS:-1,16,32} hybrid "$dir" "$out" 2>&1 | tee -a "$out/hybrid.log" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
@@ -450,5 +486,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|fixtures|lossless|errors|bench|w4a16|kprofile|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac
