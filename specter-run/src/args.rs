@@ -276,6 +276,10 @@ pub struct ProfileArgs {
     /// no draft). Default: --resident-experts plus the slots the draft's VRAM is worth.
     #[arg(long, requires = "resident_experts")]
     pub plain_experts: Option<usize>,
+    /// With --resident-experts, `--host-experts auto` also measures the plain candidate and the
+    /// draft at its fastest depth with the host path, for `generate --profile` to choose from.
+    #[command(flatten)]
+    pub hybrid: HybridArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
