@@ -1,6 +1,7 @@
-// Small utility kernels: buffer fill, half-precision axpy and a position-weighted byte checksum.
-// The runtime uses them to prepare buffers; `doctor` uses them to prove that kernels compile,
-// load and compute the right numbers on this machine, and that copied bytes arrived intact.
+// Small utility kernels: buffer fill, half-precision axpy, a position-weighted byte checksum and
+// the link pacing pair. The runtime uses them to prepare buffers and to pace expert copies;
+// `doctor` uses them to prove that kernels compile, load and compute the right numbers on this
+// machine, and that copied bytes arrived intact.
 
 #include <cuda_fp16.h>
 
@@ -38,5 +39,37 @@ extern "C" __global__ void byte_checksum(const unsigned char* __restrict__ data,
     }
     if ((threadIdx.x & 31) == 0) {
         atomicAdd(out, acc);
+    }
+}
+
+// Link pacing (`--link-gbps`): the expert copy stream runs link_pace_start before a batch of copies
+// and link_pace_wait after it, so the batch takes at least `ns` nanoseconds from the start stamp,
+// as on a link of that rate. One thread each; %globaltimer is the GPU's nanosecond clock, which
+// both kernels read, so no host clock is involved.
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+// Longest single sleep of link_pace_wait, ns: short enough that the batch ends within a few
+// microseconds of its due time.
+#define PACE_SLEEP_NS 2000
+
+// *stamp = now.
+extern "C" __global__ void link_pace_start(unsigned long long* __restrict__ stamp) {
+    *stamp = global_ns();
+}
+
+// Returns once `ns` nanoseconds have passed since *stamp, sleeping in short steps rather than
+// spinning flat out (it shares an SM with compute kernels).
+extern "C" __global__ void link_pace_wait(const unsigned long long* __restrict__ stamp,
+                                          unsigned long long ns) {
+    const unsigned long long until = *stamp + ns;
+    for (unsigned long long now = global_ns(); now < until; now = global_ns()) {
+#if __CUDA_ARCH__ >= 700
+        const unsigned long long left = until - now;
+        __nanosleep(left < PACE_SLEEP_NS ? (unsigned)left : PACE_SLEEP_NS);
+#endif
     }
 }

@@ -22,6 +22,8 @@
 #             (--host-experts auto) at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
 #             added to both (e.g. "--link-gbps 25 --host-threads 8"); tokens must agree
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
+#   pace      link pacing: copies held to 25 GB/s measure 25 GB/s and change no token
+#             (tests/cuda_pace.rs)
 #   peer      transformers on the bench model's checkpoint: eager in VRAM and accelerate offload
 #   autoprofile  `specter-run profile` (depths and plain decoding without the draft) at 16
 #             resident experts, then `generate --auto-depth --profile` using it
@@ -49,7 +51,7 @@ build() {
     cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
-    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures cuda_load cuda_host_experts)
+    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures cuda_load cuda_host_experts cuda_pace)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -469,6 +471,7 @@ run() {
             compare) compare "$dir" "$out" 2>&1 | tee "$out/compare.log" || status=1 ;;
             hostexp) hostexp "$out" || status=1 ;;
             hybrid) SLOTS=${SLOTS:-1,16,32} hybrid "$dir" "$out" 2>&1 | tee -a "$out/hybrid.log" || status=1 ;;
+            pace) run_test cuda_pace "$out/pace.log" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;

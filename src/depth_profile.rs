@@ -9,6 +9,10 @@
 //! what automatic depth falls back to, since plain decoding with the draft still loaded would
 //! waste the memory the draft holds.
 //!
+//! With the host path available it can measure both again with part of the missing experts
+//! computed on host threads (the hybrid path, [`HostCandidates`]); [`DepthProfile::choice`] is
+//! then the fastest of the four [`Candidate`]s.
+//!
 //! A profile names the bundle (its manifest checksum) and the machine (backend, device and
 //! residency) it was measured for, and is refused for any other.
 
@@ -16,6 +20,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::cuda::HostExpertsConfig;
 use crate::decode::{GenerateOptions, Mode, Sampling};
 use crate::session::Session;
 use crate::strategy::{decode_on_session, DecodePlan};
@@ -51,6 +56,67 @@ pub struct DepthProfile {
     /// measured, and in profiles written before it was).
     #[serde(default)]
     pub plain: Option<PlainCandidate>,
+    /// Both again with the host path (absent when not measured).
+    #[serde(default)]
+    pub host: Option<HostCandidates>,
+}
+
+/// The hybrid candidates: part of the missing experts computed on host threads while the rest
+/// are copied.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostCandidates {
+    /// Host threads.
+    pub threads: usize,
+    /// Plain decoding at [`PlainCandidate::slots`] with the host path, median TPOT ms.
+    pub plain_tpot_ms: Option<f64>,
+    /// The draft at `depth` (the fastest nonzero depth of the sweep) with the host path.
+    pub depth: usize,
+    pub draft_tpot_ms: Option<f64>,
+}
+
+/// One way `auto` can decode, simplest first: a tie goes to the simpler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Candidate {
+    /// Target-only without the draft, its memory as expert slots.
+    Plain,
+    /// The draft at automatic depth.
+    Draft,
+    /// Plain with the host path.
+    Hybrid,
+    /// The draft with the host path.
+    SpecterHybrid,
+}
+
+impl Candidate {
+    pub fn name(self) -> &'static str {
+        match self {
+            Candidate::Plain => "plain",
+            Candidate::Draft => "draft",
+            Candidate::Hybrid => "hybrid",
+            Candidate::SpecterHybrid => "specter-hybrid",
+        }
+    }
+
+    /// Whether it loads the draft.
+    pub fn draft(self) -> bool {
+        matches!(self, Candidate::Draft | Candidate::SpecterHybrid)
+    }
+
+    /// Whether it computes part of the missing experts on the host.
+    pub fn host(self) -> bool {
+        matches!(self, Candidate::Hybrid | Candidate::SpecterHybrid)
+    }
+}
+
+/// The fastest of `measured` (candidate, TPOT ms), a tie going to the simpler candidate;
+/// times that are not finite and positive are left out. `None` when none is left.
+pub fn fastest(measured: &[(Candidate, f64)]) -> Option<Candidate> {
+    measured
+        .iter()
+        .filter(|(_, ms)| ms.is_finite() && *ms > 0.0)
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+        .map(|(c, _)| *c)
 }
 
 /// Plain target-only decoding with the draft's VRAM used as expert slots.
@@ -150,6 +216,7 @@ pub fn sweep(
         acceptance,
         best_depth: depths[best],
         plain: None,
+        host: None,
     })
 }
 
@@ -179,6 +246,27 @@ pub fn measure_plain(
         .collect::<Result<Vec<f64>>>()?;
     runs.sort_by(f64::total_cmp);
     Ok(runs[runs.len() / 2])
+}
+
+/// Median TPOT (ms) of `repeats` decodes with the host path turned on in `session` (left on):
+/// plain decoding when `depth` is `None`, else the draft at that depth (the session must hold
+/// it).
+pub fn measure_with_host(
+    session: &Session,
+    prompt: &[u32],
+    new_tokens: usize,
+    depth: Option<usize>,
+    host: HostExpertsConfig,
+    repeats: usize,
+) -> Result<f64> {
+    let gpu = session.cuda().ok_or_else(|| {
+        Error::Request("the host path computes offloaded experts: it needs --backend cuda".into())
+    })?;
+    gpu.set_host_experts(Some(host))?;
+    match depth {
+        None => measure_plain(session, prompt, new_tokens, repeats),
+        Some(d) => Ok(sweep(session, prompt, new_tokens, &[d], repeats)?.best_tpot_ms()),
+    }
 }
 
 /// One greedy decode from the session's initial (empty) expert cache, observed as
@@ -211,11 +299,50 @@ impl DepthProfile {
             .collect()
     }
 
-    /// Plain decoding without the draft measured faster than every depth with it.
+    /// Plain decoding without the draft measured faster than every depth with it (the host
+    /// candidates left aside).
     pub fn prefers_plain(&self) -> Option<&PlainCandidate> {
         self.plain
             .as_ref()
             .filter(|p| p.tpot_ms < self.best_tpot_ms())
+    }
+
+    /// The fastest nonzero depth the sweep measured (the draft's candidate with the host path).
+    pub fn best_draft_depth(&self) -> Option<usize> {
+        self.depths
+            .iter()
+            .zip(&self.tpot_ms)
+            .filter(|(&d, _)| d > 0)
+            .min_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(&d, _)| d)
+    }
+
+    /// Every candidate measured, with its TPOT (ms): the draft's at its best depth.
+    pub fn candidates(&self) -> Vec<(Candidate, f64)> {
+        let mut out = vec![(Candidate::Draft, self.best_tpot_ms())];
+        if let Some(p) = &self.plain {
+            out.push((Candidate::Plain, p.tpot_ms));
+        }
+        if let Some(h) = &self.host {
+            out.extend(h.plain_tpot_ms.map(|ms| (Candidate::Hybrid, ms)));
+            out.extend(h.draft_tpot_ms.map(|ms| (Candidate::SpecterHybrid, ms)));
+        }
+        out
+    }
+
+    /// The fastest candidate measured (the draft when nothing else was).
+    pub fn choice(&self) -> Candidate {
+        self.choice_with(true)
+    }
+
+    /// [`Self::choice`], among the host path's candidates only when `host` allows them.
+    pub fn choice_with(&self, host: bool) -> Candidate {
+        let allowed: Vec<(Candidate, f64)> = self
+            .candidates()
+            .into_iter()
+            .filter(|(c, _)| host || !c.host())
+            .collect();
+        fastest(&allowed).unwrap_or(Candidate::Draft)
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
@@ -289,6 +416,7 @@ pub(crate) fn sample_profile(
         depths,
         tpot_ms,
         plain: plain.map(|tpot_ms| PlainCandidate { slots: 32, tpot_ms }),
+        host: None,
     }
 }
 
@@ -318,14 +446,70 @@ mod tests {
     }
 
     #[test]
+    fn the_fastest_candidate_wins_and_a_tie_goes_to_the_simpler() {
+        use Candidate::*;
+        assert_eq!(fastest(&[]), None);
+        assert_eq!(
+            fastest(&[
+                (Draft, 30.0),
+                (Plain, 25.0),
+                (Hybrid, 20.0),
+                (SpecterHybrid, 21.0)
+            ]),
+            Some(Hybrid)
+        );
+        assert_eq!(
+            fastest(&[(SpecterHybrid, 9.5), (Hybrid, 12.0), (Draft, 10.0)]),
+            Some(SpecterHybrid)
+        );
+        // Ties: plain before the draft, both before the host path, hybrid before specter-hybrid.
+        assert_eq!(fastest(&[(Draft, 20.0), (Plain, 20.0)]), Some(Plain));
+        assert_eq!(fastest(&[(Hybrid, 20.0), (Draft, 20.0)]), Some(Draft));
+        assert_eq!(
+            fastest(&[(SpecterHybrid, 20.0), (Hybrid, 20.0)]),
+            Some(Hybrid)
+        );
+        // A failed or missing measurement never wins.
+        assert_eq!(
+            fastest(&[(Hybrid, f64::NAN), (Plain, 0.0), (Draft, 40.0)]),
+            Some(Draft)
+        );
+        assert_eq!(fastest(&[(Hybrid, f64::INFINITY)]), None);
+    }
+
+    #[test]
+    fn the_profile_chooses_among_every_measured_candidate() {
+        let mut p = profile(vec![40.0, 30.0, 35.0], Some(31.0));
+        assert_eq!(p.choice(), Candidate::Draft);
+        assert_eq!(p.best_draft_depth(), Some(1));
+        p.host = Some(HostCandidates {
+            threads: 8,
+            plain_tpot_ms: Some(29.0),
+            depth: 1,
+            draft_tpot_ms: None,
+        });
+        assert_eq!(p.choice(), Candidate::Hybrid);
+        p.host.as_mut().unwrap().draft_tpot_ms = Some(28.0);
+        assert_eq!(p.choice(), Candidate::SpecterHybrid);
+        assert!(p.choice().draft() && p.choice().host());
+        assert_eq!(p.choice_with(false), Candidate::Draft);
+        // Depth 0 is no draft candidate for the host path.
+        let zero_best = profile(vec![10.0, 30.0, 35.0], None);
+        assert_eq!(zero_best.best_draft_depth(), Some(1));
+        assert_eq!(profile(vec![10.0], None).best_draft_depth(), None);
+    }
+
+    #[test]
     fn profiles_written_before_the_plain_candidate_still_load() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.json");
         let mut value = serde_json::to_value(profile(vec![2.0, 1.0, 3.0], None)).unwrap();
         value.as_object_mut().unwrap().remove("plain");
+        value.as_object_mut().unwrap().remove("host");
         std::fs::write(&path, value.to_string()).unwrap();
         let loaded = DepthProfile::load(&path).unwrap();
         assert_eq!(loaded.plain, None);
+        assert_eq!(loaded.host, None);
         assert_eq!(loaded.best_depth, 1);
         std::fs::write(&path, "{\"depths\": 3}").unwrap();
         assert!(

@@ -15,7 +15,7 @@ use crate::backend::cuda::{
     driver_library_present, nvrtc_library_present, CudaDevice, CudaOptions, HostPath, KERNELS,
 };
 use crate::decode::{self, AutoDepthReport, GenerateOptions, Mode, Sampling};
-use crate::depth_profile::DepthProfile;
+use crate::depth_profile::{Candidate, DepthProfile};
 use crate::offload::{OffloadStats, Policy};
 use crate::session::{BackendKind, Session, SessionOptions};
 use crate::startup::since_start_ms;
@@ -219,6 +219,9 @@ pub struct GenerationReport {
     pub auto_depth: Option<AutoDepthReport>,
     /// A profile's plain candidate (no draft, its memory as expert slots) that replaced speculation.
     pub auto_plain: Option<AutoPlain>,
+    /// What a profile chose: `draft`, `plain`, `hybrid` or `specter-hybrid` (the last two with
+    /// the host path).
+    pub profile_choice: Option<&'static str>,
     pub mode: String,
     pub startup: StartupReport,
     pub depth: usize,
@@ -296,6 +299,43 @@ pub struct GpuOffloadReport {
     pub draft_step_ms: Option<f64>,
 }
 
+/// The line that says what a profile chose over what.
+fn profile_note(p: &DepthProfile, chosen: Candidate) -> String {
+    let ms = |c: Candidate| {
+        p.candidates()
+            .iter()
+            .find(|(k, _)| *k == c)
+            .map_or("-".to_string(), |(_, t)| format!("{t:.2} ms"))
+    };
+    let others: Vec<String> = p
+        .candidates()
+        .iter()
+        .filter(|(c, _)| *c != chosen)
+        .map(|(c, t)| format!("{} {t:.2} ms", c.name()))
+        .collect();
+    let what = match chosen {
+        Candidate::Draft => "the draft at automatic depth, copying every miss".to_string(),
+        Candidate::Plain => format!(
+            "plain decoding without the draft at {} slots per layer",
+            p.plain.as_ref().map_or(0, |c| c.slots)
+        ),
+        Candidate::Hybrid => format!(
+            "hybrid: plain decoding without the draft at {} slots per layer, part of the misses \
+             on host threads",
+            p.plain.as_ref().map_or(0, |c| c.slots)
+        ),
+        Candidate::SpecterHybrid => {
+            "specter-hybrid: the draft at automatic depth, part of the misses on host threads"
+                .to_string()
+        }
+    };
+    format!(
+        "profile: {what} ({}) beats {}",
+        ms(chosen),
+        others.join(", ")
+    )
+}
+
 /// Runs `req`: the backend resolved, the session opened in the requested residency, the prompt
 /// decoded. Bad requests fail with [`Error::Request`] naming the option at fault.
 pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<GenerationReport> {
@@ -323,13 +363,21 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
         note(&backend.describe());
     }
     let on_cuda = backend.kind == BackendKind::Cuda;
-    // A profile that measured plain decoding (the draft's memory as expert slots) faster than
-    // every depth turns automatic depth into plain decoding without loading the draft; only
-    // where experts are offloaded at all: an all-resident run has no cache to give it to.
-    let plain = match (&profile, req.residency) {
-        (Some(p), Residency::Experts(_) | Residency::VramBudgetGb(_)) if on_cuda => {
-            p.prefers_plain().cloned()
-        }
+    // A profile chooses among what it measured: the draft at automatic depth, plain decoding
+    // without it (the draft's memory as expert slots, loading no draft) and, where it measured
+    // them and the host path is on (`--host-experts auto`), both with the host path, which is
+    // then kept or turned off as chosen. Only where experts are offloaded at all: an
+    // all-resident run has no cache to give the draft's memory to.
+    let with_host = req.cuda.host_experts.is_some();
+    let chosen = match (&profile, req.residency) {
+        (Some(p), Residency::Experts(_) | Residency::VramBudgetGb(_)) if on_cuda => Some((
+            p.choice_with(with_host && p.host.is_some()),
+            with_host && p.host.is_some(),
+        )),
+        _ => None,
+    };
+    let plain = match (&profile, chosen) {
+        (Some(p), Some((c, _))) if !c.draft() => p.plain.clone(),
         _ => None,
     };
     if plain.is_some() {
@@ -347,6 +395,9 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
     session_opts.with_draft = mode != Mode::Target;
     session_opts.verify = req.verify;
     session_opts.cuda = req.cuda.clone();
+    if let Some((c, true)) = chosen {
+        session_opts.cuda.host_experts = req.cuda.host_experts.filter(|_| c.host());
+    }
     let mut simulated_slots = None;
     if on_cuda {
         let slots = match req.residency {
@@ -357,13 +408,12 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
             }
         };
         session_opts.offload = slots.map(|n| (n, req.policy));
+        if let (Some(p), Some((c, measured_host))) = (&profile, chosen) {
+            if c != Candidate::Draft || measured_host {
+                note(&profile_note(p, c));
+            }
+        }
         if let Some(p) = &plain {
-            note(&format!(
-                "profile: plain decoding without the draft at {} slots per layer ({:.2} ms) beats speculation ({:.2} ms)",
-                p.slots,
-                p.tpot_ms,
-                profile.as_ref().map_or(0.0, |f| f.best_tpot_ms())
-            ));
             session_opts.offload = Some((p.slots, Policy::Lru));
         }
     } else {
@@ -401,6 +451,16 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
         (Some(p), Some(path)) if plain.is_some() => {
             p.check_machine(&session, path)?;
             None
+        }
+        // With the host path chosen the residency differs from the sweep's by design.
+        (Some(p), Some(path))
+            if req.auto_depth && matches!(chosen, Some((Candidate::SpecterHybrid, _))) =>
+        {
+            p.check_machine(&session, path)?;
+            Some(AutoDepthStart {
+                start: p.best_depth.min(depth),
+                seed: p.seconds_per_token(),
+            })
         }
         (Some(p), Some(path)) if req.auto_depth => Some(AutoDepthStart {
             start: p.start_depth_for(&session, path)?.min(depth),
@@ -475,6 +535,7 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
             slots: p.slots,
             profiled_tpot_ms: p.tpot_ms,
         }),
+        profile_choice: chosen.map(|(c, _)| c.name()),
         mode: format!("{:?}", opts.mode).to_lowercase(),
         startup: StartupReport {
             bundle_opened_ms: session.startup.bundle_opened_ms,
@@ -555,6 +616,29 @@ pub fn slots_for_budget(path: &Path, gb: f64, with_draft: bool) -> Result<usize>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_profile_note_names_the_choice_and_what_it_beat() {
+        let mut p = crate::depth_profile::sample_profile(vec![0, 4], vec![40.0, 30.0], Some(31.0));
+        assert_eq!(
+            profile_note(&p, p.choice()),
+            "profile: the draft at automatic depth, copying every miss (30.00 ms) beats plain \
+             31.00 ms"
+        );
+        p.host = Some(crate::depth_profile::HostCandidates {
+            threads: 8,
+            plain_tpot_ms: Some(25.0),
+            depth: 4,
+            draft_tpot_ms: Some(27.0),
+        });
+        assert_eq!(p.choice(), Candidate::Hybrid);
+        assert_eq!(
+            profile_note(&p, p.choice()),
+            "profile: hybrid: plain decoding without the draft at 32 slots per layer, part of the \
+             misses on host threads (25.00 ms) beats draft 30.00 ms, plain 31.00 ms, \
+             specter-hybrid 27.00 ms"
+        );
+    }
 
     #[test]
     fn auto_falls_back_to_the_cpu_and_says_why() {

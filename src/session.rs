@@ -10,9 +10,7 @@ use tokenizers::Tokenizer;
 
 use crate::arch::{ArchConfig, MoeModel};
 use crate::backend::cpu::Cpu;
-use crate::backend::cuda::{
-    CudaBackend, CudaDevice, CudaOptions, HostExpertsConfig, OffloadConfig,
-};
+use crate::backend::cuda::{CudaBackend, CudaDevice, CudaOptions, OffloadConfig};
 use crate::model::LanguageModel;
 use crate::offload::Policy;
 use crate::startup::{since_start_ms, StartupTimes};
@@ -121,12 +119,11 @@ impl Session {
                         slots_per_layer: slots,
                         policy,
                         host_path: opts.cuda.host_path,
-                        host_experts: opts.cuda.host_experts.map(|threads| HostExpertsConfig {
-                            threads,
-                            link_bytes_per_s: opts.cuda.link_bytes_per_s,
-                            // A first guess the split corrects after the first layer.
-                            host_bytes_per_s: opts.cuda.link_bytes_per_s,
-                        }),
+                        host_experts: opts
+                            .cuda
+                            .host_experts
+                            .map(|threads| opts.cuda.host_experts_config(threads)),
+                        link_pace_bytes_per_s: opts.cuda.link_pace_bytes_per_s,
                     });
                 let cuda = opts.cuda.clone();
                 Some(

@@ -107,6 +107,7 @@ fn every_fixture_every_residency(speculative: bool) {
                     policy,
                     host_path,
                     host_experts,
+                    link_pace_bytes_per_s: None,
                 }),
             ));
         }
@@ -253,6 +254,7 @@ fn impossible_residency_is_a_clear_error() {
             policy: Policy::Lru,
             host_path: HostPath::Auto,
             host_experts: None,
+            link_pace_bytes_per_s: None,
         };
         match CudaBackend::with_device(device.clone(), Some(cfg), &CudaOptions::default()) {
             Err(e) => assert!(e.to_string().contains("--resident-experts"), "{e}"),

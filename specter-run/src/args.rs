@@ -123,19 +123,22 @@ impl SamplingArgs {
     }
 }
 
-/// The host path for cold experts (CUDA with offloaded experts).
+/// The host path for cold experts and the link's pace (CUDA with offloaded experts).
 #[derive(clap::Args, Clone, Debug)]
 pub struct HybridArgs {
     /// auto: compute part of the missing experts on host threads from the bundle's mapping while
-    /// the rest are copied (the split follows both paths' measured rates); off: copy every miss.
-    #[arg(long, value_enum, default_value_t = HostExpertsArg::Off)]
-    pub host_experts: HostExpertsArg,
+    /// the rest are copied (the split follows both paths' measured rates); off (the default):
+    /// copy every miss. bench: its hybrid modes take the host path anyway, and its auto mode
+    /// measures the host path as a candidate unless this is off.
+    #[arg(long, value_enum)]
+    pub host_experts: Option<HostExpertsArg>,
     /// Host threads of the host path (default: every core).
     #[arg(long)]
     pub host_threads: Option<usize>,
-    /// The link's rate in GB/s that the split starts from (default 54, a PCIe 5.0 x16 link's
-    /// pinned copies; 25 for PCIe 4.0 x16).
-    #[arg(long, value_parser = positive_gbps)]
+    /// Paces expert copies to X GB/s to emulate a slower link (25: PCIe 4.0 x16); the hybrid
+    /// split starts from it too. Default: unpaced, the split starting from 54 GB/s (a PCIe 5.0
+    /// x16 link's pinned copies).
+    #[arg(long, value_parser = positive_gbps, value_name = "X")]
     pub link_gbps: Option<f64>,
 }
 
@@ -153,25 +156,31 @@ fn positive_gbps(text: &str) -> std::result::Result<f64, String> {
 }
 
 impl HybridArgs {
-    /// Sets the host path in `cuda` as these arguments ask.
+    /// Sets the host path and the link's pace in `cuda` as these arguments ask.
     pub fn apply(&self, cuda: &mut CudaOptions) -> Result<()> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if let Some(t) = self.host_threads {
             if t == 0 || t > cores {
                 bail!("--host-threads {t}: this machine has {cores} cores (use 1 to {cores})");
             }
-            if self.host_experts == HostExpertsArg::Off {
+            if self.host_experts != Some(HostExpertsArg::Auto) {
                 bail!("--host-threads needs --host-experts auto");
             }
         }
         if let Some(gbps) = self.link_gbps {
+            cuda.link_pace_bytes_per_s = Some(gbps * 1e9);
             cuda.link_bytes_per_s = gbps * 1e9;
         }
         cuda.host_experts = match self.host_experts {
-            HostExpertsArg::Auto => Some(self.host_threads.unwrap_or(cores)),
-            HostExpertsArg::Off => None,
+            Some(HostExpertsArg::Auto) => Some(self.host_threads.unwrap_or(cores)),
+            Some(HostExpertsArg::Off) | None => None,
         };
         Ok(())
+    }
+
+    /// Whether an automatic choice may take the host path (the user did not turn it off).
+    pub fn host_allowed(&self) -> bool {
+        self.host_experts != Some(HostExpertsArg::Off)
     }
 }
 
@@ -267,6 +276,10 @@ pub struct ProfileArgs {
     /// no draft). Default: --resident-experts plus the slots the draft's VRAM is worth.
     #[arg(long, requires = "resident_experts")]
     pub plain_experts: Option<usize>,
+    /// With --resident-experts, `--host-experts auto` also measures the plain candidate and the
+    /// draft at its fastest depth with the host path, for `generate --profile` to choose from.
+    #[command(flatten)]
+    pub hybrid: HybridArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -385,6 +398,69 @@ mod tests {
         assert!(!opts.graphs);
         assert_eq!(opts.load_threads, Some(3));
         assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);
+    }
+
+    #[derive(clap::Parser)]
+    struct Generate {
+        #[command(flatten)]
+        args: GenerateArgs,
+    }
+
+    #[derive(clap::Parser)]
+    struct Bench {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn hybrid(words: &[&str]) -> std::result::Result<HybridArgs, clap::Error> {
+        use clap::Parser;
+        let argv = ["generate", "m.specter", "--prompt", "x"];
+        Generate::try_parse_from(argv.iter().chain(words)).map(|g| g.args.hybrid)
+    }
+
+    #[test]
+    fn host_experts_are_off_unless_asked_for() {
+        use clap::Parser;
+        let mut cuda = CudaOptions::default();
+        hybrid(&[]).unwrap().apply(&mut cuda).unwrap();
+        assert_eq!(cuda, CudaOptions::default());
+        assert_eq!(cuda.host_experts, None);
+        let bench = Bench::try_parse_from(["bench", "m.specter", "--case", "ds_high"]).unwrap();
+        bench.args.hybrid.apply(&mut cuda).unwrap();
+        assert_eq!(cuda.host_experts, None);
+        assert!(bench.args.hybrid.host_allowed());
+        let auto = hybrid(&["--host-experts", "auto", "--host-threads", "1"]).unwrap();
+        auto.apply(&mut cuda).unwrap();
+        assert_eq!(cuda.host_experts, Some(1));
+        let off = hybrid(&["--host-experts", "off"]).unwrap();
+        assert!(!off.host_allowed());
+        off.apply(&mut cuda).unwrap();
+        assert_eq!(cuda.host_experts, None);
+        let err = hybrid(&["--host-threads", "1"])
+            .unwrap()
+            .apply(&mut cuda)
+            .unwrap_err();
+        assert!(err.to_string().contains("--host-experts auto"), "{err}");
+    }
+
+    #[test]
+    fn link_gbps_paces_the_copies_and_seeds_the_split() {
+        let mut cuda = CudaOptions::default();
+        hybrid(&["--link-gbps", "25"])
+            .unwrap()
+            .apply(&mut cuda)
+            .unwrap();
+        assert_eq!(cuda.link_pace_bytes_per_s, Some(25e9));
+        assert_eq!(cuda.link_bytes_per_s, 25e9);
+        assert_eq!(cuda.host_experts_config(2).link_bytes_per_s, 25e9);
+        for bad in ["0", "-3", "inf", "NaN", "fast"] {
+            let flag = format!("--link-gbps={bad}");
+            let err = hybrid(&[&flag]).expect_err(bad);
+            assert!(
+                err.to_string().contains("not a positive number of GB/s"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -131,6 +131,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         repeats: args.repeats,
         cuda,
         sampling: args.sampling.sampling(),
+        auto_host: args.hybrid.host_allowed(),
     };
     let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
         Some(bar) => {

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use specter::depth_profile::{Candidate, HostCandidates};
 use specter::session::{BackendKind, Session, SessionOptions};
 use specter::with_session_model;
 
@@ -106,6 +107,13 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
     let backend = crate::args::resolve_backend(args.backend);
     let mut opts = SessionOptions::new(backend);
     opts.cuda = cuda_options_from_env()?;
+    args.hybrid.apply(&mut opts.cuda)?;
+    // The host path is measured as candidates beside the sweeps, not within them.
+    let host = opts
+        .cuda
+        .host_experts
+        .take()
+        .map(|threads| opts.cuda.host_experts_config(threads));
     if let Some(n) = args.resident_experts {
         if backend != BackendKind::Cuda {
             bail!(
@@ -113,16 +121,35 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             );
         }
         opts.offload = Some((n, slot_policy(args.policy)));
+    } else if host.is_some() {
+        bail!("--host-experts auto needs --resident-experts when profiling (the host path computes offloaded experts)");
     }
     let mut report = {
         let session = Session::open_with(&args.bundle, &opts)?;
-        specter::depth_profile::sweep(
+        let mut report = specter::depth_profile::sweep(
             &session,
             &args.prompt_ids,
             args.new_tokens,
             &args.depths,
             args.repeats,
-        )?
+        )?;
+        if let (Some(h), Some(depth)) = (host, report.best_draft_depth()) {
+            let ms = specter::depth_profile::measure_with_host(
+                &session,
+                &args.prompt_ids,
+                args.new_tokens,
+                Some(depth),
+                h,
+                args.repeats,
+            )?;
+            report.host = Some(HostCandidates {
+                threads: h.threads,
+                plain_tpot_ms: None,
+                depth,
+                draft_tpot_ms: Some(ms),
+            });
+        }
+        report
     };
     if let Some((resident, policy)) = opts.offload {
         // Plain decoding with the draft's memory as slots: what auto depth falls back to.
@@ -148,6 +175,25 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             args.repeats,
         )?;
         report.plain = Some(specter::depth_profile::PlainCandidate { slots, tpot_ms });
+        if let Some(h) = host {
+            let ms = specter::depth_profile::measure_with_host(
+                &session,
+                &args.prompt_ids,
+                args.new_tokens,
+                None,
+                h,
+                args.repeats,
+            )?;
+            report
+                .host
+                .get_or_insert(HostCandidates {
+                    threads: h.threads,
+                    plain_tpot_ms: None,
+                    depth: 0,
+                    draft_tpot_ms: None,
+                })
+                .plain_tpot_ms = Some(ms);
+        }
     }
     report.save(&args.output)?;
     println!("depth  tpot_ms  acceptance");
@@ -165,18 +211,36 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             p.slots, p.tpot_ms
         );
     }
-    match report.prefers_plain() {
-        Some(p) => println!(
-            "best: plain decoding without the draft at {} slots per layer, written to {}",
-            p.slots,
-            args.output.display()
-        ),
-        None => println!(
-            "best depth {} ({}), written to {}",
-            report.best_depth,
-            report.key.residency,
-            args.output.display()
-        ),
+    if let Some(h) = &report.host {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |t| format!("{t:.3} ms"));
+        println!(
+            "with the host path ({} threads): plain {}, draft at depth {} {}",
+            h.threads,
+            ms(h.plain_tpot_ms),
+            h.depth,
+            ms(h.draft_tpot_ms)
+        );
     }
+    let slots = report.plain.as_ref().map_or(0, |p| p.slots);
+    let threads = report.host.as_ref().map_or(0, |h| h.threads);
+    let best = match report.choice() {
+        Candidate::Draft => format!(
+            "best depth {} ({})",
+            report.best_depth, report.key.residency
+        ),
+        Candidate::Plain => {
+            format!("best: plain decoding without the draft at {slots} slots per layer")
+        }
+        Candidate::Hybrid => format!(
+            "best: hybrid, plain decoding without the draft at {slots} slots per layer, part of \
+             the misses on {threads} host threads"
+        ),
+        Candidate::SpecterHybrid => format!(
+            "best: specter-hybrid, the draft from depth {} ({}), part of the misses on {threads} \
+             host threads",
+            report.best_depth, report.key.residency
+        ),
+    };
+    println!("{best}, written to {}", args.output.display());
     Ok(())
 }

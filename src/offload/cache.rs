@@ -449,6 +449,7 @@ impl ExpertCache {
         s.lookups += experts.len() as u64;
         s.hits += hits;
         s.misses += misses;
+        s.experts_copied += misses;
         s.layer_hits[layer] += hits;
         s.layer_misses[layer] += misses;
         s.target_needed += experts.len() as u64;
@@ -494,6 +495,7 @@ impl ExpertCache {
             });
         }
         self.stats.prefetched += loads.len() as u64;
+        self.stats.experts_copied += loads.len() as u64;
         self.stats.prefetch_wasted += wasted;
         let bytes = loads.len() as u64 * self.config.expert_bytes as u64;
         self.stats.bytes_copied += bytes;

@@ -17,5 +17,5 @@ pub use cache::{
 pub use placement::HostSplit;
 pub use planner::{frequency_top_m, Plan, Planner, FREQUENCY_STEPS};
 pub use simulator::{ComputeModel, OffloadSimulator, SimulatorConfig};
-pub use stats::OffloadStats;
+pub use stats::{OffloadStats, PathFigures, PathTelemetry};
 pub use transfer::{SimulatedTransfers, TransferEngine, TransferId};

@@ -177,6 +177,8 @@ impl OffloadSimulator {
         let mut stats = self.cache.stats().clone();
         stats.path = "simulated".to_string();
         stats.stall_s = self.transfers.stall_s();
+        // The simulated link's stall; the simulator has no host path, so its stall stays 0.
+        stats.link_stall_seconds = stats.stall_s;
         stats.compute_s = self.compute_s;
         stats.simulated_s = self.simulated_s;
         stats.committed_tokens = self.committed_tokens;

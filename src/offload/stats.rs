@@ -1,6 +1,16 @@
 //! [`OffloadStats`]: what an expert cache did, the same type for the GPU and the simulator. The
 //! cache policy counts lookups, hits, misses and prefetches; the GPU adds copy times and the copy
 //! path, the simulator its simulated clock.
+//!
+//! A missing expert takes one of two paths, each with its experts, bytes, seconds and stalls:
+//!
+//! | path | experts | bytes | busy seconds | stall seconds |
+//! |---|---|---|---|---|
+//! | link (copied into a slot) | `experts_copied` | `bytes_copied` | `copy_seconds` | `link_stall_seconds` |
+//! | host (computed in place) | `host_experts` | `host_bytes` | `host_seconds` | `host_stall_seconds` |
+//!
+//! Busy seconds are the path's own time (copy stream, host threads); stall seconds are the part of
+//! it the decode waited for: what overlapping the two paths with the GPU's work did not hide.
 
 /// Counters since the last reset. Lookups count each (target pass, MoE layer, expert) once.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -18,10 +28,17 @@ pub struct OffloadStats {
     pub lookups: u64,
     pub hits: u64,
     pub misses: u64,
+    /// Experts copied into slots (the link path): demand loads (`misses`) and prefetches.
+    pub experts_copied: u64,
     /// Bytes copied into slots, demand loads and prefetches together.
     pub bytes_copied: u64,
-    /// Time the copy stream spent copying (device events), seconds; 0 in the simulator.
+    /// Time the copy stream spent copying (device events), seconds; 0 in the simulator. With a
+    /// link pace, the paced time.
     pub copy_seconds: f64,
+    /// Time the compute stream waited for demand copies to land (device events: from when it
+    /// reached the wait to the copies' end, where positive), seconds; prefetches still landing
+    /// are not counted. In the simulator: `stall_s`, prefetches included.
+    pub link_stall_seconds: f64,
     /// Experts copied ahead of the verify pass by the draft-driven plan.
     pub prefetched: u64,
     /// Of those, the ones a target pass then used.
@@ -48,6 +65,9 @@ pub struct OffloadStats {
     pub host_bytes: u64,
     /// Wall-clock seconds of host expert work (inputs down, compute, outputs up).
     pub host_seconds: f64,
+    /// Wall-clock seconds the decode thread waited for host expert work after it had issued all
+    /// of the layer's GPU work; 0 in the simulator.
+    pub host_stall_seconds: f64,
     /// Target-pass hits and misses per MoE layer.
     pub layer_hits: Vec<u64>,
     pub layer_misses: Vec<u64>,
@@ -63,7 +83,43 @@ pub struct OffloadStats {
     pub simulated_tpot_ms: f64,
 }
 
+/// One path's share of the missing experts (see the table at the top of this file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PathFigures {
+    pub experts: u64,
+    pub bytes: u64,
+    /// The path's busy time, seconds.
+    pub seconds: f64,
+    /// The time the decode waited for it, seconds.
+    pub stall_seconds: f64,
+}
+
+/// Both paths of the missing experts side by side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PathTelemetry {
+    pub link: PathFigures,
+    pub host: PathFigures,
+}
+
 impl OffloadStats {
+    /// The link's and the host's experts, bytes, seconds and stalls.
+    pub fn paths(&self) -> PathTelemetry {
+        PathTelemetry {
+            link: PathFigures {
+                experts: self.experts_copied,
+                bytes: self.bytes_copied,
+                seconds: self.copy_seconds,
+                stall_seconds: self.link_stall_seconds,
+            },
+            host: PathFigures {
+                experts: self.host_experts,
+                bytes: self.host_bytes,
+                seconds: self.host_seconds,
+                stall_seconds: self.host_stall_seconds,
+            },
+        }
+    }
+
     /// Zeroed counters of a cache with these settings.
     pub fn new(policy: &str, slots_per_layer: usize, slot_bytes: usize, moe_layers: usize) -> Self {
         OffloadStats {
@@ -115,5 +171,45 @@ fn ratio(a: u64, b: u64) -> f64 {
         0.0
     } else {
         a as f64 / b as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_paths_gather_each_sides_figures() {
+        let s = OffloadStats {
+            experts_copied: 3,
+            bytes_copied: 300,
+            copy_seconds: 0.5,
+            link_stall_seconds: 0.25,
+            host_experts: 2,
+            host_bytes: 200,
+            host_seconds: 0.75,
+            host_stall_seconds: 0.125,
+            ..OffloadStats::new("lru", 4, 100, 2)
+        };
+        let p = s.paths();
+        assert_eq!(
+            p.link,
+            PathFigures {
+                experts: 3,
+                bytes: 300,
+                seconds: 0.5,
+                stall_seconds: 0.25
+            }
+        );
+        assert_eq!(
+            p.host,
+            PathFigures {
+                experts: 2,
+                bytes: 200,
+                seconds: 0.75,
+                stall_seconds: 0.125
+            }
+        );
+        assert_eq!(s.copy_bandwidth(), 600.0);
     }
 }

@@ -248,3 +248,27 @@ async fn shutdown_signal(shutdown: Arc<AtomicBool>) {
     eprintln!("specter-run serve: shutting down");
     shutdown.store(true, Ordering::SeqCst);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    #[test]
+    fn serve_copies_every_miss_unpaced_by_default() {
+        use clap::Parser;
+        let serve = Serve::try_parse_from(["serve", "m.specter"]).unwrap();
+        let mut cuda = specter::backend::cuda::CudaOptions::default();
+        serve.args.hybrid.apply(&mut cuda).unwrap();
+        assert_eq!(cuda.host_experts, None);
+        assert_eq!(cuda.link_pace_bytes_per_s, None);
+        let paced = Serve::try_parse_from(["serve", "m.specter", "--link-gbps", "25"]).unwrap();
+        paced.args.hybrid.apply(&mut cuda).unwrap();
+        assert_eq!(cuda.link_pace_bytes_per_s, Some(25e9));
+    }
+}

@@ -23,7 +23,7 @@ use super::load::{LoadIo, LoadReport, PendingLoad};
 use super::moe_int4::MoeInt4Kernels;
 use super::pool::{bucket, default_mem_pool, pool_attribute, BufferPool, MemPool, PooledBuf};
 use super::rope::RopeTableGpu;
-use super::slots::{ExpertOffload, OffloadConfig};
+use super::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
 use super::{CudaDevice, CudaOptions};
 use crate::offload::OffloadStats;
 use crate::{Error, Result};
@@ -249,6 +249,23 @@ impl CudaBackend {
         match &self.offload {
             None => Ok(None),
             Some(o) => Ok(Some(self.lock(o)?.slots_per_layer())),
+        }
+    }
+
+    /// Turns the host path for missing experts on (`Some`: threads and first rate estimates) or
+    /// off between generations; refused without offloaded experts. The cache keeps its residency.
+    pub fn set_host_experts(&self, host: Option<HostExpertsConfig>) -> Result<()> {
+        match &self.offload {
+            Some(o) => {
+                self.synchronize()?;
+                self.lock(o)?.set_host(host)
+            }
+            None if host.is_none() => Ok(()),
+            None => Err(Error::Request(
+                "the host path computes offloaded experts: it needs --resident-experts (or a \
+                 VRAM budget) below every expert"
+                    .into(),
+            )),
         }
     }
 

@@ -65,6 +65,22 @@ impl Kernels {
     }
 }
 
+/// The link pacing pair of kernels/util.cu (`link_pace_start`, `link_pace_wait`), loaded only
+/// when expert copies are paced, so that other runs never load that module.
+pub(super) struct PaceKernels {
+    pub(super) start: CudaFunction,
+    pub(super) wait: CudaFunction,
+}
+
+impl PaceKernels {
+    pub(super) fn load(dev: &CudaDevice) -> Result<Self> {
+        Ok(PaceKernels {
+            start: dev.function("util", "link_pace_start")?,
+            wait: dev.function("util", "link_pace_wait")?,
+        })
+    }
+}
+
 /// A kernel argument: every argument travels as one 8-byte slot (the driver reads as many bytes as
 /// the parameter has, and the target is little-endian).
 pub(super) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {

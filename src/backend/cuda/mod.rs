@@ -24,6 +24,7 @@ mod moe_int4;
 mod nvrtc;
 mod ops;
 mod options;
+mod pace;
 mod pool;
 mod prefetch;
 mod recording;

@@ -1,7 +1,7 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
 //! the binaries map `SPECTER_CUDA_GRAPHS` and `SPECTER_LOAD_THREADS` onto these fields.
 
-use super::{HostPath, LoadIo};
+use super::{HostExpertsConfig, HostPath, LoadIo};
 
 /// How a [`CudaBackend`](super::CudaBackend) runs.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,9 +17,25 @@ pub struct CudaOptions {
     /// With offloaded experts: compute some missing ones on this many host threads instead of
     /// copying them (the hybrid path); `None`: copy every miss.
     pub host_experts: Option<usize>,
-    /// The link's rate, bytes per second, that the hybrid split starts from (the host's is
-    /// measured as the run goes).
+    /// The link's rate, bytes per second, that the hybrid split starts from (both paths' rates
+    /// are then measured as the run goes). With a pace, the pace is the start instead.
     pub link_bytes_per_s: f64,
+    /// With offloaded experts: hold expert copies to this many bytes per second, to emulate a
+    /// slower link (25e9: PCIe 4.0 x16) on a faster one; `None`: the link's own rate.
+    pub link_pace_bytes_per_s: Option<f64>,
+}
+
+impl CudaOptions {
+    /// The host path with `threads` threads, its split starting from the link's rate (the pace,
+    /// when set) for both paths: the split corrects the host's after the first layer.
+    pub fn host_experts_config(&self, threads: usize) -> HostExpertsConfig {
+        let link = self.link_pace_bytes_per_s.unwrap_or(self.link_bytes_per_s);
+        HostExpertsConfig {
+            threads,
+            link_bytes_per_s: link,
+            host_bytes_per_s: link,
+        }
+    }
 }
 
 impl Default for CudaOptions {
@@ -31,6 +47,7 @@ impl Default for CudaOptions {
             host_path: HostPath::Auto,
             host_experts: None,
             link_bytes_per_s: 54e9,
+            link_pace_bytes_per_s: None,
         }
     }
 }

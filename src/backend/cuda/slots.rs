@@ -10,7 +10,9 @@
 //! Ordering: a batch's copies wait on the compute stream's "released" event of the last kernels
 //! that read the slots being overwritten; the compute stream waits on the copies' "ready" event
 //! before the kernels that read them. Timing events around each batch of copies give the copy
-//! stream's busy time, hence the achieved bandwidth.
+//! stream's busy time, hence the achieved bandwidth; with a link pace they also enclose the pacing
+//! kernels (src/backend/cuda/pace.rs). An event on the compute stream just before it waits for a
+//! demand batch gives the time it stalled for that batch.
 
 use std::sync::Arc;
 
@@ -19,6 +21,7 @@ use specter_format::Bundle;
 
 use super::driver::guarded;
 use super::host::{PinnedBuffer, RegisteredHost};
+use super::pace::LinkPace;
 use super::CudaDevice;
 use crate::arch::{expert_tensor_name, ArchConfig, Proj};
 use crate::host_experts::{ExpertWeights, HostExperts};
@@ -49,6 +52,9 @@ pub struct OffloadConfig {
     /// Compute some missing experts on the host instead of copying them (see
     /// [`HostExpertsConfig`]); `None`: every miss is copied.
     pub host_experts: Option<HostExpertsConfig>,
+    /// Hold expert copies to this many bytes per second, to emulate a slower link (see
+    /// src/backend/cuda/pace.rs); `None`: copies run at the link's own rate.
+    pub link_pace_bytes_per_s: Option<f64>,
 }
 
 /// The host path for missing experts: its threads and the first estimates of both paths' rates
@@ -100,6 +106,16 @@ struct BlobLayout {
     down: usize,
 }
 
+/// One timed batch of copies on the copy stream.
+struct CopyBatch {
+    start: CudaEvent,
+    end: CudaEvent,
+    bytes: usize,
+    prefetch: bool,
+    /// Demand batches: recorded on the compute stream just before it waits for the batch.
+    arrive: Option<CudaEvent>,
+}
+
 struct LayerSlots {
     /// The layer's MoE index (the cache policy's layer numbering).
     moe_index: usize,
@@ -136,8 +152,12 @@ pub struct ExpertOffload {
     copy_stream: Arc<CudaStream>,
     ready: CudaEvent,
     released: CudaEvent,
-    /// Copy batches to time: start, end, and whether it was a prefetch.
-    timings: Vec<(CudaEvent, CudaEvent, bool)>,
+    /// Copy batches to time, in issue order.
+    timings: Vec<CopyBatch>,
+    /// Batches of `timings` whose rate the host split has already learned.
+    link_learned: usize,
+    /// Holds copies to a set rate; `None`: unpaced.
+    pace: Option<LinkPace>,
     /// Per prefetch timing (by index into `timings`), the start of the verify pass after it.
     verify_marks: Vec<(usize, Arc<CudaEvent>)>,
     /// Prefetch timings not yet followed by a verify mark.
@@ -150,6 +170,8 @@ pub struct ExpertOffload {
     copy_seconds: f64,
     prefetch_copy_seconds: f64,
     prefetch_hidden_seconds: f64,
+    /// Compute-stream time spent waiting for demand batches (see [`OffloadStats`]).
+    link_stall_seconds: f64,
 }
 
 // SAFETY: the raw registrations and pinned buffers are only touched through `&mut self` (the
@@ -230,20 +252,6 @@ impl ExpertOffload {
                     down: offset_of(Proj::Down, [hidden, inter])?,
                 });
             }
-            if cfg.host_experts.is_some() {
-                // The host kernel reads the FP16 tensors where they lie: each must start on an
-                // even byte (the mapping itself is page-aligned).
-                if let Some(e) = blobs.iter().position(|b| {
-                    [b.gate, b.up, b.down]
-                        .iter()
-                        .any(|&t| (b.file_offset + t) % 2 != 0)
-                }) {
-                    return Err(Error::Request(format!(
-                        "--host-experts: expert {e} of layer {l} cannot be read in place as FP16 \
-                         (its tensors start on an odd byte); use --host-experts off"
-                    )));
-                }
-            }
             let lo = blobs.iter().map(|b| b.file_offset).min().unwrap_or(0);
             let hi = blobs
                 .iter()
@@ -320,13 +328,10 @@ impl ExpertOffload {
         };
         let registrations = Vec::new();
         let staging = vec![dev.alloc_pinned(slot_bytes)?, dev.alloc_pinned(slot_bytes)?];
-        let host = match cfg.host_experts {
-            Some(h) => Some((
-                Arc::new(HostExperts::new(h.threads, None)?),
-                HostSplit::new(h.link_bytes_per_s, h.host_bytes_per_s),
-            )),
-            None => None,
-        };
+        let pace = cfg
+            .link_pace_bytes_per_s
+            .map(|rate| LinkPace::new(dev, &copy_stream, rate))
+            .transpose()?;
         let cache = ExpertCache::new(
             ResidencyConfig {
                 num_moe_layers: moe_layers.len(),
@@ -337,14 +342,14 @@ impl ExpertOffload {
             },
             &InitialResidency::Empty,
         )?;
-        Ok(ExpertOffload {
+        let mut offload = ExpertOffload {
             registrations,
             registering,
             staging,
             next_staging: 0,
             bundle: cfg.bundle,
             cache,
-            host,
+            host: None,
             slots_per_layer: cfg.slots_per_layer,
             inter,
             matrix_bytes,
@@ -354,6 +359,8 @@ impl ExpertOffload {
             ready: event(false)?,
             released: event(false)?,
             timings: Vec::new(),
+            link_learned: 0,
+            pace,
             verify_marks: Vec::new(),
             unmarked: Vec::new(),
             path: "pinned-staging",
@@ -362,7 +369,45 @@ impl ExpertOffload {
             copy_seconds: 0.0,
             prefetch_copy_seconds: 0.0,
             prefetch_hidden_seconds: 0.0,
-        })
+            link_stall_seconds: 0.0,
+        };
+        offload.set_host(cfg.host_experts)?;
+        Ok(offload)
+    }
+
+    /// Turns the host path on (its threads and first rate estimates) or off. The residency and
+    /// the counters stay: `auto`'s calibration measures one session with and without it.
+    pub(crate) fn set_host(&mut self, host: Option<HostExpertsConfig>) -> Result<()> {
+        self.host = match host {
+            Some(h) => {
+                self.check_in_place()?;
+                Some((
+                    Arc::new(HostExperts::new(h.threads, None)?),
+                    HostSplit::new(h.link_bytes_per_s, h.host_bytes_per_s),
+                ))
+            }
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// The host kernel reads the FP16 tensors where they lie: each must start on an even byte
+    /// (the mapping itself is page-aligned).
+    fn check_in_place(&self) -> Result<()> {
+        for (l, layer) in self.layers.iter().enumerate() {
+            let Some(layer) = layer else { continue };
+            if let Some(e) = layer.blobs.iter().position(|b| {
+                [b.gate, b.up, b.down]
+                    .iter()
+                    .any(|&t| (b.file_offset + t) % 2 != 0)
+            }) {
+                return Err(Error::Request(format!(
+                    "--host-experts: expert {e} of layer {l} cannot be read in place as FP16 \
+                     (its tensors start on an odd byte); use --host-experts off"
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn check_expert(&self, layer: usize, expert: usize) -> Result<()> {
@@ -388,8 +433,12 @@ impl ExpertOffload {
             ),
             None => String::new(),
         };
+        let pace = match &self.pace {
+            Some(p) => format!(", paced to {:.1} GB/s", p.bytes_per_s() / 1e9),
+            None => String::new(),
+        };
         format!(
-            "{} of {} experts per layer in VRAM ({} policy, {:.1} MB slots, copies from {}{host})",
+            "{} of {} experts per layer in VRAM ({} policy, {:.1} MB slots, copies from {}{pace}{host})",
             self.slots_per_layer,
             self.layers
                 .iter()
@@ -409,11 +458,13 @@ impl ExpertOffload {
             l.slot_pending.iter_mut().for_each(|p| *p = false);
         }
         self.timings.clear();
+        self.link_learned = 0;
         self.verify_marks.clear();
         self.unmarked.clear();
         self.copy_seconds = 0.0;
         self.prefetch_copy_seconds = 0.0;
         self.prefetch_hidden_seconds = 0.0;
+        self.link_stall_seconds = 0.0;
     }
 
     /// Bytes issued to the copy stream since the last reset (counted at issue: no wait).
@@ -424,18 +475,24 @@ impl ExpertOffload {
     pub(crate) fn stats(&mut self) -> Result<OffloadStats> {
         let marks: std::collections::HashMap<usize, Arc<CudaEvent>> =
             self.verify_marks.drain(..).collect();
-        for (i, (start, end, prefetch)) in self.timings.drain(..).enumerate() {
-            let ms = guarded("cuEventElapsedTime", || start.elapsed_ms(&end))?;
+        for (i, b) in self.timings.drain(..).enumerate() {
+            let ms = guarded("cuEventElapsedTime", || b.start.elapsed_ms(&b.end))?;
             self.copy_seconds += ms as f64 / 1e3;
-            if prefetch {
+            if b.prefetch {
                 self.prefetch_copy_seconds += ms as f64 / 1e3;
                 if let Some(verify) = marks.get(&i) {
                     // The part of the copy before the verify pass began: [0, copy time].
-                    let before = guarded("cuEventElapsedTime", || start.elapsed_ms(verify))?;
+                    let before = guarded("cuEventElapsedTime", || b.start.elapsed_ms(verify))?;
                     self.prefetch_hidden_seconds += before.clamp(0.0, ms) as f64 / 1e3;
                 }
             }
+            if let Some(arrive) = &b.arrive {
+                // Negative when the batch had landed before compute got there: no stall.
+                let waited = guarded("cuEventElapsedTime", || arrive.elapsed_ms(&b.end))?;
+                self.link_stall_seconds += waited.max(0.0) as f64 / 1e3;
+            }
         }
+        self.link_learned = 0;
         self.unmarked.clear();
         let mut stats = self.cache.stats().clone();
         stats.path = self.path.to_string();
@@ -444,6 +501,7 @@ impl ExpertOffload {
         stats.copy_seconds = self.copy_seconds;
         stats.prefetch_copy_seconds = self.prefetch_copy_seconds;
         stats.prefetch_hidden_seconds = self.prefetch_hidden_seconds;
+        stats.link_stall_seconds = self.link_stall_seconds;
         Ok(stats)
     }
 
@@ -474,6 +532,7 @@ impl ExpertOffload {
         rows: &[u32],
     ) -> Result<Vec<Round>> {
         let moe_index = self.layer_mut(layer)?.moe_index;
+        self.learn_link()?;
         let elsewhere = match &self.host {
             Some((_, split)) => {
                 let misses = experts
@@ -509,6 +568,23 @@ impl ExpertOffload {
         })
     }
 
+    /// With the host path: the split learns the link's rate from the copy batches that have
+    /// finished since it last looked (event queries, no wait).
+    fn learn_link(&mut self) -> Result<()> {
+        let Some((_, split)) = &mut self.host else {
+            return Ok(());
+        };
+        while let Some(b) = self.timings.get(self.link_learned) {
+            if !guarded("cuEventQuery", || b.end.try_is_complete())? {
+                break;
+            }
+            let ms = guarded("cuEventElapsedTime", || b.start.elapsed_ms(&b.end))?;
+            split.record_link(b.bytes as u64, ms as f64 / 1e3);
+            self.link_learned += 1;
+        }
+        Ok(())
+    }
+
     /// The host computed `experts` experts in `seconds` (wall clock, inputs and outputs
     /// included): the split learns the host's rate.
     pub(crate) fn record_host(&mut self, experts: usize, seconds: f64) {
@@ -517,6 +593,14 @@ impl ExpertOffload {
             split.record_host(bytes, seconds);
         }
         self.cache.stats_mut().host_seconds += seconds;
+    }
+
+    /// The decode thread waited `seconds` (wall clock) for the host's expert work after it had
+    /// issued all of the layer's GPU work.
+    // moe.rs calls it once its host join times the wait; until then nothing does.
+    #[allow(dead_code)]
+    pub(crate) fn record_host_stall(&mut self, seconds: f64) {
+        self.cache.stats_mut().host_stall_seconds += seconds.max(0.0);
     }
 
     /// The slot pointers of a round's hits, in order; `compute` first waits for any prefetch
@@ -544,15 +628,21 @@ impl ExpertOffload {
     /// returns its start (recorded) and end (to record) events.
     fn begin_copy_batch(&self, copy: &CudaStream) -> Result<(CudaEvent, CudaEvent)> {
         guarded("cuStreamWaitEvent", || copy.wait(&self.released))?;
-        let ctx = copy.context().clone();
-        let timing = || {
-            guarded("cuEventCreate", || {
-                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            })
-        };
-        let (start, end) = (timing()?, timing()?);
+        let (start, end) = (timing_event(copy)?, timing_event(copy)?);
         guarded("cuEventRecord", || start.record(copy))?;
+        if let Some(pace) = &self.pace {
+            pace.begin(copy)?;
+        }
         Ok((start, end))
+    }
+
+    /// With a pace: holds `copy` until the batch's first `bytes` have taken as long as the paced
+    /// link would take for them.
+    fn pace_to(&self, copy: &CudaStream, bytes: usize) -> Result<()> {
+        match &self.pace {
+            Some(pace) => pace.end(copy, bytes),
+            None => Ok(()),
+        }
     }
 
     /// Copies a round's loads into their slots on the copy stream, after the kernels that last
@@ -570,10 +660,20 @@ impl ExpertOffload {
             self.layer_mut(layer)?.slot_pending[load.slot] = false;
             self.copy_expert(layer, load.expert as usize, load.slot)?;
         }
+        let bytes = loads.len() * self.slot_bytes;
+        self.pace_to(&copy, bytes)?;
         guarded("cuEventRecord", || end.record(&copy))?;
         guarded("cuEventRecord", || self.ready.record(&copy))?;
-        self.timings.push((start, end, false));
+        let arrive = timing_event(compute)?;
+        guarded("cuEventRecord", || arrive.record(compute))?;
         guarded("cuStreamWaitEvent", || compute.wait(&self.ready))?;
+        self.timings.push(CopyBatch {
+            start,
+            end,
+            bytes,
+            prefetch: false,
+            arrive: Some(arrive),
+        });
         loads
             .iter()
             .map(|load| self.slot_ptr(layer, load.slot, compute))
@@ -604,16 +704,26 @@ impl ExpertOffload {
         }
         // The slots may still be read by kernels issued before now.
         let (start, end) = self.begin_copy_batch(&copy)?;
+        let mut bytes = 0;
         for load in &chosen {
             self.copy_expert(layer, load.expert as usize, load.slot)?;
+            bytes += self.slot_bytes;
+            // Paced, each expert lands when the slower link would have delivered it.
+            self.pace_to(&copy, bytes)?;
             let l = self.layer_mut(layer)?;
             guarded("cuEventRecord", || l.slot_ready[load.slot].record(&copy))?;
             l.slot_pending[load.slot] = true;
         }
         guarded("cuEventRecord", || end.record(&copy))?;
         self.unmarked.push(self.timings.len());
-        self.timings.push((start, end, true));
-        Ok(chosen.len() * self.slot_bytes)
+        self.timings.push(CopyBatch {
+            start,
+            end,
+            bytes,
+            prefetch: true,
+            arrive: None,
+        });
+        Ok(bytes)
     }
 
     /// Ends the current plan: its experts become ordinary LRU residents.
@@ -745,4 +855,12 @@ impl ExpertOffload {
             src + len
         )))
     }
+}
+
+/// An event that keeps time, for `stream`'s context.
+fn timing_event(stream: &CudaStream) -> Result<CudaEvent> {
+    let ctx = stream.context().clone();
+    guarded("cuEventCreate", || {
+        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+    })
 }

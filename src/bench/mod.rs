@@ -9,21 +9,27 @@
 //! - `lru`, `ondemand`: target-only, plain autoregressive, with the case's matched number of
 //!   resident experts per layer (the draft's memory given to the cache, as the paper's baselines);
 //! - `specter`: the INT4 draft proposes at the case's depth, draft-driven prefetch;
-//! - `auto`: as `specter` with automatic depth;
+//! - `auto`: the fastest of `specter` at automatic depth, plain `lru` without the draft and, where
+//!   the host path may run, `hybrid` and `specter-hybrid`, by a calibration on the first prompt
+//!   (auto.rs);
 //! - `specmoeoff`: the SpecMoEOff-style baseline: a draft with its own KV cache at K = 3,
 //!   route-frequency Top-M prefetch after draft steps 0 and 1 ([`FrequencyPrefetcher`]), with the
 //!   case's SpecMoEOff residency (12 of 64 for ds_high, 2 of 64 for ds_low). Its draft is this
 //!   bundle's INT4 experts with a KV of their own, not a separate smaller model (see
 //!   [`Mode::SpecMoeOff`]): if anything that makes its acceptance better than the original's.
 
+mod auto;
+
 use std::time::Instant;
 
 use serde::Serialize;
 
+pub use auto::{calibrate_auto, AutoChoice};
+
 use crate::backend::cuda::CudaOptions;
 use crate::decode::{GenerateOptions, GenerateOutput, Mode, Sampling, SPECMOEOFF_DEPTH};
-use crate::depth_profile::{DepthProfile, PlainCandidate};
-use crate::offload::Policy;
+use crate::depth_profile::DepthProfile;
+use crate::offload::{PathTelemetry, Policy};
 use crate::session::{BackendKind, Session, SessionOptions};
 use crate::strategy::{decode_on_session, AutoDepthStart, DecodePlan};
 use crate::{Error, Result};
@@ -199,6 +205,12 @@ pub struct BenchRun {
     pub prefetch_hidden_share: Option<f64>,
     /// Hit rate of each MoE layer over the run.
     pub layer_hit_rates: Vec<f64>,
+    /// The missing experts' two paths over the whole run: copied over the link, computed on the
+    /// host (offloaded CUDA runs).
+    pub paths: Option<PathTelemetry>,
+    /// Their stalls over the whole run per generated token, ms.
+    pub link_stall_ms_per_token: Option<f64>,
+    pub host_stall_ms_per_token: Option<f64>,
     /// Equal to the reference (target-only) tokens for this prompt.
     pub agrees: bool,
     /// See [`repeated_4gram_share`].
@@ -226,6 +238,8 @@ pub struct ModeSummary {
     /// Mean TPOT over mean floor.
     pub tpot_over_floor: Option<f64>,
     pub mean_prefetch_hidden_share: Option<f64>,
+    pub mean_link_stall_ms_per_token: Option<f64>,
+    pub mean_host_stall_ms_per_token: Option<f64>,
     /// Per MoE layer, the mean hit rate over the runs.
     pub layer_hit_rates: Vec<f64>,
     pub peak_vram_bytes: Option<u64>,
@@ -270,6 +284,9 @@ pub struct BenchOptions {
     /// Greedy (the paper's protocol) or sampled: speculative rejection sampling keeps the
     /// target's distribution, so modes then agree in distribution, not token by token.
     pub sampling: Sampling,
+    /// `auto` may choose the host path (measure `hybrid` and `specter-hybrid` too); false when
+    /// the user turned the host path off.
+    pub auto_host: bool,
 }
 
 /// The share of an output's 4-grams that repeat an earlier one: looping output inflates expert
@@ -355,14 +372,9 @@ pub fn run(
         let mut session_opts = SessionOptions::new(opts.backend);
         session_opts.with_draft = !mode.target_only();
         session_opts.cuda = opts.cuda.clone();
-        // Only the hybrid modes take the host path (with `--host-threads`, else every core).
-        session_opts.cuda.host_experts =
-            match mode.hybrid() {
-                true => Some(opts.cuda.host_experts.unwrap_or_else(|| {
-                    std::thread::available_parallelism().map_or(1, |n| n.get())
-                })),
-                false => None,
-            };
+        // Only the hybrid modes take the host path (with `--host-threads`, else every core);
+        // `auto` turns it on if its calibration chooses it.
+        session_opts.cuda.host_experts = mode.hybrid().then(|| auto::host_threads(&opts.cuda));
         let mut resident = match (mode, opts.backend) {
             (_, BackendKind::Cpu) | (BenchMode::Resident, _) => None,
             (BenchMode::Lru | BenchMode::Hybrid, _) => Some((opts.case.matched, Policy::Lru)),
@@ -401,12 +413,12 @@ pub fn run(
             auto_choice = Some(choice.describe());
             auto_calibration = Some(profile);
             match choice {
-                AutoChoice::Plain { slots } => {
+                AutoChoice::Plain { slots, .. } => {
                     resident = Some((slots, Policy::Lru));
                     gen.mode = Mode::Target;
                     auto_start = None;
                 }
-                AutoChoice::Draft { profile } => {
+                AutoChoice::Draft { profile, .. } => {
                     auto_start = Some(AutoDepthStart {
                         start: gen.depth,
                         seed: profile,
@@ -449,6 +461,8 @@ pub fn run(
                     .zip(bytes_at_first)
                     .map(|(s, first)| s.bytes_copied.saturating_sub(first) as f64 / decode_tokens);
                 let copy_rate = stats.as_ref().map(|s| s.copy_bandwidth());
+                let tokens = out.tokens.len().max(1) as f64;
+                let paths = stats.as_ref().map(|s| s.paths());
                 runs.push(BenchRun {
                     mode: mode.name(),
                     prompt: p,
@@ -476,6 +490,9 @@ pub fn run(
                         .as_ref()
                         .map(|s| s.layer_hit_rates())
                         .unwrap_or_default(),
+                    paths,
+                    link_stall_ms_per_token: paths.map(|p| p.link.stall_seconds * 1e3 / tokens),
+                    host_stall_ms_per_token: paths.map(|p| p.host.stall_seconds * 1e3 / tokens),
                     agrees,
                     repeated_4gram_share: repeated_4gram_share(&out.tokens),
                 });
@@ -516,6 +533,8 @@ pub fn run(
             mean_floor_ms: mean_floor,
             tpot_over_floor: mean_floor.filter(|&f| f > 0.0).map(|f| mean(&tpots) / f),
             mean_prefetch_hidden_share: mean_of(|r| r.prefetch_hidden_share),
+            mean_link_stall_ms_per_token: mean_of(|r| r.link_stall_ms_per_token),
+            mean_host_stall_ms_per_token: mean_of(|r| r.host_stall_ms_per_token),
             layer_hit_rates: (0..layers)
                 .map(|l| {
                     let v: Vec<f64> = mine
@@ -599,69 +618,6 @@ fn run_one(
     Ok((decoded.output, bytes_at_first))
 }
 
-/// What `auto`'s calibration chose.
-#[derive(Clone, Debug, PartialEq)]
-pub enum AutoChoice {
-    /// Plain decoding without the draft, its VRAM given to the expert cache.
-    Plain { slots: usize },
-    /// The draft, with automatic depth control starting from the profile: each measured depth
-    /// and its seconds per token.
-    Draft { profile: Vec<(usize, f64)> },
-}
-
-impl AutoChoice {
-    fn describe(&self) -> String {
-        match self {
-            AutoChoice::Plain { slots } => format!("plain lru, {slots} slots, no draft"),
-            AutoChoice::Draft { profile } => {
-                let best = profile
-                    .iter()
-                    .min_by(|a, b| a.1.total_cmp(&b.1))
-                    .map_or(0, |p| p.0);
-                format!("draft, start depth {best}")
-            }
-        }
-    }
-}
-
-/// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first
-/// prompt with the bench's token count (shorter runs favour speculation: an LRU cache is still
-/// filling), outside the timed runs. It sweeps automatic depth's candidate depths with the draft
-/// at the case's residency, then measures plain decoding without the draft at the case's matched
-/// residency (the draft's memory as slots), keeping one session open at a time so the VRAM
-/// budget holds. Returns the session of the faster choice, the choice and the profile.
-pub fn calibrate_auto(
-    path: &std::path::Path,
-    opts: &BenchOptions,
-    draft_opts: &SessionOptions,
-) -> Result<(Session, AutoChoice, DepthProfile)> {
-    let prompt = &opts.prompts[0];
-    let tokens = opts.new_tokens;
-    let depths = crate::decode::candidate_depths(opts.case.depth);
-    let mut profile = {
-        let session = Session::open_with(path, draft_opts)?;
-        crate::depth_profile::sweep(&session, prompt, tokens, &depths, 1)?
-    };
-    let mut plain_opts = draft_opts.clone();
-    plain_opts.with_draft = false;
-    plain_opts.offload = Some((opts.case.matched, Policy::Lru));
-    let plain = Session::open_with(path, &plain_opts)?;
-    let plain_ms = crate::depth_profile::measure_plain(&plain, prompt, tokens, 1)?;
-    profile.plain = Some(PlainCandidate {
-        slots: opts.case.matched,
-        tpot_ms: plain_ms,
-    });
-    if let Some(p) = profile.prefers_plain() {
-        let choice = AutoChoice::Plain { slots: p.slots };
-        return Ok((plain, choice, profile));
-    }
-    drop(plain);
-    let choice = AutoChoice::Draft {
-        profile: profile.seconds_per_token(),
-    };
-    Ok((Session::open_with(path, draft_opts)?, choice, profile))
-}
-
 /// A markdown table of the modes.
 pub fn render_markdown(r: &BenchReport) -> String {
     let reference = r
@@ -672,8 +628,8 @@ pub fn render_markdown(r: &BenchReport) -> String {
         .map_or(0.0, |m| m.mean_tpot_ms);
     let mut s = format!(
         "case {} ({} backend{}), {} prompts x {} repeats, {} new tokens, {}\n\n\
-         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | acceptance | prefetch P/R | hidden | copied GB/token | floor ms | TPOT/floor | peak VRAM GB | agreement | repeated 4-grams |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         | mode | resident/layer | depth | mean TPOT ms | median TPOT ms | TTFT ms | speedup vs {} | acceptance | prefetch P/R | hidden | copied GB/token | floor ms | TPOT/floor | stalls link/host ms/token | peak VRAM GB | agreement | repeated 4-grams |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         r.case.name,
         r.backend,
         if r.device.is_empty() { String::new() } else { format!(", {}", r.device) },
@@ -689,7 +645,7 @@ pub fn render_markdown(r: &BenchReport) -> String {
     );
     for m in &r.modes {
         s += &format!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0}% |\n",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2}x | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0}% |\n",
             m.mode,
             m.resident_experts
                 .map_or("all".to_string(), |n| n.to_string()),
@@ -720,6 +676,10 @@ pub fn render_markdown(r: &BenchReport) -> String {
                 .map_or("-".to_string(), |f| format!("{f:.2}")),
             m.tpot_over_floor
                 .map_or("-".to_string(), |x| format!("{x:.2}")),
+            match (m.mean_link_stall_ms_per_token, m.mean_host_stall_ms_per_token) {
+                (Some(l), Some(h)) => format!("{l:.2}/{h:.2}"),
+                _ => "-".to_string(),
+            },
             m.peak_vram_bytes
                 .map_or("-".to_string(), |b| format!("{:.2}", b as f64 / 1e9)),
             100.0 * m.agreement,
@@ -729,8 +689,9 @@ pub fn render_markdown(r: &BenchReport) -> String {
     s +=
         "\nhidden: share of prefetch copy time before the verify pass it served began. floor: the \
           expert bytes copied per token after the first, at the run's measured copy bandwidth. \
-          agreement: runs whose tokens equal target-only's (sampled runs agree in distribution, \
-          not token by token). repeated 4-grams: share of the output's 4-grams that repeat an \
+          stalls: per generated token, the time the compute stream waited for demand copies and \
+          the decode thread for host experts. agreement: runs whose tokens equal target-only's \
+          (sampled runs agree in distribution, not token by token). repeated 4-grams: share of the output's 4-grams that repeat an \
           earlier one (looping output inflates hit rates).\n";
     for m in &r.modes {
         if let Some(choice) = &m.auto_choice {
@@ -790,8 +751,18 @@ fn calibration_line(p: &DepthProfile) -> String {
             plain.slots, plain.tpot_ms
         )
     });
+    let host = p.host.as_ref().map_or(String::new(), |h| {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |t| format!("{t:.2}"));
+        format!(
+            "; with the host path ({} threads): plain {}, draft at depth {} {}",
+            h.threads,
+            ms(h.plain_tpot_ms),
+            h.depth,
+            ms(h.draft_tpot_ms)
+        )
+    });
     format!(
-        "Calibration TPOT ms with the draft: {}{plain}.\n",
+        "Calibration TPOT ms with the draft: {}{plain}{host}.\n",
         depths.join(", ")
     )
 }
@@ -856,5 +827,16 @@ mod tests {
             "Calibration TPOT ms with the draft: depth 0 38.90, depth 4 44.70, depth 16 42.00; \
              plain without it at 32 slots: 23.70.\n"
         );
+        let mut with_host = profile;
+        with_host.host = Some(crate::depth_profile::HostCandidates {
+            threads: 16,
+            plain_tpot_ms: Some(21.5),
+            depth: 16,
+            draft_tpot_ms: None,
+        });
+        assert!(calibration_line(&with_host).ends_with(
+            "plain without it at 32 slots: 23.70; with the host path (16 threads): plain 21.50, \
+             draft at depth 16 -.\n"
+        ));
     }
 }

@@ -1,0 +1,174 @@
+//! `auto`'s calibration: on the first prompt, outside the timed runs, every way `auto` may decode
+//! is measured and the fastest kept ([`crate::depth_profile::Candidate`]): the draft at each
+//! candidate depth, plain decoding without it, and, where the host path may run, both again with
+//! part of the missing experts computed on host threads.
+
+use super::BenchOptions;
+use crate::backend::cuda::CudaOptions;
+use crate::depth_profile::{self, DepthProfile, HostCandidates, PlainCandidate};
+use crate::offload::Policy;
+use crate::session::{Session, SessionOptions};
+use crate::Result;
+
+/// What `auto`'s calibration chose.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AutoChoice {
+    /// Plain decoding without the draft, its VRAM given to the expert cache; with `host`, part of
+    /// the misses computed on host threads (the hybrid path).
+    Plain { slots: usize, host: bool },
+    /// The draft, with automatic depth control starting from the profile: each measured depth
+    /// and its seconds per token; with `host`, the hybrid path too.
+    Draft {
+        profile: Vec<(usize, f64)>,
+        host: bool,
+    },
+}
+
+impl AutoChoice {
+    /// Whether the choice computes part of the missing experts on the host.
+    pub fn host(&self) -> bool {
+        match self {
+            AutoChoice::Plain { host, .. } | AutoChoice::Draft { host, .. } => *host,
+        }
+    }
+
+    /// One line for the report: the mode's bench name, then its settings.
+    pub fn describe(&self) -> String {
+        let host = if self.host() {
+            ", part of the misses on host threads"
+        } else {
+            ""
+        };
+        match self {
+            AutoChoice::Plain { slots, host: h } => format!(
+                "{}: plain lru, {slots} slots, no draft{host}",
+                if *h { "hybrid" } else { "lru" }
+            ),
+            AutoChoice::Draft { profile, host: h } => {
+                let best = profile
+                    .iter()
+                    .min_by(|a, b| a.1.total_cmp(&b.1))
+                    .map_or(0, |p| p.0);
+                format!(
+                    "{}: draft, start depth {best}{host}",
+                    if *h { "specter-hybrid" } else { "specter" }
+                )
+            }
+        }
+    }
+}
+
+/// Host threads of the host path: the user's `--host-threads`, else every core.
+pub(super) fn host_threads(cuda: &CudaOptions) -> usize {
+    cuda.host_experts
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first
+/// prompt with the bench's token count (shorter runs favour speculation: an LRU cache is still
+/// filling), outside the timed runs. It sweeps automatic depth's candidate depths with the draft
+/// at the case's residency, then measures plain decoding without the draft at the case's matched
+/// residency (the draft's memory as slots), keeping one session open at a time so the VRAM
+/// budget holds. With [`BenchOptions::auto_host`], each session is measured once more with the
+/// host path turned on (the draft at its fastest depth): one run each, the same token count.
+/// Returns the session of the fastest choice (the host path on or off as chosen), the choice and
+/// the profile.
+pub fn calibrate_auto(
+    path: &std::path::Path,
+    opts: &BenchOptions,
+    draft_opts: &SessionOptions,
+) -> Result<(Session, AutoChoice, DepthProfile)> {
+    let prompt = &opts.prompts[0];
+    let tokens = opts.new_tokens;
+    let depths = crate::decode::candidate_depths(opts.case.depth);
+    let host = opts
+        .auto_host
+        .then(|| opts.cuda.host_experts_config(host_threads(&opts.cuda)));
+    let mut profile = {
+        let session = Session::open_with(path, draft_opts)?;
+        let mut profile = depth_profile::sweep(&session, prompt, tokens, &depths, 1)?;
+        if let (Some(h), Some(depth)) = (host, profile.best_draft_depth()) {
+            let ms = depth_profile::measure_with_host(&session, prompt, tokens, Some(depth), h, 1)?;
+            profile.host = Some(HostCandidates {
+                threads: h.threads,
+                plain_tpot_ms: None,
+                depth,
+                draft_tpot_ms: Some(ms),
+            });
+        }
+        profile
+    };
+    let mut plain_opts = draft_opts.clone();
+    plain_opts.with_draft = false;
+    plain_opts.offload = Some((opts.case.matched, Policy::Lru));
+    let plain = Session::open_with(path, &plain_opts)?;
+    let plain_ms = depth_profile::measure_plain(&plain, prompt, tokens, 1)?;
+    profile.plain = Some(PlainCandidate {
+        slots: opts.case.matched,
+        tpot_ms: plain_ms,
+    });
+    if let Some(h) = host {
+        let ms = depth_profile::measure_with_host(&plain, prompt, tokens, None, h, 1)?;
+        profile
+            .host
+            .get_or_insert(HostCandidates {
+                threads: h.threads,
+                plain_tpot_ms: None,
+                depth: 0,
+                draft_tpot_ms: None,
+            })
+            .plain_tpot_ms = Some(ms);
+    }
+    let chosen = profile.choice();
+    let host = host.filter(|_| chosen.host());
+    if !chosen.draft() {
+        // The plain session was measured last with the host path on.
+        if let Some(gpu) = plain.cuda() {
+            gpu.set_host_experts(host)?;
+        }
+        let choice = AutoChoice::Plain {
+            slots: opts.case.matched,
+            host: host.is_some(),
+        };
+        return Ok((plain, choice, profile));
+    }
+    drop(plain);
+    let mut draft_opts = draft_opts.clone();
+    draft_opts.cuda.host_experts = host.map(|h| h.threads);
+    let choice = AutoChoice::Draft {
+        profile: profile.seconds_per_token(),
+        host: host.is_some(),
+    };
+    Ok((Session::open_with(path, &draft_opts)?, choice, profile))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_choice_names_its_mode_and_the_host_path() {
+        let plain = AutoChoice::Plain {
+            slots: 32,
+            host: false,
+        };
+        assert_eq!(plain.describe(), "lru: plain lru, 32 slots, no draft");
+        let hybrid = AutoChoice::Plain {
+            slots: 32,
+            host: true,
+        };
+        assert_eq!(
+            hybrid.describe(),
+            "hybrid: plain lru, 32 slots, no draft, part of the misses on host threads"
+        );
+        let draft = AutoChoice::Draft {
+            profile: vec![(0, 0.04), (4, 0.02), (8, 0.03)],
+            host: true,
+        };
+        assert!(draft.host());
+        assert_eq!(
+            draft.describe(),
+            "specter-hybrid: draft, start depth 4, part of the misses on host threads"
+        );
+    }
+}
