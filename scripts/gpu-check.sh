@@ -31,7 +31,8 @@
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
 #             lossless check on 10 prompts (specter against target-only, all resident; LOSSLESS=0
-#             skips it)
+#             skips it); $CASE_ARGS go to both benches (e.g. "--link-gbps 25 --host-threads 8"),
+#             $CASE_TAG names their files (random)
 #   trained   trains a DeepSeek-V2-Lite-width MoE (scripts/train_routed_moe.py, $TRAIN_MINUTES),
 #             converts it and runs both cases on it, with text prompts
 #   ttft      time to first token from process start, page cache warm and cold, all resident and
@@ -292,7 +293,8 @@ cases() {
             --matched-experts 64 --modes resident,specter --num-prompts 10 --repeats 1 \
             --json "$out/lossless10.json" 2> "$out/lossless10.err" | tail -4
     fi
-    bench_cases "$dir/dsv2.specter" "$out" random --num-prompts "${PROMPTS:-2}"
+    # shellcheck disable=SC2086
+    bench_cases "$dir/dsv2.specter" "$out" "${CASE_TAG:-random}" --num-prompts "${PROMPTS:-2}" ${CASE_ARGS:-}
 }
 
 trained() {

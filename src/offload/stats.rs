@@ -63,7 +63,7 @@ pub struct OffloadStats {
     /// the expert bytes the host read for them.
     pub host_experts: u64,
     pub host_bytes: u64,
-    /// Wall-clock seconds of host expert work (inputs down, compute, outputs up).
+    /// Seconds the host expert kernel ran (its own wall time, per layer summed).
     pub host_seconds: f64,
     /// Wall-clock seconds the decode thread waited for host expert work after it had issued all
     /// of the layer's GPU work; 0 in the simulator.

@@ -634,12 +634,11 @@ impl CudaBackend {
                 ))
             }
             (false, Some(kernel)) => {
-                let started = std::time::Instant::now();
                 let experts = elsewhere
                     .iter()
                     .map(|e| Ok((e.index, slots.in_place(layer, e.expert)?)))
                     .collect::<Result<Vec<_>>>()?;
-                Some((kernel, experts, self.to_host(x)?, started))
+                Some((kernel, experts, self.to_host(x)?))
             }
         };
         let (hidden, inter) = (launch.hidden, launch.inter);
@@ -659,7 +658,7 @@ impl CudaBackend {
             }
             Ok(())
         };
-        let Some((kernel, experts, xh, started)) = host_job else {
+        let Some((kernel, experts, xh)) = host_job else {
             return enqueue_gpu(&mut slots);
         };
         // The host experts run on the kernel's pool while this thread enqueues the GPU's share
@@ -672,17 +671,18 @@ impl CudaBackend {
             let host_result = &mut host_result;
             let (kernel, experts, xh) = (&kernel, &experts, &xh);
             scope.spawn(move |_| {
-                *host_result = Some(host_expert_outputs(
-                    kernel, plan, experts, xh, hidden, inter,
-                ));
+                let computing = std::time::Instant::now();
+                let outputs = host_expert_outputs(kernel, plan, experts, xh, hidden, inter);
+                *host_result = Some((outputs, computing.elapsed().as_secs_f64()));
             });
             gpu_result = enqueue_gpu(&mut slots);
             waited = std::time::Instant::now();
         });
         let stall = waited.elapsed().as_secs_f64();
         gpu_result?;
-        let outputs = host_result
-            .ok_or_else(|| Error::Backend("the host expert job did not run".into()))??;
+        let (outputs, compute_seconds) = host_result
+            .ok_or_else(|| Error::Backend("the host expert job did not run".into()))?;
+        let outputs = outputs?;
         for (first_item, out) in &outputs {
             let dst = launch.out + (first_item * hidden * 4) as u64;
             guarded("cuMemcpyHtoDAsync (host expert outputs)", || {
@@ -698,8 +698,10 @@ impl CudaBackend {
                 }
             })?;
         }
-        slots.record_host(outputs.len(), started.elapsed().as_secs_f64());
-        let _ = stall;
+        // The split learns the kernel's own time (under whatever the link's copies cost it in
+        // memory bandwidth), not the wall time, which also holds the GPU share's enqueueing.
+        slots.record_host(outputs.len(), compute_seconds);
+        slots.record_host_stall(stall);
         Ok(())
     }
 

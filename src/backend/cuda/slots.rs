@@ -597,8 +597,6 @@ impl ExpertOffload {
 
     /// The decode thread waited `seconds` (wall clock) for the host's expert work after it had
     /// issued all of the layer's GPU work.
-    // moe.rs calls it once its host join times the wait; until then nothing does.
-    #[allow(dead_code)]
     pub(crate) fn record_host_stall(&mut self, seconds: f64) {
         self.cache.stats_mut().host_stall_seconds += seconds.max(0.0);
     }
