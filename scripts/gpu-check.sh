@@ -20,7 +20,8 @@
 #             host's read bandwidth (tests/cuda_host_experts.rs, examples/bench_host_experts.rs)
 #   hybrid    on the bench model: target-only TPOT copying every miss (lru) against the host path
 #             (--host-experts auto) at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
-#             added to both (e.g. "--link-gbps 25 --host-threads 8"); tokens must agree
+#             added to both (e.g. "--link-gbps 25") and $HOST_ARGS to the host path's runs (e.g.
+#             "--host-threads 8"); tokens must agree
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #   pace      link pacing: copies held to 25 GB/s measure 25 GB/s and change no token
 #             (tests/cuda_pace.rs)
@@ -243,20 +244,21 @@ hybrid() {
     for slots in ${SLOTS//,/ }; do
         for variant in lru hybrid; do
             local host=()
-            [ "$variant" = hybrid ] && host=(--host-experts auto)
+            # shellcheck disable=SC2206
+            [ "$variant" = hybrid ] && host=(--host-experts auto ${HOST_ARGS:-})
             "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
                 --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
                 "${host[@]}" "${extra[@]}" > "$out/$tag-$variant-$slots.json" 2> "$out/$tag-$variant-$slots.err" ||
                 { tail -3 "$out/$tag-$variant-$slots.err"; return 1; }
         done
-        python3 - "$out/$tag-lru-$slots.json" "$out/$tag-hybrid-$slots.json" "$slots" "${extra[*]}" <<'PY'
+        python3 - "$out/$tag-lru-$slots.json" "$out/$tag-hybrid-$slots.json" "$slots" "${extra[*]}" "${HOST_ARGS:-}" <<'PY'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 o = b["gpu"]["offload"] or {}
 la = a["stats"]["tpot_ms"]; lb = b["stats"]["tpot_ms"]
 n = max(len(b["tokens"]) - 1, 1)
 host_gbps = o.get("host_bytes", 0) / o["host_seconds"] / 1e9 if o.get("host_seconds") else 0.0
-print(f"| {sys.argv[3]} | {sys.argv[4] or '-'} | {la:.2f} | {lb:.2f} | {la / lb:.2f}x | "
+print(f"| {sys.argv[3]} | {sys.argv[4] or '-'} {sys.argv[5]} | {la:.2f} | {lb:.2f} | {la / lb:.2f}x | "
       f"{o.get('host_experts', 0) / n:.1f} | {host_gbps:.1f} | {o.get('copy_gbps', 0):.1f} | {a['tokens'] == b['tokens']} |")
 PY
     done

@@ -30,6 +30,9 @@ fn paced_copies_run_at_the_pace_and_change_no_token() {
     let mut config: serde_json::Value =
         serde_json::from_str(&preset_config_layers("deepseek-v2-lite", Some(2)).unwrap()).unwrap();
     config["vocab_size"] = serde_json::json!(4096);
+    // The preset's special tokens sit past that vocabulary.
+    config["bos_token_id"] = serde_json::json!(0);
+    config["eos_token_id"] = serde_json::json!(1);
     let config = config.to_string();
     let cfg = ArchConfig::from_config_json(&config).unwrap();
     let dir = tempfile::tempdir().unwrap();

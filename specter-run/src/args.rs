@@ -132,7 +132,7 @@ pub struct HybridArgs {
     /// measures the host path as a candidate unless this is off.
     #[arg(long, value_enum)]
     pub host_experts: Option<HostExpertsArg>,
-    /// Host threads of the host path (default: every core).
+    /// Host threads of the host path (default: every core but one, which the decode thread keeps).
     #[arg(long)]
     pub host_threads: Option<usize>,
     /// Paces expert copies to X GB/s to emulate a slower link (25: PCIe 4.0 x16); the hybrid
@@ -158,13 +158,27 @@ fn positive_gbps(text: &str) -> std::result::Result<f64, String> {
 impl HybridArgs {
     /// Sets the host path and the link's pace in `cuda` as these arguments ask.
     pub fn apply(&self, cuda: &mut CudaOptions) -> Result<()> {
+        if self.host_threads.is_some() && self.host_experts != Some(HostExpertsArg::Auto) {
+            bail!("--host-threads needs --host-experts auto");
+        }
+        self.apply_threads_and_pace(cuda)
+    }
+
+    /// For bench, whose hybrid modes take the host path themselves: `--host-threads` alone sets
+    /// their threads (the modes without the host path ignore it), and the pace applies to all.
+    pub fn apply_bench(&self, cuda: &mut CudaOptions) -> Result<()> {
+        self.apply_threads_and_pace(cuda)?;
+        if let Some(t) = self.host_threads {
+            cuda.host_experts = Some(t);
+        }
+        Ok(())
+    }
+
+    fn apply_threads_and_pace(&self, cuda: &mut CudaOptions) -> Result<()> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if let Some(t) = self.host_threads {
             if t == 0 || t > cores {
                 bail!("--host-threads {t}: this machine has {cores} cores (use 1 to {cores})");
-            }
-            if self.host_experts != Some(HostExpertsArg::Auto) {
-                bail!("--host-threads needs --host-experts auto");
             }
         }
         if let Some(gbps) = self.link_gbps {
@@ -172,7 +186,10 @@ impl HybridArgs {
             cuda.link_bytes_per_s = gbps * 1e9;
         }
         cuda.host_experts = match self.host_experts {
-            Some(HostExpertsArg::Auto) => Some(self.host_threads.unwrap_or(cores)),
+            Some(HostExpertsArg::Auto) => Some(
+                self.host_threads
+                    .unwrap_or_else(specter::host_experts::default_threads),
+            ),
             Some(HostExpertsArg::Off) | None => None,
         };
         Ok(())
@@ -441,6 +458,39 @@ mod tests {
             .apply(&mut cuda)
             .unwrap_err();
         assert!(err.to_string().contains("--host-experts auto"), "{err}");
+    }
+
+    #[test]
+    fn bench_takes_host_threads_alone_for_its_hybrid_modes() {
+        use clap::Parser;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut cuda = CudaOptions::default();
+        let bench = Bench::try_parse_from([
+            "bench",
+            "m.specter",
+            "--case",
+            "ds_high",
+            "--host-threads",
+            "1",
+            "--link-gbps",
+            "25",
+        ])
+        .unwrap();
+        bench.args.hybrid.apply_bench(&mut cuda).unwrap();
+        assert_eq!(cuda.host_experts, Some(1));
+        assert_eq!(cuda.link_pace_bytes_per_s, Some(25e9));
+        let too_many = (cores + 1).to_string();
+        let bench = Bench::try_parse_from([
+            "bench",
+            "m.specter",
+            "--case",
+            "ds_high",
+            "--host-threads",
+            &too_many,
+        ])
+        .unwrap();
+        let err = bench.args.hybrid.apply_bench(&mut cuda).unwrap_err();
+        assert!(err.to_string().contains("cores"), "{err}");
     }
 
     #[test]

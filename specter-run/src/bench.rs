@@ -68,7 +68,7 @@ fn read_bench_prompts(path: &std::path::Path, bundle: &std::path::Path) -> Resul
 pub fn bench(args: BenchArgs) -> Result<()> {
     use specter::bench::{self, BenchCase, BenchMode, BenchOptions};
     let mut cuda = cuda_options_from_env()?;
-    args.hybrid.apply(&mut cuda)?;
+    args.hybrid.apply_bench(&mut cuda)?;
     let modes = args
         .modes
         .iter()

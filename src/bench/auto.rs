@@ -58,10 +58,10 @@ impl AutoChoice {
     }
 }
 
-/// Host threads of the host path: the user's `--host-threads`, else every core.
+/// Host threads of the host path: the user's `--host-threads`, else every core but one.
 pub(super) fn host_threads(cuda: &CudaOptions) -> usize {
     cuda.host_experts
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .unwrap_or_else(crate::host_experts::default_threads)
 }
 
 /// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first

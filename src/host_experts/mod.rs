@@ -44,6 +44,12 @@ impl KernelPath {
     }
 }
 
+/// The host path's threads when the user names none: every core but one, which the decode
+/// thread keeps (it launches the GPU's share of a layer and waits on it while the pool computes).
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
+}
+
 /// One routed expert's FP16 weights: `gate` and `up` are `[inter, hidden]`, `down` is
 /// `[hidden, inter]` (row-major, as in the bundle).
 #[derive(Clone, Copy, Debug)]

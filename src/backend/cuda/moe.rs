@@ -680,8 +680,8 @@ impl CudaBackend {
         });
         let stall = waited.elapsed().as_secs_f64();
         gpu_result?;
-        let (outputs, compute_seconds) = host_result
-            .ok_or_else(|| Error::Backend("the host expert job did not run".into()))?;
+        let (outputs, compute_seconds) =
+            host_result.ok_or_else(|| Error::Backend("the host expert job did not run".into()))?;
         let outputs = outputs?;
         for (first_item, out) in &outputs {
             let dst = launch.out + (first_item * hidden * 4) as u64;
