@@ -321,7 +321,8 @@ for name in ["json/decoder.py", "csv.py", "argparse.py", "textwrap.py", "heapq.p
     lines.append(text[:400])
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 PY
-    bench_cases "$dir/routed.specter" "$out" trained --prompts "$out/prompts.txt"
+    # shellcheck disable=SC2086
+    bench_cases "$dir/routed.specter" "$out" "${CASE_TAG:-trained}" --prompts "$out/prompts.txt" ${CASE_ARGS:-}
 }
 
 # Evicts FILES... from the page cache: drop_caches when /proc/sys allows it (root, not a

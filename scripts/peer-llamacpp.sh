@@ -37,6 +37,8 @@
 #   PEER_THREADS [16]  PEER_NEW_TOKENS [128]  PEER_BENCH_REPS [2]  (llama-bench -r)
 #   PEER_PROMPT [ABCDEFGHIJKLMNOP]  prompt text; the synthesized tokenizer gives one id a byte
 #   PEER_TIME_S [540]  the whole run's time; steps that would not fit are skipped and said so
+#   SPECTER_MIN  generate arguments of Specter's run at the smallest residency (default: target-only
+#       lru with 1 expert slot per MoE layer; "--host-experts auto" adds the host path)
 #   SPECTER_HIGH, SPECTER_LOW  generate arguments of Specter's best mode at each budget (default:
 #       target-only lru at the case's matched residency, the mode `bench --modes auto` chose on
 #       these weights in every earlier run)
@@ -234,13 +236,13 @@ run() {
         --max-new-tokens "$PEER_NEW_TOKENS" --ignore-eos --json)
     local -A s_args=(
         [resident]="--mode target"
-        [min]="--mode target --resident-experts 1 --policy lru"
+        [min]="${SPECTER_MIN:---mode target --resident-experts 1 --policy lru}"
         [high]="${SPECTER_HIGH:---mode target --resident-experts $high --policy lru}"
         [low]="${SPECTER_LOW:---mode target --resident-experts $low --policy lru}"
     )
     local -A s_label=(
         [resident]="all resident, target-only"
-        [min]="1 expert slot per MoE layer, lru, target-only"
+        [min]="\`${s_args[min]}\`"
         [high]="\`${s_args[high]}\`"
         [low]="\`${s_args[low]}\`"
     )
