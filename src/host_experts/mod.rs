@@ -4,8 +4,10 @@
 //! Its output has the bits of the GPU's routed-expert kernels (`moe_f16_gate_up` and
 //! `moe_f16_down` in kernels/gemv_f16.cu) for the same inputs: each dot product in the GPU's lane
 //! order ([`lanes`]), the same SiLU ([`activation`]), and the same final products. So an expert
-//! may run on either side without changing a token. With AVX2, FMA and F16C the lane partials
-//! are computed eight lanes at a time (`avx2.rs`); elsewhere a portable path gives the same bits.
+//! may run on either side without changing a token. With AVX2, FMA and F16C a lane's eight
+//! partials are one vector fed by plain loads (`avx2.rs`); elsewhere a portable path gives the
+//! same bits. A layer's host experts run as one call ([`HostExperts::experts`]) on the kernel's
+//! own thread pool.
 
 pub mod activation;
 #[cfg(target_arch = "x86_64")]
