@@ -285,6 +285,27 @@ fn timed_run(
 }
 
 impl DepthProfile {
+    /// Records the draft at `depth` with the host path (`threads` host threads): `ms` per token.
+    pub fn record_host_draft(&mut self, threads: usize, depth: usize, ms: f64) {
+        let host = self.host_entry(threads);
+        host.depth = depth;
+        host.draft_tpot_ms = Some(ms);
+    }
+
+    /// Records plain decoding with the host path (`threads` host threads): `ms` per token.
+    pub fn record_host_plain(&mut self, threads: usize, ms: f64) {
+        self.host_entry(threads).plain_tpot_ms = Some(ms);
+    }
+
+    fn host_entry(&mut self, threads: usize) -> &mut HostCandidates {
+        self.host.get_or_insert(HostCandidates {
+            threads,
+            plain_tpot_ms: None,
+            depth: 0,
+            draft_tpot_ms: None,
+        })
+    }
+
     /// The fastest speculative (or depth-0) TPOT the sweep measured, ms.
     pub fn best_tpot_ms(&self) -> f64 {
         self.tpot_ms.iter().copied().fold(f64::INFINITY, f64::min)

@@ -463,33 +463,24 @@ mod tests {
     #[test]
     fn bench_takes_host_threads_alone_for_its_hybrid_modes() {
         use clap::Parser;
+        let bench_hybrid = |extra: &[&str]| {
+            let argv = ["bench", "m.specter", "--case", "ds_high"];
+            Bench::try_parse_from(argv.iter().chain(extra))
+                .unwrap()
+                .args
+                .hybrid
+        };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut cuda = CudaOptions::default();
-        let bench = Bench::try_parse_from([
-            "bench",
-            "m.specter",
-            "--case",
-            "ds_high",
-            "--host-threads",
-            "1",
-            "--link-gbps",
-            "25",
-        ])
-        .unwrap();
-        bench.args.hybrid.apply_bench(&mut cuda).unwrap();
+        bench_hybrid(&["--host-threads", "1", "--link-gbps", "25"])
+            .apply_bench(&mut cuda)
+            .unwrap();
         assert_eq!(cuda.host_experts, Some(1));
         assert_eq!(cuda.link_pace_bytes_per_s, Some(25e9));
         let too_many = (cores + 1).to_string();
-        let bench = Bench::try_parse_from([
-            "bench",
-            "m.specter",
-            "--case",
-            "ds_high",
-            "--host-threads",
-            &too_many,
-        ])
-        .unwrap();
-        let err = bench.args.hybrid.apply_bench(&mut cuda).unwrap_err();
+        let err = bench_hybrid(&["--host-threads", &too_many])
+            .apply_bench(&mut cuda)
+            .unwrap_err();
         assert!(err.to_string().contains("cores"), "{err}");
     }
 

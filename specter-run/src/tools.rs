@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use specter::depth_profile::{Candidate, HostCandidates};
+use specter::depth_profile::Candidate;
 use specter::session::{BackendKind, Session, SessionOptions};
 use specter::with_session_model;
 
@@ -142,12 +142,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
                 h,
                 args.repeats,
             )?;
-            report.host = Some(HostCandidates {
-                threads: h.threads,
-                plain_tpot_ms: None,
-                depth,
-                draft_tpot_ms: Some(ms),
-            });
+            report.record_host_draft(h.threads, depth, ms);
         }
         report
     };
@@ -184,15 +179,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
                 h,
                 args.repeats,
             )?;
-            report
-                .host
-                .get_or_insert(HostCandidates {
-                    threads: h.threads,
-                    plain_tpot_ms: None,
-                    depth: 0,
-                    draft_tpot_ms: None,
-                })
-                .plain_tpot_ms = Some(ms);
+            report.record_host_plain(h.threads, ms);
         }
     }
     report.save(&args.output)?;

@@ -5,7 +5,7 @@
 
 use super::BenchOptions;
 use crate::backend::cuda::CudaOptions;
-use crate::depth_profile::{self, DepthProfile, HostCandidates, PlainCandidate};
+use crate::depth_profile::{self, DepthProfile, PlainCandidate};
 use crate::offload::Policy;
 use crate::session::{Session, SessionOptions};
 use crate::Result;
@@ -89,12 +89,7 @@ pub fn calibrate_auto(
         let mut profile = depth_profile::sweep(&session, prompt, tokens, &depths, 1)?;
         if let (Some(h), Some(depth)) = (host, profile.best_draft_depth()) {
             let ms = depth_profile::measure_with_host(&session, prompt, tokens, Some(depth), h, 1)?;
-            profile.host = Some(HostCandidates {
-                threads: h.threads,
-                plain_tpot_ms: None,
-                depth,
-                draft_tpot_ms: Some(ms),
-            });
+            profile.record_host_draft(h.threads, depth, ms);
         }
         profile
     };
@@ -109,15 +104,7 @@ pub fn calibrate_auto(
     });
     if let Some(h) = host {
         let ms = depth_profile::measure_with_host(&plain, prompt, tokens, None, h, 1)?;
-        profile
-            .host
-            .get_or_insert(HostCandidates {
-                threads: h.threads,
-                plain_tpot_ms: None,
-                depth: 0,
-                draft_tpot_ms: None,
-            })
-            .plain_tpot_ms = Some(ms);
+        profile.record_host_plain(h.threads, ms);
     }
     let chosen = profile.choice();
     let host = host.filter(|_| chosen.host());
