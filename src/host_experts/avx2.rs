@@ -31,71 +31,82 @@ pub fn available() -> bool {
     }
 }
 
-/// Partials of `w · x[r]` for each row `r` (at most [`ROWS_PER_PASS`]) into `out[r]`.
-/// `w.len()` must be a multiple of 8 and every row as long as `w`.
+/// Partials of `w[f] · x[r]` for each of one or two weight rows `w[f]` (features of equal length)
+/// and each row `r` (at most [`ROWS_PER_PASS`]) into `out[f * rows + r]`. Two features share each
+/// activation load. Lengths must be multiples of 8 and every row as long as the weights.
 ///
 /// # Safety
 /// The processor must have AVX2, FMA and F16C ([`available`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn partials(w: &[f16], x: &[&[f32]], out: &mut [Partials]) {
-    let k = w.len();
-    debug_assert!(k & 7 == 0 && x.len() == out.len() && x.len() <= ROWS_PER_PASS);
-    debug_assert!(x.iter().all(|r| r.len() == k));
+pub unsafe fn partials(w: &[&[f16]], x: &[&[f32]], out: &mut [Partials]) {
+    let k = w[0].len();
+    let rows = x.len();
+    debug_assert!(k & 7 == 0 && rows <= ROWS_PER_PASS && out.len() == w.len() * rows);
+    debug_assert!(w.iter().all(|f| f.len() == k) && x.iter().all(|r| r.len() == k));
     let chunks = k / 8;
     // SAFETY (every arm): the caller guarantees the features, the lengths and the row count.
-    match x.len() {
-        0 => {}
-        1 => lane_groups::<1, 8>(w, x, chunks, out),
-        2 => lane_groups::<2, 4>(w, x, chunks, out),
-        3 => lane_groups::<3, 2>(w, x, chunks, out),
-        _ => lane_groups::<4, 2>(w, x, chunks, out),
+    // F * R * G <= 8 accumulators stay in registers.
+    match (w.len(), rows) {
+        (_, 0) => {}
+        (1, 1) => lane_groups::<1, 1, 8>(w, x, chunks, out),
+        (1, 2) => lane_groups::<1, 2, 4>(w, x, chunks, out),
+        (1, 3) => lane_groups::<1, 3, 2>(w, x, chunks, out),
+        (1, _) => lane_groups::<1, 4, 2>(w, x, chunks, out),
+        (_, 1) => lane_groups::<2, 1, 4>(w, x, chunks, out),
+        (_, 2) => lane_groups::<2, 2, 2>(w, x, chunks, out),
+        (_, 3) => lane_groups::<2, 3, 1>(w, x, chunks, out),
+        (_, _) => lane_groups::<2, 4, 1>(w, x, chunks, out),
     }
 }
 
-/// `R` rows, `G` lanes per pass (`R * G <= 8` accumulators live).
+/// `F` features, `R` rows, `G` lanes per pass.
 #[cfg(target_arch = "x86_64")]
-// Register blocking reads best with indices: `acc[r][g]` pairs with chunk `base + l0 + g`.
+// Register blocking reads best with indices: `acc[f][r][g]` pairs with chunk `base + l0 + g`.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lane_groups<const R: usize, const G: usize>(
-    w: &[f16],
+unsafe fn lane_groups<const F: usize, const R: usize, const G: usize>(
+    w: &[&[f16]],
     x: &[&[f32]],
     chunks: usize,
     out: &mut [Partials],
 ) {
-    let wp = w.as_ptr();
+    let wp: [*const f16; F] = std::array::from_fn(|f| w[f].as_ptr());
     let xp: [*const f32; R] = std::array::from_fn(|r| x[r].as_ptr());
     for l0 in (0..LANES).step_by(G) {
-        let mut acc = [[_mm256_setzero_ps(); G]; R];
+        let mut acc = [[[_mm256_setzero_ps(); G]; R]; F];
         let mut base = 0;
         // Rounds where all G lanes have a chunk, then the last, partial round.
-        while base + l0 + G <= chunks {
+        loop {
+            let full = base + l0 + G <= chunks;
             for g in 0..G {
                 let c = base + l0 + g;
-                // SAFETY: c < chunks, so halves 8c..8c + 8 lie inside `w` and floats
-                // 8c..8c + 8 inside every row.
-                let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(8 * c) as *const __m128i));
-                for r in 0..R {
-                    acc[r][g] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp[r].add(8 * c)), acc[r][g]);
+                if !full && c >= chunks {
+                    break;
                 }
+                // SAFETY: c < chunks, so halves 8c..8c + 8 lie inside every feature and floats
+                // 8c..8c + 8 inside every row.
+                let wv: [__m256; F] = std::array::from_fn(|f| unsafe {
+                    _mm256_cvtph_ps(_mm_loadu_si128(wp[f].add(8 * c) as *const __m128i))
+                });
+                for r in 0..R {
+                    let xv = _mm256_loadu_ps(xp[r].add(8 * c));
+                    for f in 0..F {
+                        acc[f][r][g] = _mm256_fmadd_ps(wv[f], xv, acc[f][r][g]);
+                    }
+                }
+            }
+            if !full {
+                break;
             }
             base += LANES;
         }
-        for g in 0..G {
-            let c = base + l0 + g;
-            if c < chunks {
-                // SAFETY: as above, c < chunks.
-                let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(8 * c) as *const __m128i));
-                for r in 0..R {
-                    acc[r][g] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp[r].add(8 * c)), acc[r][g]);
+        for f in 0..F {
+            for r in 0..R {
+                for g in 0..G {
+                    // SAFETY: out[f * R + r][l0 + g] is 8 floats (l0 + g < LANES).
+                    _mm256_storeu_ps(out[f * R + r][l0 + g].as_mut_ptr(), acc[f][r][g]);
                 }
-            }
-        }
-        for r in 0..R {
-            for g in 0..G {
-                // SAFETY: out[r][l0 + g] is 8 floats (l0 + g < LANES).
-                _mm256_storeu_ps(out[r][l0 + g].as_mut_ptr(), acc[r][g]);
             }
         }
     }

@@ -223,8 +223,8 @@ impl HostExperts {
                     let rows = xs.len();
                     let hidden = w.hidden;
                     let mut col = Vec::with_capacity((hi - lo) * rows);
-                    let mut gate = vec![0.0; rows];
-                    let mut up = vec![0.0; rows];
+                    // Gate's products for every row, then up's.
+                    let mut gate_up = vec![0.0; 2 * rows];
                     for j in lo..hi {
                         let wg = &w.gate[j * hidden..(j + 1) * hidden];
                         let wu = &w.up[j * hidden..(j + 1) * hidden];
@@ -232,9 +232,9 @@ impl HostExperts {
                             prefetch(path, &w.gate[(j + 1) * hidden..(j + 2) * hidden]);
                             prefetch(path, &w.up[(j + 1) * hidden..(j + 2) * hidden]);
                         }
-                        dots(path, wg, xs, &mut gate);
-                        dots(path, wu, xs, &mut up);
-                        col.extend(gate.iter().zip(&up).map(|(&g, &u)| activation::silu(g) * u));
+                        dots(path, &[wg, wu], xs, &mut gate_up);
+                        let (gate, up) = gate_up.split_at(rows);
+                        col.extend(gate.iter().zip(up).map(|(&g, &u)| activation::silu(g) * u));
                     }
                     col
                 })
@@ -268,13 +268,24 @@ impl HostExperts {
                     let hr = &h_rows[job];
                     let inter = w.inter;
                     let mut col = Vec::with_capacity((hi - lo) * hr.len());
-                    let mut s = vec![0.0; hr.len()];
-                    for c in lo..hi {
-                        if c + 1 < hi {
-                            prefetch(path, &w.down[(c + 1) * inter..(c + 2) * inter]);
+                    let rows = hr.len();
+                    let mut s = vec![0.0; 2 * rows];
+                    let row = |c: usize| &w.down[c * inter..(c + 1) * inter];
+                    // Features in pairs (one activation load serves both), the odd one alone.
+                    for c in (lo..hi).step_by(2) {
+                        let pair = c + 1 < hi;
+                        if c + 2 < hi {
+                            prefetch(path, &w.down[(c + 2) * inter..(c + 4).min(hi) * inter]);
                         }
-                        dots(path, &w.down[c * inter..(c + 1) * inter], hr, &mut s);
-                        col.extend(s.iter().zip(jobs[job].row_weights).map(|(&v, &wt)| wt * v));
+                        let n = if pair {
+                            dots(path, &[row(c), row(c + 1)], hr, &mut s);
+                            2 * rows
+                        } else {
+                            dots(path, &[row(c)], hr, &mut s[..rows]);
+                            rows
+                        };
+                        let weights = jobs[job].row_weights.iter().cycle();
+                        col.extend(s[..n].iter().zip(weights).map(|(&v, &wt)| wt * v));
                     }
                     col
                 })
@@ -331,26 +342,34 @@ fn prefetch(path: KernelPath, w: &[f16]) {
     let _ = (path, w);
 }
 
-/// `out[r] = w . x[r]` in the GPU's order for every row.
-fn dots(path: KernelPath, w: &[f16], xs: &[&[f32]], out: &mut [f32]) {
+/// `out[f * rows + r] = w[f] . x[r]` in the GPU's order for one or two weight rows `w[f]` of
+/// equal length and every row.
+fn dots(path: KernelPath, w: &[&[f16]], xs: &[&[f32]], out: &mut [f32]) {
+    let rows = xs.len();
     #[cfg(target_arch = "x86_64")]
-    if path == KernelPath::Avx2 && w.len() & 7 == 0 {
-        let mut partials = [[[0.0f32; lanes::POSITIONS]; lanes::LANES]; avx2::ROWS_PER_PASS];
-        for start in (0..xs.len()).step_by(avx2::ROWS_PER_PASS) {
-            let end = (start + avx2::ROWS_PER_PASS).min(xs.len());
-            let part = &mut partials[..end - start];
+    if path == KernelPath::Avx2 && w[0].len() & 7 == 0 {
+        let mut partials = [[[0.0f32; lanes::POSITIONS]; lanes::LANES]; 2 * avx2::ROWS_PER_PASS];
+        for start in (0..rows).step_by(avx2::ROWS_PER_PASS) {
+            let end = (start + avx2::ROWS_PER_PASS).min(rows);
+            let n = end - start;
+            let part = &mut partials[..w.len() * n];
             // SAFETY: the Avx2 path is only chosen when the processor has AVX2, FMA and F16C
-            // (`HostExperts::new`); `w.len()` is a multiple of 8 and every row has its length.
+            // (`HostExperts::new`); every weight row's length is a multiple of 8 and every
+            // activation row has it.
             unsafe { avx2::partials(w, &xs[start..end], part) };
-            for (o, p) in out[start..end].iter_mut().zip(part.iter()) {
-                // SAFETY: as above.
-                *o = unsafe { avx2::combine(p) };
+            for (f, feature) in part.chunks_exact(n).enumerate() {
+                for (r, p) in feature.iter().enumerate() {
+                    // SAFETY: as above.
+                    out[f * rows + start + r] = unsafe { avx2::combine(p) };
+                }
             }
         }
         return;
     }
     let _ = path;
-    for (o, x) in out.iter_mut().zip(xs) {
-        *o = lanes::dot(w, x);
+    for (f, wf) in w.iter().enumerate() {
+        for (r, x) in xs.iter().enumerate() {
+            out[f * rows + r] = lanes::dot(wf, x);
+        }
     }
 }
