@@ -61,3 +61,29 @@ fn disk_free_is_reported_for_the_temp_dir() {
         None
     );
 }
+
+#[test]
+fn the_text_report_names_the_hybrid_ceiling_beside_the_host_read_bandwidth() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = DoctorOptions {
+        gpu: false,
+        work_dir: dir.path().to_path_buf(),
+        temp_dir: dir.path().to_path_buf(),
+        host_read_bytes: 8 * MIB,
+        repeats: 1,
+        ..DoctorOptions::default()
+    };
+    let text = render_text(&diagnose(&opts));
+    assert!(text.contains("host read"), "{text}");
+    let ceiling = text
+        .lines()
+        .find(|l| l.contains("hybrid ceiling"))
+        .unwrap_or_else(|| panic!("no ceiling line in\n{text}"));
+    assert!(ceiling.contains("GB/s"), "{ceiling}");
+    // Without the measurement there is no ceiling to name.
+    let text = render_text(&diagnose(&DoctorOptions {
+        host_read_bytes: 0,
+        ..opts
+    }));
+    assert!(!text.contains("hybrid ceiling"), "{text}");
+}
