@@ -97,7 +97,7 @@ mod tests {
 
     #[test]
     fn a_batch_takes_its_bytes_at_the_paced_rate() {
-        // 25 GB/s: 25 MB take a millisecond, one 5.77 MB DeepSeek-V2-Lite expert 231 us.
+        // 25 GB/s: 25 MB take a millisecond, one 5.77 MB matrix of a DeepSeek-V2-Lite expert 231 us.
         assert_eq!(pace_ns(25_000_000, 25e9), 1_000_000);
         assert_eq!(pace_ns(5_767_168, 25e9), 230_687);
         assert_eq!(pace_ns(0, 25e9), 0);
