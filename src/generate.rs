@@ -427,6 +427,14 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
         if let Residency::Experts(n) = req.residency {
             simulated_slots = Some(n);
         }
+        // Not errors: the CPU backend already computes every expert on the host and copies
+        // nothing, so these ask for nothing it does not do (and `--backend auto` may land here).
+        if req.cuda.host_experts.is_some() {
+            note("--host-experts: the CPU backend computes every expert on the host already");
+        }
+        if req.cuda.link_pace_bytes_per_s.is_some() {
+            note("--link-gbps: the CPU backend copies no experts, so there is nothing to pace");
+        }
     }
     let session = Session::open_with(&req.bundle, &session_opts)?;
     if let Some(gpu) = session.cuda() {

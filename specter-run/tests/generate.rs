@@ -338,6 +338,31 @@ fn the_default_backend_is_chosen_and_named_on_stderr() {
 }
 
 #[test]
+fn host_path_options_on_the_cpu_backend_are_noted_not_refused() {
+    let run = generate(&[
+        "--prompt-ids",
+        "5,6",
+        "--max-new-tokens",
+        "2",
+        "--host-experts",
+        "auto",
+        "--link-gbps",
+        "25",
+    ]);
+    assert!(run.ok(), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("--host-experts: the CPU backend"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains("--link-gbps: the CPU backend"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
 fn gpu_only_options_need_the_cuda_backend() {
     let run = generate(&["--prompt-ids", "5", "--vram-budget", "24"]);
     assert_clean_failure(&run, &["--vram-budget", "--backend cuda"]);
