@@ -336,6 +336,20 @@ fn profile_note(p: &DepthProfile, chosen: Candidate) -> String {
     )
 }
 
+/// What `cuda` asks of the host path and the link that the CPU backend has no use for, one note
+/// each. Not errors: the CPU backend already computes every expert on the host and copies
+/// nothing, so these ask for nothing it does not do (and `--backend auto` may land there).
+pub fn cpu_backend_notes(cuda: &crate::backend::cuda::CudaOptions) -> Vec<&'static str> {
+    let mut notes = Vec::new();
+    if cuda.host_experts.is_some() {
+        notes.push("--host-experts: the CPU backend computes every expert on the host already");
+    }
+    if cuda.link_pace_bytes_per_s.is_some() {
+        notes.push("--link-gbps: the CPU backend copies no experts, so there is nothing to pace");
+    }
+    notes
+}
+
 /// Runs `req`: the backend resolved, the session opened in the requested residency, the prompt
 /// decoded. Bad requests fail with [`Error::Request`] naming the option at fault.
 pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<GenerationReport> {
@@ -427,13 +441,8 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
         if let Residency::Experts(n) = req.residency {
             simulated_slots = Some(n);
         }
-        // Not errors: the CPU backend already computes every expert on the host and copies
-        // nothing, so these ask for nothing it does not do (and `--backend auto` may land here).
-        if req.cuda.host_experts.is_some() {
-            note("--host-experts: the CPU backend computes every expert on the host already");
-        }
-        if req.cuda.link_pace_bytes_per_s.is_some() {
-            note("--link-gbps: the CPU backend copies no experts, so there is nothing to pace");
+        for line in cpu_backend_notes(&req.cuda) {
+            note(line);
         }
     }
     let session = Session::open_with(&req.bundle, &session_opts)?;

@@ -139,6 +139,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 bail!("--pinned-staging needs --backend cuda");
             }
             simulated_experts = args.resident_experts;
+            for line in specter::generate::cpu_backend_notes(&session_opts.cuda) {
+                eprintln!("{line}");
+            }
         }
     }
     let decode = DecodeConfig {
