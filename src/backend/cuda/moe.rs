@@ -672,7 +672,12 @@ impl CudaBackend {
             let (kernel, experts, xh) = (&kernel, &experts, &xh);
             scope.spawn(move |_| {
                 let computing = std::time::Instant::now();
-                let outputs = host_expert_outputs(kernel, plan, experts, xh, hidden, inter);
+                // A panic in the pool would otherwise unwind through this thread; it becomes an
+                // error, as the per-layer thread's join made it before.
+                let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    host_expert_outputs(kernel, plan, experts, xh, hidden, inter)
+                }))
+                .unwrap_or_else(|_| Err(Error::Backend("a host expert task panicked".into())));
                 *host_result = Some((outputs, computing.elapsed().as_secs_f64()));
             });
             gpu_result = enqueue_gpu(&mut slots);
