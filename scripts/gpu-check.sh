@@ -28,7 +28,12 @@
 #   peer      transformers on the bench model's checkpoint: eager in VRAM and accelerate offload
 #   autoprofile  `specter-run profile` (depths and plain decoding without the draft) at 16
 #             resident experts, then `generate --auto-depth --profile` using it
-#   kprofile  per-kernel GPU time of all-resident decode steps (Nsight Compute) on the bench model
+#   kprofile  per-kernel GPU time of all-resident decode steps on the bench model: Nsight Systems
+#             (kernel time and the gaps between kernels per step) and Nsight Compute (time and
+#             DRAM bytes per kernel); KMODE=draft for the draft's steps
+#   steps     the target's and the draft's one-row steps and 17- and 4-row verification windows
+#             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident;
+#             with $OLD_CARRY, old and new binaries taking turns
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
 #             lossless check on 10 prompts (specter against target-only, all resident; LOSSLESS=0
@@ -65,8 +70,8 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["target"]["name"])
 ' "$CARRY"
-    cargo build --release --example bench_host_experts
-    cp target/release/examples/bench_host_experts "$CARRY/"
+    cargo build --release --example bench_host_experts --example bench_step
+    cp target/release/examples/bench_host_experts target/release/examples/bench_step "$CARRY/"
     if [ -f examples/bench_w4a16.rs ]; then
         cargo build --release --example bench_w4a16
         cp target/release/examples/bench_w4a16 "$CARRY/"
@@ -175,21 +180,76 @@ EOF
     cat "$out/bench.tsv"
 }
 
-# Per-kernel durations of all-resident decode steps under Nsight Compute (it serialises launches,
-# so only the per-kernel split means anything there), and the host issue/wait split without it.
-# Steps are counted by embedding launches (one per forward pass).
+# Per-kernel durations of all-resident decode steps. Nsight Systems, when there, traces the
+# recorded passes node by node as they really run: per kernel its launches and time per step,
+# and the step's idle gaps between kernels. Nsight Compute serialises launches (only the split
+# means anything there) and adds each kernel's DRAM bytes, so its achieved bandwidth. Steps are
+# counted by embedding launches (one per forward pass). KMODE=draft profiles the draft's steps.
 kprofile() {
     local dir=$1 out=$2
     local run="$CARRY/specter-run"
     bench_model "$dir" "$out"
     local gen=(generate "$dir/dsv2.specter" --prompt-ids 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
-        --ignore-eos --json --backend cuda --mode target)
+        --ignore-eos --json --backend cuda --mode "${KMODE:-target}")
     "$run" "${gen[@]}" --max-new-tokens 64 > "$out/kprofile-gen.json"
     python3 "$ROOT/scripts/kprofile.py" gen "$out/kprofile-gen.json"
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip "${KSKIP:-3000}" \
-        --launch-count "${KCOUNT:-3000}" "$run" "${gen[@]}" --max-new-tokens 40 \
+    local nsys
+    nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)
+    if [ -n "$nsys" ]; then
+        "$nsys" profile --trace=cuda --cuda-graph-trace=node --force-overwrite true -o "$out/nsys" \
+            "$run" "${gen[@]}" --max-new-tokens 40 > "$out/nsys-gen.json" 2> "$out/nsys.err" ||
+            { tail -5 "$out/nsys.err"; return 1; }
+        "$nsys" stats --force-export true --report cuda_gpu_trace --format csv -o "$out/nsys" \
+            "$out/nsys.nsys-rep" > /dev/null 2>> "$out/nsys.err" || { tail -5 "$out/nsys.err"; return 1; }
+        python3 "$ROOT/scripts/kprofile.py" nsys "$out/nsys_cuda_gpu_trace.csv"
+        rm -f "$out/nsys.nsys-rep" "$out/nsys.sqlite"
+    else
+        echo "no nsys: no gap figures"
+    fi
+    [ -n "${KSKIP_NCU:-}" ] && return 0
+    ncu --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
+        --launch-skip "${KSKIP:-3000}" --launch-count "${KCOUNT:-3000}" "$run" "${gen[@]}" --max-new-tokens 40 \
         > "$out/ncu.csv" 2> "$out/ncu.err" || { tail -5 "$out/ncu.err"; return 1; }
     python3 "$ROOT/scripts/kprofile.py" ncu "$out/ncu.csv"
+}
+
+# Step times: the target's one-row step, the draft's, and verification windows of 17 and 4 rows
+# (examples/bench_step.rs), then 128-token TPOT of --mode target and --mode draft, all resident,
+# for the binaries in $CARRY (new) and, when $OLD_CARRY is set, the earlier ones (old) taking
+# turns, $REPEATS rounds.
+steps() {
+    local dir=$1 out=$2
+    PACK="${OLD_CARRY:-$CARRY}/specter-pack" bench_model "$dir" "$out"
+    local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20 sides=(new)
+    [ -n "${OLD_CARRY:-}" ] && sides=(old new)
+    : > "$out/steps.tsv"
+    for rep in $(seq "${REPEATS:-3}"); do
+        for side in "${sides[@]}"; do
+            local bin="$CARRY"
+            [ "$side" = old ] && bin="$OLD_CARRY"
+            "$bin/bench_step" "$dir/dsv2.specter" --window 17 --window 4 --json "$out/step-$side-$rep.json" \
+                > /dev/null 2> "$out/step-$side-$rep.err" || { tail -3 "$out/step-$side-$rep.err"; return 1; }
+            for mode in target draft; do
+                "$bin/specter-run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 \
+                    --ignore-eos --json --backend cuda --mode "$mode" > "$out/gen-$side-$mode-$rep.json"
+            done
+            python3 - "$out" "$side" "$rep" >> "$out/steps.tsv" <<'EOF'
+import json, sys
+out, side, rep = sys.argv[1:4]
+s = json.load(open(f"{out}/step-{side}-{rep}.json"))
+t = json.load(open(f"{out}/gen-{side}-target-{rep}.json"))
+d = json.load(open(f"{out}/gen-{side}-draft-{rep}.json"))
+print("\t".join(str(x) for x in [side, rep, round(s["target_step_ms"], 4), round(s["draft_step_ms"], 4),
+      round(s["verify_17_rows_ms"], 4), round(s["verify_4_rows_ms"], 4), round(t["stats"]["tpot_ms"], 4),
+      round(d["stats"]["tpot_ms"], 4), ",".join(map(str, t["tokens"][:4])) + ".." + ",".join(map(str, t["tokens"][-3:])),
+      ",".join(map(str, d["tokens"][-3:]))]))
+EOF
+        done
+    done
+    echo "== all resident, ${LAYERS:-27} layers (ms; tpot over 128 tokens)"
+    echo "side rep target_step draft_step verify17 verify4 tpot_target tpot_draft target_tokens draft_last"
+    cat "$out/steps.tsv"
 }
 
 # Old against new: target-only TPOT all resident and with 16 resident experts (lru) on the bench
@@ -479,6 +539,7 @@ run() {
             pace) run_test cuda_pace "$out/pace.log" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
+            steps) steps "$dir" "$out" 2>&1 | tee "$out/steps.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
             trained) trained "$dir" "$out" 2>&1 | tee "$out/trained.log" || status=1 ;;
             ttft) ttft "$out" 2>&1 | tee "$out/ttft.log" || status=1 ;;
@@ -494,5 +555,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|steps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac

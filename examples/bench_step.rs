@@ -1,0 +1,118 @@
+//! Times the forward passes a decode loop is made of, all experts resident, on a bundle:
+//! the target's one-row decode step, the draft's one-row step, and verification windows of
+//! several rows (the target over a drafted window, the KV cropped back after each).
+//!
+//!     cargo run --release --example bench_step -- BUNDLE [--backend cuda|cpu] [--steps N]
+//!         [--window R]... [--no-overlap] [--json OUT]
+//!
+//! Each figure is the median wall time of `--steps` passes (after as many untimed ones), logits
+//! copied back to the host as the decode loop receives them. A 16-token prompt is prefilled
+//! first; the one-row steps then run at positions 16, 17, ...; a window always starts at the
+//! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
+//! only after the one before it has finished (`CudaOptions::overlap_launches` off).
+
+use std::time::Instant;
+
+use specter::model::{KvCache, LanguageModel, NoHook, Variant};
+use specter::session::{BackendKind, Session, SessionOptions};
+use specter::with_session_model;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut bundle = None;
+    let mut backend = BackendKind::Cuda;
+    let mut steps = 64usize;
+    let mut windows = Vec::new();
+    let mut json = None;
+    let mut overlap = true;
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| {
+            args.next()
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))
+        };
+        match a.as_str() {
+            "--backend" => {
+                backend = match value("--backend")?.as_str() {
+                    "cuda" => BackendKind::Cuda,
+                    "cpu" => BackendKind::Cpu,
+                    other => anyhow::bail!("--backend: unknown backend {other} (cuda or cpu)"),
+                }
+            }
+            "--steps" => steps = value("--steps")?.parse()?,
+            "--window" => windows.push(value("--window")?.parse::<usize>()?),
+            "--json" => json = Some(value("--json")?),
+            "--no-overlap" => overlap = false,
+            _ if bundle.is_none() && !a.starts_with('-') => bundle = Some(a),
+            _ => anyhow::bail!("unknown argument {a}"),
+        }
+    }
+    let bundle = bundle.ok_or_else(|| anyhow::anyhow!("usage: bench_step BUNDLE [options]"))?;
+    anyhow::ensure!(steps > 0, "--steps must be at least 1");
+    if windows.is_empty() {
+        windows.push(17);
+    }
+    let mut opts = SessionOptions::new(backend);
+    opts.cuda.overlap_launches = overlap;
+    let session = Session::open_with(std::path::Path::new(&bundle), &opts)?;
+    let prompt: Vec<u32> = (5..21).collect();
+    let report = with_session_model!(session, |m| time_passes(m, &prompt, steps, &windows))?;
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}
+
+/// The figures of one model: step and window medians in ms, by name.
+fn time_passes<M: LanguageModel>(
+    m: &M,
+    prompt: &[u32],
+    steps: usize,
+    windows: &[usize],
+) -> anyhow::Result<serde_json::Value> {
+    let vocab = m.info().vocab_size as u32;
+    let token = |i: usize| (7 + 31 * i as u32) % vocab;
+    let mut out = serde_json::Map::new();
+    for (name, variant) in [
+        ("target_step_ms", Variant::Target),
+        ("draft_step_ms", Variant::Draft),
+    ] {
+        let mut kv = m.new_kv(prompt.len() + 2 * steps + 1)?;
+        m.forward(variant, prompt, &mut kv, &mut NoHook)?;
+        let mut times = Vec::with_capacity(steps);
+        for i in 0..2 * steps {
+            let t = Instant::now();
+            m.forward(variant, &[token(i)], &mut kv, &mut NoHook)?;
+            if i >= steps {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let ms = median(times);
+        println!("{name:>24} {ms:9.4} ms");
+        out.insert(name.into(), ms.into());
+    }
+    for &rows in windows {
+        anyhow::ensure!(rows > 0, "--window must be at least 1");
+        let mut kv = m.new_kv(prompt.len() + rows)?;
+        m.forward(Variant::Target, prompt, &mut kv, &mut NoHook)?;
+        let window: Vec<u32> = (0..rows).map(token).collect();
+        let mut times = Vec::with_capacity(steps);
+        for i in 0..2 * steps {
+            let t = Instant::now();
+            m.forward(Variant::Target, &window, &mut kv, &mut NoHook)?;
+            kv.truncate(prompt.len());
+            if i >= steps {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let ms = median(times);
+        let name = format!("verify_{rows}_rows_ms");
+        println!("{name:>24} {ms:9.4} ms");
+        out.insert(name, ms.into());
+    }
+    Ok(serde_json::Value::Object(out))
+}
