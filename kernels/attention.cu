@@ -29,6 +29,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     float* __restrict__ out, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
     float scale, int start, int window, int score_stride, const unsigned* __restrict__ start_at) {
+    SPX_PROLOGUE();
     __shared__ float red[ATT_WARPS];
     __shared__ float smem_scores[ATT_SMEM_KEYS];
     __shared__ float part[ATT_WARPS][ATT_VTILE];

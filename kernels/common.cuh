@@ -40,6 +40,41 @@ __device__ __forceinline__ float4 load_float4(const float* p, bool aligned) {
     return make_float4(p[0], p[1], p[2], p[3]);
 }
 
+// Programmatic dependent launch (sm_90 and newer). The backend may launch a kernel while the one
+// before it on the stream is still running (src/backend/cuda/backend.rs, `launch`); such a kernel
+// must not touch memory an earlier kernel writes or reads before `spx_grid_wait`, which returns
+// once every earlier kernel has finished and its writes are visible. Only reads of weights, which
+// no kernel writes, may come before it. `spx_launch_dependents` lets the next kernel start
+// launching (its blocks then wait in their own `spx_grid_wait`). Without such a launch both are
+// no-ops, so every kernel calls them.
+__device__ __forceinline__ void spx_grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void spx_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The start of every kernel: let the next one launch, then wait for the previous ones.
+#define SPX_PROLOGUE()           \
+    do {                         \
+        spx_launch_dependents(); \
+        spx_grid_wait();         \
+    } while (0)
+
+// Asks L2 to fetch `bytes` bytes from `p` (a weight, read before `spx_grid_wait`), one 128-byte
+// line per lane and step.
+__device__ __forceinline__ void spx_prefetch_l2(const void* p, size_t bytes, int lane) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+    }
+}
+
 #endif  // SPECTER_KERNELS_COMMON_CUH
 
 // The routed experts' SiLU, silu(g) = g / (1 + e^-g), with an exp of our own: the host expert

@@ -26,6 +26,9 @@
 // registers are allocated for the widest group's code: 4 keeps every kernel at <= 168 registers,
 // three 128-thread blocks per SM.)
 #define UNROLL 4
+// The one-row kernels (*_1, decode) hold no accumulators for other rows: their registers go to
+// twice the pieces in flight, the same arithmetic in the same order.
+#define UNROLL_ONE 8
 
 __device__ __forceinline__ void halves_to_floats(const uint4& v, float f[8]) {
     const __half2* h2 = reinterpret_cast<const __half2*>(&v);
@@ -54,7 +57,7 @@ __device__ __forceinline__ float dot8(const float w[8], const float* __restrict_
 // a0[m] += x[m] . w0 and a1[m] += x[m] . w1 (lane partials) over k inputs, for m < min(MT, mr).
 // `xr[m]` points at row m of x. Vector path when k is a multiple of 8 (16-byte aligned rows),
 // scalar otherwise; both give each (row, feature) the same order whatever MT is.
-template <int MT>
+template <int MT, int UNR = UNROLL>
 __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
                                           const float* const* xr, int mr, int k, int lane, float a0[MR],
                                           float a1[MR]) {
@@ -62,10 +65,10 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
         const int chunks = k >> 3;
         const uint4* v0 = reinterpret_cast<const uint4*>(w0);
         const uint4* v1 = reinterpret_cast<const uint4*>(w1);
-        for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
-            uint4 p0[UNROLL], p1[UNROLL];
+        for (int c0 = lane; c0 < chunks; c0 += 32 * UNR) {
+            uint4 p0[UNR], p1[UNR];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
+            for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
                     p0[u] = __ldg(v0 + c);
@@ -73,7 +76,7 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
                 }
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
+            for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
                     float f0[8], f1[8];
@@ -134,7 +137,7 @@ __device__ __forceinline__ void group_dot2(const __half* __restrict__ w0, const 
 // lane l sums elements l, l + 32, ... into its partial 0 (the others stay 0).
 #define MR_SPLIT 4
 
-template <int MT>
+template <int MT, int UNR = UNROLL>
 __device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
                                                 const __half* __restrict__ w1, const float* const* xr,
                                                 int mr, int k, int lane, float a0[MR_SPLIT][8],
@@ -143,10 +146,10 @@ __device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
         const int chunks = k >> 3;
         const uint4* v0 = reinterpret_cast<const uint4*>(w0);
         const uint4* v1 = reinterpret_cast<const uint4*>(w1);
-        for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
-            uint4 p0[UNROLL], p1[UNROLL];
+        for (int c0 = lane; c0 < chunks; c0 += 32 * UNR) {
+            uint4 p0[UNR], p1[UNR];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
+            for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
                     p0[u] = __ldg(v0 + c);
@@ -154,7 +157,7 @@ __device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
                 }
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
+            for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
                     float f0[8], f1[8];
@@ -243,29 +246,42 @@ __device__ __forceinline__ float split_sum(const float p[8], int lane) {
     return s;
 }
 
-// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Warp w of block b owns features
-// FEATURES * (b * WARPS + w) and the next. Grid: ceil(n / (FEATURES * WARPS)); block: 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16(
-    const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,
-    const __half* __restrict__ bias, float* __restrict__ y) {
+// Block `block` of y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]): warp w owns features
+// FEATURES * (block * WARPS + w) and the next. ONE: rows one at a time (lane_dot2<1>, as
+// group_dot2 runs a group of one), with more pieces in flight.
+template <bool ONE>
+__device__ __forceinline__ void linear_block(const float* __restrict__ x, int rows, int k,
+                                             const __half* __restrict__ w, int n,
+                                             const __half* __restrict__ bias, float* __restrict__ y,
+                                             int block) {
     const int lane = threadIdx.x & 31;
-    const int col = FEATURES * (blockIdx.x * WARPS + (threadIdx.x >> 5));
+    const int col = FEATURES * (block * WARPS + (threadIdx.x >> 5));
     if (col >= n) return;
     const bool second = col + 1 < n;
     const __half* w0 = w + (size_t)col * k;
     // Without a second feature the warp computes the first twice and stores it once.
     const __half* w1 = second ? w0 + k : w0;
+    // The weights are no kernel's output: L2 fetches them while the previous kernel finishes.
+    spx_prefetch_l2(w0, (size_t)(second ? 2 : 1) * k * sizeof(__half), lane);
+    spx_grid_wait();
     const float b0 = bias ? __half2float(bias[col]) : 0.0f;
     const float b1 = bias && second ? __half2float(bias[col + 1]) : 0.0f;
-    for (int r0 = 0; r0 < rows; r0 += MR) {
-        const int mr = min(MR, rows - r0);
-        const float* xr[MR];
-        float a0[MR], a1[MR];
+    constexpr int M = ONE ? 1 : MR;
+    for (int r0 = 0; r0 < rows; r0 += M) {
+        const int mr = min(M, rows - r0);
+        const float* xr[M];
+        float a0[M], a1[M];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
-        group_dot2(w0, w1, xr, mr, k, lane, a0, a1);
+        for (int m = 0; m < M; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
+        if (ONE) {
+            a0[0] = 0.0f;
+            a1[0] = 0.0f;
+            lane_dot2<1, UNROLL_ONE>(w0, w1, xr, 1, k, lane, a0, a1);
+        } else {
+            group_dot2(w0, w1, xr, mr, k, lane, a0, a1);
+        }
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
+        for (int m = 0; m < M; ++m) {
             if (m < mr) {
                 const float s0 = warp_sum(a0[m]);
                 const float s1 = warp_sum(a1[m]);
@@ -279,27 +295,67 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16(
     }
 }
 
+// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Grid: ceil(n / (FEATURES * WARPS)); block:
+// 32 * WARPS. linear_f16_1: the same for one row.
+//
+// linear2_f16: two products of the same input in one launch, each as linear_f16 computes it:
+// blocks below `blocks_a` compute ya = x @ wa^T (+ ba), the others yb = x @ wb^T (+ bb).
+// Grid: blocks_a + ceil(nb / (FEATURES * WARPS)), blocks_a = ceil(na / (FEATURES * WARPS)).
+#define LINEAR_KERNELS(SUFFIX, ONE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16##SUFFIX(                      \
+        const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,            \
+        const __half* __restrict__ bias, float* __restrict__ y) {                                     \
+        spx_launch_dependents();                                                                      \
+        linear_block<ONE>(x, rows, k, w, n, bias, y, blockIdx.x);                                     \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) linear2_f16##SUFFIX(                     \
+        const float* __restrict__ x, int rows, int k, const __half* __restrict__ wa, int na,          \
+        const __half* __restrict__ ba, float* __restrict__ ya, const __half* __restrict__ wb, int nb, \
+        const __half* __restrict__ bb, float* __restrict__ yb, int blocks_a) {                        \
+        spx_launch_dependents();                                                                      \
+        if ((int)blockIdx.x < blocks_a) {                                                             \
+            linear_block<ONE>(x, rows, k, wa, na, ba, ya, blockIdx.x);                                \
+        } else {                                                                                      \
+            linear_block<ONE>(x, rows, k, wb, nb, bb, yb, blockIdx.x - blocks_a);                     \
+        }                                                                                             \
+    }
+
+LINEAR_KERNELS(, false)
+LINEAR_KERNELS(_1, true)
+
 // The gate/up product of a gated MLP with the activation fused:
 // h[r][j] = silu(x[r] . w[j]) * (x[r] . w[inter + j]), w = [gate; up] of shape [2 * inter, k].
 // The two dot products are the ones linear_f16 computes (same order), so h equals linear_f16
-// followed by silu_mul bit for bit. Grid: ceil(inter / WARPS); block: 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
-    const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int inter,
-    float* __restrict__ h) {
+// followed by silu_mul bit for bit. Grid: ceil(inter / WARPS); block: 32 * WARPS. (A one-row
+// form with more pieces in flight measured slower on the H200 for DeepSeek's shared experts.)
+template <bool ONE>
+__device__ __forceinline__ void gate_up_silu_block(const float* __restrict__ x, int rows, int k,
+                                                   const __half* __restrict__ w, int inter,
+                                                   float* __restrict__ h) {
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
     const __half* wg = w + (size_t)j * k;
     const __half* wu = w + (size_t)(inter + j) * k;
-    for (int r0 = 0; r0 < rows; r0 += MR) {
-        const int mr = min(MR, rows - r0);
-        const float* xr[MR];
-        float a[MR], b[MR];
+    spx_prefetch_l2(wg, (size_t)k * sizeof(__half), lane);
+    spx_prefetch_l2(wu, (size_t)k * sizeof(__half), lane);
+    spx_grid_wait();
+    constexpr int M = ONE ? 1 : MR;
+    for (int r0 = 0; r0 < rows; r0 += M) {
+        const int mr = min(M, rows - r0);
+        const float* xr[M];
+        float a[M], b[M];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
-        group_dot2(wg, wu, xr, mr, k, lane, a, b);
+        for (int m = 0; m < M; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
+        if (ONE) {
+            a[0] = 0.0f;
+            b[0] = 0.0f;
+            lane_dot2<1, UNROLL_ONE>(wg, wu, xr, 1, k, lane, a, b);
+        } else {
+            group_dot2(wg, wu, xr, mr, k, lane, a, b);
+        }
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
+        for (int m = 0; m < M; ++m) {
             if (m < mr) {
                 const float ga = warp_sum(a[m]);
                 const float ub = warp_sum(b[m]);
@@ -309,26 +365,45 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
     }
 }
 
+// The items of one routed expert group, MS at a time (MR_SPLIT, or 1 with more pieces in flight:
+// an item's arithmetic is the same either way).
+template <int MS>
+__device__ __forceinline__ void split_items(const __half* __restrict__ w0, const __half* __restrict__ w1,
+                                            const float* const* xr, int mr, int k, int lane, float a0[][8],
+                                            float a1[][8]) {
+    if (MS == 1) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            a0[0][e] = 0.0f;
+            a1[0][e] = 0.0f;
+        }
+        lane_dot2_split<1, UNROLL_ONE>(w0, w1, xr, 1, k, lane, a0, a1);
+    } else {
+        group_dot2_split(w0, w1, xr, mr, k, lane, a0, a1);
+    }
+}
+
 // Grouped gate/up: h[item][j] = silu(x[row] . gate[j]) * (x[row] . up[j]).
 // Grid: (ceil(inter / WARPS), groups); block: 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up(
-    const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,
-    const unsigned* __restrict__ item_row, float* __restrict__ h) {
+template <int MS>
+__device__ __forceinline__ void moe_gate_up_block(const float* __restrict__ x, int hidden, int inter,
+                                                  const ExpertGroup* __restrict__ groups,
+                                                  const unsigned* __restrict__ item_row, float* __restrict__ h) {
     const ExpertGroup g = groups[blockIdx.y];
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
     const __half* wg = reinterpret_cast<const __half*>(g.gate_up) + (size_t)j * hidden;
     const __half* wu = reinterpret_cast<const __half*>(g.gate_up) + (size_t)(inter + j) * hidden;
-    for (int i0 = 0; i0 < (int)g.count; i0 += MR_SPLIT) {
-        const int mr = min(MR_SPLIT, (int)g.count - i0);
-        const float* xr[MR_SPLIT];
-        float a[MR_SPLIT][8], b[MR_SPLIT][8];
+    for (int i0 = 0; i0 < (int)g.count; i0 += MS) {
+        const int mr = min(MS, (int)g.count - i0);
+        const float* xr[MS];
+        float a[MS][8], b[MS][8];
 #pragma unroll
-        for (int m = 0; m < MR_SPLIT; ++m) xr[m] = x + (size_t)item_row[g.first + i0 + min(m, mr - 1)] * hidden;
-        group_dot2_split(wg, wu, xr, mr, hidden, lane, a, b);
+        for (int m = 0; m < MS; ++m) xr[m] = x + (size_t)item_row[g.first + i0 + min(m, mr - 1)] * hidden;
+        split_items<MS>(wg, wu, xr, mr, hidden, lane, a, b);
 #pragma unroll
-        for (int m = 0; m < MR_SPLIT; ++m) {
+        for (int m = 0; m < MS; ++m) {
             if (m < mr) {
                 const float ga = split_sum(a[m], lane);
                 const float ub = split_sum(b[m], lane);
@@ -341,9 +416,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up(
 // Grouped down: out[item][c] = weight[item] * (h[item] . down[c]); warp w of block b owns
 // features c = FEATURES * (b * WARPS + w) and c + 1. Grid: (ceil(hidden / (FEATURES * WARPS)),
 // groups); block: 32 * WARPS.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down(
-    const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
-    const float* __restrict__ item_weight, float* __restrict__ out) {
+template <int MS>
+__device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int hidden, int inter,
+                                               const ExpertGroup* __restrict__ groups,
+                                               const float* __restrict__ item_weight, float* __restrict__ out) {
     const ExpertGroup g = groups[blockIdx.y];
     const int lane = threadIdx.x & 31;
     const int c = FEATURES * (blockIdx.x * WARPS + (threadIdx.x >> 5));
@@ -351,15 +427,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down(
     const bool second = c + 1 < hidden;
     const __half* w0 = reinterpret_cast<const __half*>(g.down) + (size_t)c * inter;
     const __half* w1 = second ? w0 + inter : w0;
-    for (int i0 = 0; i0 < (int)g.count; i0 += MR_SPLIT) {
-        const int mr = min(MR_SPLIT, (int)g.count - i0);
-        const float* xr[MR_SPLIT];
-        float a0[MR_SPLIT][8], a1[MR_SPLIT][8];
+    for (int i0 = 0; i0 < (int)g.count; i0 += MS) {
+        const int mr = min(MS, (int)g.count - i0);
+        const float* xr[MS];
+        float a0[MS][8], a1[MS][8];
 #pragma unroll
-        for (int m = 0; m < MR_SPLIT; ++m) xr[m] = h + (size_t)(g.first + i0 + min(m, mr - 1)) * inter;
-        group_dot2_split(w0, w1, xr, mr, inter, lane, a0, a1);
+        for (int m = 0; m < MS; ++m) xr[m] = h + (size_t)(g.first + i0 + min(m, mr - 1)) * inter;
+        split_items<MS>(w0, w1, xr, mr, inter, lane, a0, a1);
 #pragma unroll
-        for (int m = 0; m < MR_SPLIT; ++m) {
+        for (int m = 0; m < MS; ++m) {
             if (m < mr) {
                 const float s0 = split_sum(a0[m], lane);
                 const float s1 = split_sum(a1[m], lane);
@@ -373,3 +449,28 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down(
         }
     }
 }
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
+    const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int inter,
+    float* __restrict__ h) {
+    spx_launch_dependents();
+    gate_up_silu_block<false>(x, rows, k, w, inter, h);
+}
+
+// The _1 kernels take groups' items one at a time (decode: every group holds one item).
+#define MOE_F16_KERNELS(SUFFIX, MS)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
+        const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
+        const unsigned* __restrict__ item_row, float* __restrict__ h) {                                 \
+        SPX_PROLOGUE();                                                                                 \
+        moe_gate_up_block<MS>(x, hidden, inter, groups, item_row, h);                                   \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down##SUFFIX(                      \
+        const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
+        const float* __restrict__ item_weight, float* __restrict__ out) {                               \
+        SPX_PROLOGUE();                                                                                 \
+        moe_down_block<MS>(h, hidden, inter, groups, item_weight, out);                                 \
+    }
+
+MOE_F16_KERNELS(, MR_SPLIT)
+MOE_F16_KERNELS(_1, 1)

@@ -491,12 +491,14 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ grou
         moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \
                                 const float* __restrict__ x, const u32* __restrict__ item_row,    \
                                 float* __restrict__ h, u32 hidden, u32 inter) {                   \
+        SPX_PROLOGUE();                                                                           \
         gate_up_kernel<MAXI, STAGED>(groups, x, item_row, h, hidden, inter);                      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_down_##MAXI(const ExpertGroup* __restrict__ groups, const float* __restrict__ h, \
                              const float* __restrict__ item_weight, float* __restrict__ out,      \
                              u32 hidden, u32 inter) {                                             \
+        SPX_PROLOGUE();                                                                           \
         down_kernel<MAXI, STAGED>(groups, h, item_weight, out, hidden, inter);                    \
     }
 

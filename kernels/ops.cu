@@ -33,6 +33,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 // y[r] = table[ids[r]] (f16 -> f32). Grid: rows; block: any.
 extern "C" __global__ void embedding(const __half* __restrict__ table, const unsigned* __restrict__ ids,
                                      int hidden, float* __restrict__ y) {
+    SPX_PROLOGUE();
     const size_t r = blockIdx.x;
     const __half* src = table + (size_t)ids[r] * hidden;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
@@ -67,29 +68,30 @@ __device__ __forceinline__ float4 norm4(float4 v, const __half* w, float inv, bo
     return make_float4(wa.x * (v.x * inv), wa.y * (v.y * inv), wb.x * (v.z * inv), wb.y * (v.w * inv));
 }
 
-// RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
-// Groups of a multiple of 4 columns go four columns per thread step (float4 accesses where the
-// buffers are 16-byte aligned, the same arithmetic otherwise), the first
-// RMS_CACHE * ROW_THREADS * 4 columns kept in registers between the two passes. The sum of squares
-// runs in an order fixed by `group` alone.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
-                                    int group, float* __restrict__ y) {
-    __shared__ float shared[ROW_THREADS / 32 + 1];
-    const size_t base = (size_t)blockIdx.x * group;
-    const bool vec = (group & 3) == 0;
-    const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
-                         (reinterpret_cast<size_t>(w) & 7) == 0;
+// RMSNorm of one group of `group` columns, xb -> yb. Groups of a multiple of 4 columns go four
+// columns per thread step (float4 accesses where `aligned`, the same arithmetic otherwise), the
+// first RMS_CACHE * ROW_THREADS * 4 columns kept in registers between the two passes. The sum of
+// squares runs in an order fixed by `group` alone. With ADD, xb[c] is first replaced by
+// xb[c] + ab[c] (stored back to xb, as add_f32 does), and the norm is that of the sums.
+// xb carries no __restrict__: with ADD the second pass reads back what the first stored.
+template <bool ADD>
+__device__ __forceinline__ void rms_norm_group(float* xb, const float* ab, const __half* __restrict__ w,
+                                               float eps, int group, float* __restrict__ yb, bool aligned,
+                                               float* shared) {
     float ss = 0.0f;
-    if (vec) {
+    if ((group & 3) == 0) {
         const int n4 = group >> 2;
-        const float* xb = x + base;
-        float* yb = y + base;
         float4 cache[RMS_CACHE];
 #pragma unroll
         for (int i = 0; i < RMS_CACHE; ++i) {
             const int c = threadIdx.x + i * ROW_THREADS;
             if (c < n4) {
-                const float4 v = load_float4(xb + 4 * c, aligned);
+                float4 v = load_float4(xb + 4 * c, aligned);
+                if (ADD) {
+                    const float4 t = load_float4(ab + 4 * c, aligned);
+                    v = make_float4(v.x + t.x, v.y + t.y, v.z + t.z, v.w + t.w);
+                    store4(xb + 4 * c, v, aligned);
+                }
                 cache[i] = v;
                 ss = fmaf(v.x, v.x, ss);
                 ss = fmaf(v.y, v.y, ss);
@@ -98,7 +100,12 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* _
             }
         }
         for (int c = threadIdx.x + RMS_CACHE * ROW_THREADS; c < n4; c += ROW_THREADS) {
-            const float4 v = load_float4(xb + 4 * c, aligned);
+            float4 v = load_float4(xb + 4 * c, aligned);
+            if (ADD) {
+                const float4 t = load_float4(ab + 4 * c, aligned);
+                v = make_float4(v.x + t.x, v.y + t.y, v.z + t.z, v.w + t.w);
+                store4(xb + 4 * c, v, aligned);
+            }
             ss = fmaf(v.x, v.x, ss);
             ss = fmaf(v.y, v.y, ss);
             ss = fmaf(v.z, v.z, ss);
@@ -119,20 +126,49 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* _
         return;
     }
     for (int c = threadIdx.x; c < group; c += ROW_THREADS) {
-        const float v = x[base + c];
+        float v = xb[c];
+        if (ADD) {
+            v = v + ab[c];
+            xb[c] = v;
+        }
         ss = fmaf(v, v, ss);
     }
     ss = block_sum(ss, shared);
     const float inv = 1.0f / sqrtf(ss / (float)group + eps);
     for (int c = threadIdx.x; c < group; c += ROW_THREADS) {
-        y[base + c] = __half2float(w[c]) * (x[base + c] * inv);
+        yb[c] = __half2float(w[c]) * (xb[c] * inv);
     }
+}
+
+// RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
+                                    int group, float* __restrict__ y) {
+    SPX_PROLOGUE();
+    __shared__ float shared[ROW_THREADS / 32 + 1];
+    const size_t base = (size_t)blockIdx.x * group;
+    const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
+                         (reinterpret_cast<size_t>(w) & 7) == 0;
+    rms_norm_group<false>(const_cast<float*>(x) + base, nullptr, w, eps, group, y + base, aligned, shared);
+}
+
+// The residual add and the next norm of a decoder layer: x += a, then y = RMSNorm(x) over whole
+// rows of `cols` columns; the same bits as add_f32 followed by rms_norm. One block per row.
+extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* __restrict__ w, float eps,
+                                        int cols, float* __restrict__ y) {
+    SPX_PROLOGUE();
+    __shared__ float shared[ROW_THREADS / 32 + 1];
+    const size_t base = (size_t)blockIdx.x * cols;
+    const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(a) |
+                           reinterpret_cast<size_t>(y) | (size_t)cols * 4) & 15) == 0 &&
+                         (reinterpret_cast<size_t>(w) & 7) == 0;
+    rms_norm_group<true>(x + base, a + base, w, eps, cols, y + base, aligned, shared);
 }
 
 // LayerNorm of each row (width `cols`) with weight and bias. One block per row.
 extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half* __restrict__ w,
                                       const __half* __restrict__ b, float eps, int cols,
                                       float* __restrict__ y) {
+    SPX_PROLOGUE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * cols;
     float s = 0.0f;
@@ -157,6 +193,7 @@ extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, in
                                      unsigned long long total, float* __restrict__ y0, int w0,
                                      float* __restrict__ y1, int w1, float* __restrict__ y2, int w2,
                                      float* __restrict__ y3, int w3) {
+    SPX_PROLOGUE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long r = i / width;
@@ -179,12 +216,14 @@ extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, in
 // forward pass, whose position is read on the device at replay. Grid: (ceil(cols / 256), rows).
 extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* __restrict__ dst, int cols,
                                         const unsigned* __restrict__ row_at) {
+    SPX_PROLOGUE();
     const size_t r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < cols) dst[((size_t)row_at[0] + r) * cols + c] = src[r * cols + c];
 }
 
 extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigned long long n) {
+    SPX_PROLOGUE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         x[i] = fminf(fmaxf(x[i], -limit), limit);
@@ -193,6 +232,7 @@ extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigne
 
 // x += y.
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, unsigned long long n) {
+    SPX_PROLOGUE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         x[i] += y[i];
@@ -203,10 +243,35 @@ extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restric
 extern "C" __global__ void add_sigmoid_gated(float* __restrict__ x, const float* __restrict__ y,
                                              const float* __restrict__ gate, int cols,
                                              unsigned long long n) {
+    SPX_PROLOGUE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const float g = 1.0f / (1.0f + expf(-gate[i / cols]));
         x[i] += g * y[i];
+    }
+}
+
+// One rotated pair: (a, b) = (seg[2i], seg[2i+1]) when interleaved, else (seg[i], seg[i+half]).
+__device__ __forceinline__ float2 rope_pair(float a, float b, float c, float s, int interleaved) {
+    if (interleaved) return make_float2(a * c - b * s, a * s + b * c);
+    return make_float2(a * c - b * s, b * c + a * s);
+}
+
+// Rotates channels [offset, offset + rot_dim) of one head segment `in` into `out` (the same
+// place for an in-place rotation) by the row's cos/sin (`half` each). Threads t, t + step, ...
+__device__ __forceinline__ void rope_segment(const float* in, float* out, const float* cs, const float* sn,
+                                             int half, int interleaved, int t, int step) {
+    for (int i = t; i < half; i += step) {
+        const float c = cs[i], s = sn[i];
+        if (interleaved) {
+            const float2 r = rope_pair(in[2 * i], in[2 * i + 1], c, s, 1);
+            out[2 * i] = r.x;
+            out[2 * i + 1] = r.y;
+        } else {
+            const float2 r = rope_pair(in[i], in[i + half], c, s, 0);
+            out[i] = r.x;
+            out[i + half] = r.y;
+        }
     }
 }
 
@@ -216,6 +281,7 @@ extern "C" __global__ void add_sigmoid_gated(float* __restrict__ x, const float*
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t,
                                 const float* __restrict__ sin_t, int cols, int heads, int head_stride,
                                 int offset, int rot_dim, int interleaved) {
+    SPX_PROLOGUE();
     const int half = rot_dim / 2;
     const size_t r = blockIdx.x;
     float* row = x + r * cols;
@@ -226,15 +292,59 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
         float* seg = row + h * head_stride + offset;
         const float c = cs[i], s = sn[i];
         if (interleaved) {
-            const float a = seg[2 * i], b = seg[2 * i + 1];
-            seg[2 * i] = a * c - b * s;
-            seg[2 * i + 1] = a * s + b * c;
+            const float2 v = rope_pair(seg[2 * i], seg[2 * i + 1], c, s, 1);
+            seg[2 * i] = v.x;
+            seg[2 * i + 1] = v.y;
         } else {
-            const float a = seg[i], b = seg[i + half];
-            seg[i] = a * c - b * s;
-            seg[i + half] = b * c + a * s;
+            const float2 v = rope_pair(seg[i], seg[i + half], c, s, 0);
+            seg[i] = v.x;
+            seg[i + half] = v.y;
         }
     }
+}
+
+// MLA's latent step, one block (ROW_THREADS) per row of c ([rows, cols], cols = rank + rope):
+// latent[r] = RMSNorm(c[r][0, rank)) times w, and pe[r] = c[r][rank, rank + rope) rotated by the
+// row's cos/sin; the same bits as split_cols, rms_norm and rope.
+extern "C" __global__ void mla_latent(const float* __restrict__ c, int cols, int rank, const __half* __restrict__ w,
+                                      float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                      int rope, int interleaved, float* __restrict__ latent, float* __restrict__ pe) {
+    SPX_PROLOGUE();
+    __shared__ float shared[ROW_THREADS / 32 + 1];
+    const size_t r = blockIdx.x;
+    const float* row = c + r * cols;
+    const bool aligned = ((reinterpret_cast<size_t>(row) | reinterpret_cast<size_t>(latent) | (size_t)rank * 4) & 15) == 0 &&
+                         (reinterpret_cast<size_t>(w) & 7) == 0;
+    rms_norm_group<false>(const_cast<float*>(row), nullptr, w, eps, rank, latent + r * rank, aligned, shared);
+    const int half = rope / 2;
+    rope_segment(row + rank, pe + r * rope, cos_t + r * half, sin_t + r * half, half, interleaved, threadIdx.x,
+                 blockDim.x);
+}
+
+// MLA after kv_b: from kv ([rows, heads * (nope + v_dim)]) and the rotated k_pe ([rows, rope]),
+// writes row r's keys (per head: nope channels of kv, then k_pe) and values into the caches at
+// position p = (start_at ? start_at[0] : start) + r, and rotates the query's rope channels of
+// head h in place (q: [rows, heads * (nope + rope)], channels nope.. of each head); the same bits
+// as mla_expand_kv, two write_rows and rope. Grid: (rows, heads); block: any.
+extern "C" __global__ void mla_expand_append(const float* __restrict__ kv, const float* __restrict__ k_pe, int heads,
+                                             int nope, int rope, int v_dim, float* __restrict__ keys,
+                                             float* __restrict__ values, int start,
+                                             const unsigned* __restrict__ start_at, float* __restrict__ q,
+                                             const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                             int interleaved) {
+    SPX_PROLOGUE();
+    const size_t r = blockIdx.x;
+    const int h = blockIdx.y;
+    const size_t p = (size_t)(start_at ? (int)start_at[0] : start) + r;
+    const int kw = nope + rope, in_w = nope + v_dim;
+    const float* src = kv + (r * heads + h) * in_w;
+    float* kd = keys + (p * heads + h) * kw;
+    float* vd = values + (p * heads + h) * v_dim;
+    for (int c = threadIdx.x; c < kw; c += blockDim.x) kd[c] = c < nope ? src[c] : k_pe[r * rope + (c - nope)];
+    for (int c = threadIdx.x; c < v_dim; c += blockDim.x) vd[c] = src[nope + c];
+    const int half = rope / 2;
+    float* qh = q + (r * heads + h) * kw + nope;
+    rope_segment(qh, qh, cos_t + r * half, sin_t + r * half, half, interleaved, threadIdx.x, blockDim.x);
 }
 
 // MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and
@@ -243,6 +353,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
 extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const float* __restrict__ k_pe,
                                          int heads, int nope, int rope, int v_dim,
                                          float* __restrict__ keys, float* __restrict__ values) {
+    SPX_PROLOGUE();
     const size_t r = blockIdx.x;
     const int h = blockIdx.y;
     const int kw = nope + rope, in_w = nope + v_dim;
@@ -256,6 +367,7 @@ extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const flo
 // h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
 extern "C" __global__ void silu_mul(const float* __restrict__ gu, int inter, unsigned long long n,
                                     float* __restrict__ h) {
+    SPX_PROLOGUE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long r = i / inter, c = i % inter;
@@ -266,6 +378,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, int inter, uns
 
 // Index of each row's maximum, the first on ties (NaN never wins). One block per row.
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned* __restrict__ out) {
+    SPX_PROLOGUE();
     __shared__ float best_v[ROW_THREADS];
     __shared__ int best_i[ROW_THREADS];
     const float* row = x + (size_t)blockIdx.x * cols;
@@ -296,10 +409,13 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, un
 }
 
 // The routed-expert combine: y[r] = sum over j < top_k of out[row_items[r * top_k + j]], items
-// listed in ascending expert id, added in that order (as the CPU reference adds them).
+// listed in ascending expert id, added in that order (as the CPU reference adds them); then,
+// when `plus` is given, y[r] += plus[r] (the shared experts' output, as add_f32 would add it).
 // Grid: (rows, ceil(hidden / blockDim.x)); one thread per output element.
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsigned* __restrict__ row_items,
-                                       int top_k, int hidden, float* __restrict__ y) {
+                                       int top_k, int hidden, float* __restrict__ y,
+                                       const float* __restrict__ plus) {
+    SPX_PROLOGUE();
     const size_t r = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
@@ -307,5 +423,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsi
     for (int j = 0; j < top_k; ++j) {
         acc += out[(size_t)row_items[r * top_k + j] * hidden + c];
     }
+    if (plus) acc = acc + plus[r * hidden + c];
     y[r * hidden + c] = acc;
 }

@@ -377,7 +377,8 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 }
 
 /// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns
-/// recorded passes off, `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
+/// recorded passes off, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
+/// it has finished, `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
 pub fn cuda_options_from_env() -> Result<CudaOptions> {
     cuda_options_from(|name| std::env::var(name).ok())
 }
@@ -386,6 +387,9 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     let mut opts = CudaOptions::default();
     if let Some(value) = var("SPECTER_CUDA_GRAPHS") {
         opts.graphs = value.trim() != "0";
+    }
+    if let Some(value) = var("SPECTER_CUDA_OVERLAP") {
+        opts.overlap_launches = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_LOAD_THREADS") {
         match value.trim().parse::<usize>() {
@@ -411,8 +415,14 @@ mod tests {
     #[test]
     fn the_environment_maps_onto_the_cuda_options() {
         assert_eq!(from(&[]).unwrap(), CudaOptions::default());
-        let opts = from(&[("SPECTER_CUDA_GRAPHS", "0"), ("SPECTER_LOAD_THREADS", "3")]).unwrap();
+        let opts = from(&[
+            ("SPECTER_CUDA_GRAPHS", "0"),
+            ("SPECTER_LOAD_THREADS", "3"),
+            ("SPECTER_CUDA_OVERLAP", "0"),
+        ])
+        .unwrap();
         assert!(!opts.graphs);
+        assert!(!opts.overlap_launches);
         assert_eq!(opts.load_threads, Some(3));
         assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);
     }

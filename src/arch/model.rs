@@ -13,7 +13,8 @@ use super::tensors::{
 };
 use super::{Proj, TensorSpec};
 use crate::backend::{
-    AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, StepEnd, StepRequest, StepStart,
+    AttentionSpec, Backend, GatedMlp, MlaShape, RopeSpec, RouteSpec, StepEnd, StepRequest,
+    StepStart,
 };
 use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
 use crate::weights::WeightStore;
@@ -536,14 +537,6 @@ impl<B: Backend> MoeModel<B> {
                 LayerKv::Mla { keys, values },
             ) => {
                 let (nope, rope, vd) = (*qk_nope_head_dim, *qk_rope_head_dim, *v_head_dim);
-                let mut qs = match q {
-                    MlaQuery::Full(w) => be.linear(h, w, None)?,
-                    MlaQuery::Lora { a, norm, b, rank } => {
-                        let qa = self.linear(h, a)?;
-                        let qa = be.rms_norm(&qa, norm, MLA_LATENT_NORM_EPS, *rank)?;
-                        be.linear(&qa, b, None)?
-                    }
-                };
                 let q_spec = RopeSpec {
                     heads: cfg.num_heads,
                     head_stride: nope + rope,
@@ -551,15 +544,22 @@ impl<B: Backend> MoeModel<B> {
                     rot_dim: rope,
                     style: cfg.rope.style,
                 };
-                let compressed = self.linear(h, kv_a)?;
-                let mut parts = be
-                    .split_cols(&compressed, &[*kv_lora_rank, rope])?
-                    .into_iter();
-                let (latent, mut pe) = match (parts.next(), parts.next()) {
-                    (Some(a), Some(b)) => (a, b),
-                    _ => return Err(Error::Backend("split_cols returned too few parts".into())),
+                let compressed = match kv_a.bias {
+                    None => None,
+                    Some(_) => Some(self.linear(h, kv_a)?),
                 };
-                let latent = be.rms_norm(&latent, kv_a_norm, MLA_LATENT_NORM_EPS, *kv_lora_rank)?;
+                let (mut qs, compressed) = match (q, compressed) {
+                    // No q_lora and no bias: both projections of `h` in one call.
+                    (MlaQuery::Full(w), None) => be.linear_pair(h, w, &kv_a.weight)?,
+                    (q, compressed) => {
+                        let qs = self.mla_query(q, h)?;
+                        let compressed = match compressed {
+                            Some(c) => c,
+                            None => self.linear(h, kv_a)?,
+                        };
+                        (qs, compressed)
+                    }
+                };
                 let k_spec = RopeSpec {
                     heads: 1,
                     head_stride: rope,
@@ -567,13 +567,34 @@ impl<B: Backend> MoeModel<B> {
                     rot_dim: rope,
                     style: cfg.rope.style,
                 };
-                be.rope(&mut pe, k_spec, &self.rope.inv_freq, positions, scales)?;
+                let (latent, pe) = be.mla_latent(
+                    &compressed,
+                    kv_a_norm,
+                    MLA_LATENT_NORM_EPS,
+                    *kv_lora_rank,
+                    k_spec,
+                    &self.rope.inv_freq,
+                    positions,
+                    scales,
+                )?;
                 let expanded = be.linear(&latent, kv_b, None)?;
-                let (new_keys, new_values) =
-                    be.mla_expand_kv(&expanded, &pe, cfg.num_heads, nope, vd)?;
-                be.write_rows(keys, start, &new_keys)?;
-                be.write_rows(values, start, &new_values)?;
-                be.rope(&mut qs, q_spec, &self.rope.inv_freq, positions, scales)?;
+                be.mla_expand_append(
+                    &expanded,
+                    &pe,
+                    MlaShape {
+                        heads: cfg.num_heads,
+                        nope,
+                        v_dim: vd,
+                    },
+                    keys,
+                    values,
+                    start,
+                    &mut qs,
+                    q_spec,
+                    &self.rope.inv_freq,
+                    positions,
+                    scales,
+                )?;
                 let out = be.attention(
                     &qs,
                     keys,
@@ -594,6 +615,32 @@ impl<B: Backend> MoeModel<B> {
             _ => Err(Error::Backend(
                 "attention weights and cache do not match the configuration".into(),
             )),
+        }
+    }
+
+    /// MLA's query projection (with q_lora: down, norm, up).
+    fn mla_query(&self, q: &MlaQuery<B>, h: &B::Act) -> Result<B::Act> {
+        let be = &self.backend;
+        match q {
+            MlaQuery::Full(w) => be.linear(h, w, None),
+            MlaQuery::Lora { a, norm, b, rank } => {
+                let qa = self.linear(h, a)?;
+                let qa = be.rms_norm(&qa, norm, MLA_LATENT_NORM_EPS, *rank)?;
+                be.linear(&qa, b, None)
+            }
+        }
+    }
+
+    /// `x += y`, then the norm `n` of `x`: one call where the backend fuses them.
+    fn add_norm(&self, x: &mut B::Act, y: &B::Act, n: &Norm<B>) -> Result<B::Act> {
+        match &n.bias {
+            Some(_) => {
+                self.backend.add_assign(x, y)?;
+                self.norm(x, n)
+            }
+            None => self
+                .backend
+                .add_rms_norm(x, y, &n.weight, self.cfg.norm_eps),
         }
     }
 
@@ -628,7 +675,6 @@ impl<B: Backend> MoeModel<B> {
             }
             None => None,
         };
-        let logits = be.linear(h, &block.router, None)?;
         let moe = &self.cfg.moe;
         let spec = match moe.router {
             RouterKind::SoftmaxTopK => RouteSpec::SoftmaxTopK {
@@ -640,27 +686,45 @@ impl<B: Backend> MoeModel<B> {
             RouterKind::SparseMixer { jitter_eps } => RouteSpec::SparseMixer { jitter_eps },
         };
         let on_device = hook.counts_routes_on_device(variant);
-        let mut out = if (hook.wants_routes() && !on_device) || hook.wants_moe_input() {
+        if (hook.wants_routes() && !on_device) || hook.wants_moe_input() {
+            let logits = be.linear(h, &block.router, None)?;
             let routing = be.route(&logits, spec)?;
             hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
             if hook.wants_moe_input() {
                 let hidden = be.to_host(h)?;
                 hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);
             }
-            be.moe_experts(h, &routing, experts)?
-        } else {
-            let count_as = on_device.then_some(block.moe_index);
-            be.routed_moe(h, &logits, spec, experts, false, count_as)?.0
-        };
-        if let Some((s, gate)) = shared {
-            match gate {
-                Some(gate) => {
-                    be.add_sigmoid_gated(&mut out, &s, &gate)?;
-                }
-                None => be.add_assign(&mut out, &s)?,
+            let mut out = be.moe_experts(h, &routing, experts)?;
+            if let Some((s, gate)) = shared {
+                add_shared(be, &mut out, &s, gate.as_ref())?;
             }
+            return Ok(out);
         }
-        Ok(out)
+        let count_as = on_device.then_some(block.moe_index);
+        let logits = be.linear(h, &block.router, None)?;
+        match shared {
+            // The shared experts' output added in the routed experts' combine.
+            Some((s, None)) => be.routed_moe_plus(h, &logits, spec, experts, count_as, &s),
+            Some((s, Some(gate))) => {
+                let mut out = be.routed_moe(h, &logits, spec, experts, false, count_as)?.0;
+                add_shared(be, &mut out, &s, Some(&gate))?;
+                Ok(out)
+            }
+            None => Ok(be.routed_moe(h, &logits, spec, experts, false, count_as)?.0),
+        }
+    }
+}
+
+/// `out += s`, or `out += sigmoid(gate) * s` for a gated shared expert.
+fn add_shared<B: Backend>(
+    be: &B,
+    out: &mut B::Act,
+    s: &B::Act,
+    gate: Option<&B::Act>,
+) -> Result<()> {
+    match gate {
+        Some(gate) => be.add_sigmoid_gated(out, s, gate),
+        None => be.add_assign(out, s),
     }
 }
 
@@ -814,18 +878,24 @@ impl<B: Backend> MoeModel<B> {
         let be = &self.backend;
         let start = kv.len;
         let mut x = be.embedding(&self.embed, tokens)?;
+        // Each layer's MLP output is added to the residual stream in the next norm's call.
+        let mut pending: Option<B::Act> = None;
         for (l, (layer, layer_kv)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
-            let h = self.norm(&x, &layer.input_norm)?;
+            let h = match pending.take() {
+                None => self.norm(&x, &layer.input_norm)?,
+                Some(m) => self.add_norm(&mut x, &m, &layer.input_norm)?,
+            };
             let a = self.attention(&layer.attention, &h, layer_kv, start, positions, scales)?;
-            be.add_assign(&mut x, &a)?;
-            let h = self.norm(&x, &layer.post_attention_norm)?;
-            let m = match &layer.mlp {
+            let h = self.add_norm(&mut x, &a, &layer.post_attention_norm)?;
+            pending = Some(match &layer.mlp {
                 Mlp::Dense(mlp) => be.gated_mlp(&h, mlp)?,
                 Mlp::Moe(block) => self.moe(block, l, &h, variant, hook)?,
-            };
-            be.add_assign(&mut x, &m)?;
+            });
         }
-        let x = self.norm(&x, &self.final_norm)?;
+        let x = match pending {
+            None => self.norm(&x, &self.final_norm)?,
+            Some(m) => self.add_norm(&mut x, &m, &self.final_norm)?,
+        };
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         be.linear(&x, head, self.lm_head_bias.as_ref())
     }

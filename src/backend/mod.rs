@@ -13,7 +13,7 @@ pub mod cuda;
 use half::f16;
 
 use crate::arch::RopeStyle;
-use crate::Result;
+use crate::{Error, Result};
 
 /// How to rotate a `[rows, heads * head_stride]` activation in place.
 #[derive(Clone, Copy, Debug)]
@@ -26,6 +26,15 @@ pub struct RopeSpec {
     /// Number of rotated channels (even).
     pub rot_dim: usize,
     pub style: RopeStyle,
+}
+
+/// MLA's per-head widths: `heads` heads of `nope` unrotated key channels and `v_dim` value
+/// channels.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaShape {
+    pub heads: usize,
+    pub nope: usize,
+    pub v_dim: usize,
 }
 
 /// Shapes and masking of one attention call.
@@ -229,6 +238,87 @@ pub trait Backend: Send + Sync {
         spec: AttentionSpec,
     ) -> Result<Self::Act>;
 
+    /// `x += y`, then RMSNorm of every whole row of `x` times `weight`: a decoder layer's
+    /// residual add and the norm after it. The default runs [`Self::add_assign`] then
+    /// [`Self::rms_norm`]; a backend may fuse them, with the same bits.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Act> {
+        self.add_assign(x, y)?;
+        let (_, cols) = self.shape(x);
+        self.rms_norm(x, weight, eps, cols)
+    }
+
+    /// `(x @ a^T, x @ b^T)`, no bias: two products of one input (MLA's query and compressed
+    /// key/value projections). The default runs [`Self::linear`] twice; a backend may run both
+    /// in one launch, with the same bits.
+    fn linear_pair(
+        &self,
+        x: &Self::Act,
+        a: &Self::Weight,
+        b: &Self::Weight,
+    ) -> Result<(Self::Act, Self::Act)> {
+        Ok((self.linear(x, a, None)?, self.linear(x, b, None)?))
+    }
+
+    /// MLA's latent step: `compressed` (`[rows, rank + rope]`) split into the latent, RMS-normed
+    /// over its `rank` columns with `norm` and `eps`, and the shared key part rotated as `rope`
+    /// says (one head of `rope.rot_dim` channels). The default runs [`Self::split_cols`],
+    /// [`Self::rms_norm`] and [`Self::rope`]; a backend may fuse them, with the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_latent(
+        &self,
+        compressed: &Self::Act,
+        norm: &Self::Weight,
+        eps: f32,
+        rank: usize,
+        rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<(Self::Act, Self::Act)> {
+        let mut parts = self
+            .split_cols(compressed, &[rank, rope.rot_dim])?
+            .into_iter();
+        let (latent, mut pe) = match (parts.next(), parts.next()) {
+            (Some(a), Some(b)) => (a, b),
+            _ => return Err(Error::Backend("split_cols returned too few parts".into())),
+        };
+        let latent = self.rms_norm(&latent, norm, eps, rank)?;
+        self.rope(&mut pe, rope, inv_freq, positions, scales)?;
+        Ok((latent, pe))
+    }
+
+    /// MLA after `kv_b_proj`: keys and values of the new rows built from `kv` and `k_pe` (as
+    /// [`Self::mla_expand_kv`]) and written into the caches at row `start`, and the query `q`
+    /// rotated in place as `q_rope` says. The default runs [`Self::mla_expand_kv`],
+    /// [`Self::write_rows`] twice and [`Self::rope`]; a backend may fuse them, with the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_expand_append(
+        &self,
+        kv: &Self::Act,
+        k_pe: &Self::Act,
+        mla: MlaShape,
+        keys: &mut Self::Act,
+        values: &mut Self::Act,
+        start: usize,
+        q: &mut Self::Act,
+        q_rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        let (new_keys, new_values) =
+            self.mla_expand_kv(kv, k_pe, mla.heads, mla.nope, mla.v_dim)?;
+        self.write_rows(keys, start, &new_keys)?;
+        self.write_rows(values, start, &new_values)?;
+        self.rope(q, q_rope, inv_freq, positions, scales)
+    }
+
     /// Routed expert `expert` of model layer `layer`. `load` reads and uploads it like any other
     /// weights (the default); a backend that offloads experts returns a handle instead and
     /// copies the expert in when a pass needs it.
@@ -269,6 +359,26 @@ pub trait Backend: Send + Sync {
         let routing = self.route(logits, spec)?;
         let out = self.moe_experts(x, &routing, experts)?;
         Ok((out, Some(routing)))
+    }
+
+    /// [`Self::routed_moe`] without host routing, then `+= plus` (the shared experts' output):
+    /// the default runs the two; a backend may add `plus` in the experts' combine, with the same
+    /// bits.
+    fn routed_moe_plus(
+        &self,
+        x: &Self::Act,
+        logits: &Self::Act,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        plus: &Self::Act,
+    ) -> Result<Self::Act>
+    where
+        Self: Sized,
+    {
+        let (mut out, _) = self.routed_moe(x, logits, spec, experts, false, count_as)?;
+        self.add_assign(&mut out, plus)?;
+        Ok(out)
     }
 
     /// A dense gated MLP over every row.

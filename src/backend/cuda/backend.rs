@@ -76,6 +76,9 @@ pub struct CudaBackend {
     pub(super) load_threads: Option<usize>,
     pub(super) pending: Mutex<Option<PendingLoad>>,
     pub(super) load_report: Mutex<Option<LoadReport>>,
+    /// Kernels are launched to overlap the tail of the one before them (see
+    /// [`CudaOptions::overlap_launches`]): asked for, and the device is sm_90 or newer.
+    pub(super) overlap_launches: bool,
 }
 
 impl CudaBackend {
@@ -111,6 +114,7 @@ impl CudaBackend {
         )?;
         let k = Kernels::load(&dev)?;
         let int4 = MoeInt4Kernels::new(&dev)?;
+        let overlap_launches = options.overlap_launches && dev.compute_capability().0 >= 9;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;
@@ -136,6 +140,7 @@ impl CudaBackend {
             load_threads: options.load_threads,
             pending: Mutex::new(None),
             load_report: Mutex::new(None),
+            overlap_launches,
         })
     }
 
@@ -337,6 +342,15 @@ impl CudaBackend {
         block: u32,
         args: &[u64],
     ) -> Result<()> {
+        let failed = |e: &dyn std::fmt::Display| {
+            Error::Backend(format!("cuda {what}: kernel launch failed: {e}"))
+        };
+        if self.overlap_launches {
+            // SAFETY: as below; the kernel waits in `spx_grid_wait` before it touches anything
+            // an earlier kernel writes or reads (every kernel this launches starts with it).
+            return unsafe { launch_overlapping(&self.stream, f, grid, block, args) }
+                .map_err(|e| failed(&e));
+        }
         let mut b = self.stream.launch_builder(f);
         for a in args {
             b.arg(a);
@@ -349,10 +363,7 @@ impl CudaBackend {
         // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
         // slots in the order its signature declares (checked by the callers below); pointers
         // address live device buffers of the sizes the kernel reads and writes.
-        // SAFETY: as above.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| Error::Backend(format!("cuda {what}: kernel launch failed: {e}")))
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| failed(&e))
     }
 
     pub(super) fn alloc(&self, rows: usize, cols: usize) -> Result<GpuAct> {
@@ -451,4 +462,58 @@ impl Drop for CudaBackend {
         // that may still use them finish first. Errors cannot be reported from here.
         let _ = self.stream.synchronize();
     }
+}
+
+/// Launches `f` on `stream` with programmatic stream serialisation: the kernel may begin once
+/// every block of the kernel before it has called `spx_launch_dependents` (or finished), and
+/// waits for that kernel's completion on the device, in `spx_grid_wait`. Recorded into a graph,
+/// the edge keeps that meaning.
+///
+/// # Safety
+/// As a plain launch: `args` are the kernel's parameters, pointers and 32-bit scalars in 8-byte
+/// slots in the order its signature declares, pointing at live buffers of the sizes it uses.
+/// Also, the kernel calls `spx_grid_wait` before any access to memory that another kernel
+/// writes, or reads, on this stream.
+pub(super) unsafe fn launch_overlapping(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    args: &[u64],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    stream.context().bind_to_thread()?;
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .iter()
+        .map(|a| a as *const u64 as *mut std::ffi::c_void)
+        .collect();
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `cfg`, `attr` and `params` outlive the call, which copies what it needs; the
+    // parameters are as the caller promises.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }

@@ -11,6 +11,10 @@ pub(super) use super::launch_constants::*;
 pub(super) struct Kernels {
     pub(super) embedding: CudaFunction,
     pub(super) rms_norm: CudaFunction,
+    pub(super) add_rms_norm: CudaFunction,
+    pub(super) mla_latent: CudaFunction,
+    pub(super) mla_expand_append: CudaFunction,
+    pub(super) linear2: CudaFunction,
     pub(super) layer_norm: CudaFunction,
     pub(super) copy_cols: CudaFunction,
     pub(super) copy_rows_at: CudaFunction,
@@ -30,6 +34,11 @@ pub(super) struct Kernels {
     pub(super) gate_up_silu: CudaFunction,
     pub(super) moe_gate_up: CudaFunction,
     pub(super) moe_down: CudaFunction,
+    /// The one-row forms (kernels/gemv_f16.cu, `*_1`): the same bits, more loads in flight.
+    pub(super) linear_1: CudaFunction,
+    pub(super) linear2_1: CudaFunction,
+    pub(super) moe_gate_up_1: CudaFunction,
+    pub(super) moe_down_1: CudaFunction,
     pub(super) attention: CudaFunction,
 }
 
@@ -41,6 +50,10 @@ impl Kernels {
         Ok(Kernels {
             embedding: ops("embedding")?,
             rms_norm: ops("rms_norm")?,
+            add_rms_norm: ops("add_rms_norm")?,
+            mla_latent: ops("mla_latent")?,
+            mla_expand_append: ops("mla_expand_append")?,
+            linear2: gemv("linear2_f16")?,
             layer_norm: ops("layer_norm")?,
             copy_cols: ops("copy_cols")?,
             copy_rows_at: ops("copy_rows_at")?,
@@ -60,6 +73,10 @@ impl Kernels {
             gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
             moe_down: gemv("moe_f16_down")?,
+            linear_1: gemv("linear_f16_1")?,
+            linear2_1: gemv("linear2_f16_1")?,
+            moe_gate_up_1: gemv("moe_f16_gate_up_1")?,
+            moe_down_1: gemv("moe_f16_down_1")?,
             attention: dev.function("attention", "attention")?,
         })
     }

@@ -14,6 +14,7 @@ mod backend;
 mod device;
 mod driver;
 pub mod experts;
+mod fused;
 mod graphs;
 mod host;
 mod kernels;

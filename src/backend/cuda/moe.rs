@@ -157,25 +157,9 @@ impl CudaBackend {
         host_routing: bool,
         count_as: Option<usize>,
     ) -> Result<(GpuAct, Option<Routing>)> {
-        let resident = experts
-            .iter()
-            .all(|m| !matches!(m.gate_up, GpuWeight::Offloaded { .. }));
-        let top_k = match spec {
-            RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
-            RouteSpec::SparseMixer { .. } => 2,
-        };
-        let fits = (1..=MAX_TOP_K).contains(&top_k)
-            && top_k <= experts.len()
-            && experts.len() <= PLAN_MAX_EXPERTS;
-        if !host_routing
-            && resident
-            && fits
-            && logits.cols == experts.len()
-            && x.rows == logits.rows
-            && x.rows > 0
-        {
+        if let Some(top_k) = self.device_routing_fits(x, logits, spec, experts, host_routing) {
             return Ok((
-                self.routed_moe_on_device(x, logits, spec, top_k, experts, count_as)?,
+                self.routed_moe_on_device(x, logits, spec, top_k, experts, count_as, None)?,
                 None,
             ));
         }
@@ -186,6 +170,63 @@ impl CudaBackend {
         }
         let out = self.moe_experts(x, &routing, experts)?;
         Ok((out, Some(routing)))
+    }
+
+    /// [`crate::backend::Backend::routed_moe_plus`]: on the device, `plus` is added in the
+    /// combine's launch.
+    pub(super) fn routed_moe_plus_op(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        plus: &GpuAct,
+    ) -> Result<GpuAct> {
+        if let Some(top_k) = self.device_routing_fits(x, logits, spec, experts, false) {
+            if (plus.rows, plus.cols) == (x.rows, x.cols) {
+                return self.routed_moe_on_device(
+                    x,
+                    logits,
+                    spec,
+                    top_k,
+                    experts,
+                    count_as,
+                    Some(plus),
+                );
+            }
+        }
+        let (mut out, _) = self.routed_moe_op(x, logits, spec, experts, false, count_as)?;
+        self.add_assign(&mut out, plus)?;
+        Ok(out)
+    }
+
+    /// The routing's top-k when routing, work list and experts can all run on the device.
+    fn device_routing_fits(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        host_routing: bool,
+    ) -> Option<usize> {
+        let resident = experts
+            .iter()
+            .all(|m| !matches!(m.gate_up, GpuWeight::Offloaded { .. }));
+        let top_k = match spec {
+            RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
+            RouteSpec::SparseMixer { .. } => 2,
+        };
+        let fits = (1..=MAX_TOP_K).contains(&top_k)
+            && top_k <= experts.len()
+            && experts.len() <= PLAN_MAX_EXPERTS;
+        (!host_routing
+            && resident
+            && fits
+            && logits.cols == experts.len()
+            && x.rows == logits.rows
+            && x.rows > 0)
+            .then_some(top_k)
     }
 
     pub(super) fn moe_experts_op(
@@ -292,6 +333,7 @@ impl CudaBackend {
             int(k, "top_k")?,
             int(hidden, "hidden")?,
             ptr(&y.buf, s),
+            0,
         ];
         self.launch(
             &self.k.moe_combine,
@@ -310,15 +352,22 @@ impl CudaBackend {
     fn launch_moe_f16(&self, l: &MoeLaunch) -> Result<()> {
         let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
         let gy = u32::try_from(l.num_groups).unwrap_or(u32::MAX);
+        // Groups of at most one item (decode): the one-item forms, the same bits.
+        let one = l.max_count <= 1;
+        let (gate_up, down) = if one {
+            (&self.k.moe_gate_up_1, &self.k.moe_down_1)
+        } else {
+            (&self.k.moe_gate_up, &self.k.moe_down)
+        };
         self.launch(
-            &self.k.moe_gate_up,
+            gate_up,
             "moe gate/up",
             (grid_for(l.inter, GEMV_WARPS as u32), gy, 1),
             32 * GEMV_WARPS as u32,
             &[l.x, h, i, l.groups, l.item_row, l.h],
         )?;
         self.launch(
-            &self.k.moe_down,
+            down,
             "moe down",
             (
                 grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32),
@@ -333,6 +382,9 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// Routing, work list and expert kernels all on the device: no host round trip.
+    /// `plus` (`[rows, hidden]`, optional) is added to the combined output in the combine's
+    /// launch.
+    #[allow(clippy::too_many_arguments)]
     fn routed_moe_on_device(
         &self,
         x: &GpuAct,
@@ -341,6 +393,7 @@ impl CudaBackend {
         top_k: usize,
         experts: &[GatedMlp<Self>],
         count_as: Option<usize>,
+        plus: Option<&GpuAct>,
     ) -> Result<GpuAct> {
         let s = &self.stream;
         let rows = x.rows;
@@ -413,7 +466,13 @@ impl CudaBackend {
                 int(n_experts, "experts")?,
             ];
             args.extend_from_slice(&plan_args[1..]);
-            this.launch(&this.k.moe_plan, "moe plan", (1, 1, 1), 32, &args)
+            this.launch(
+                &this.k.moe_plan,
+                "moe plan",
+                (1, 1, 1),
+                ROUTE_PLAN_THREADS,
+                &args,
+            )
         };
         match spec {
             RouteSpec::SoftmaxTopK {
@@ -497,6 +556,7 @@ impl CudaBackend {
                 int(top_k, "top_k")?,
                 int(hidden, "hidden")?,
                 ptr(&y.buf, s),
+                plus.map_or(0, |p| ptr(&p.buf, s)),
             ],
         )?;
         Ok(y)

@@ -9,7 +9,9 @@ use super::backend::CudaBackend;
 use super::driver::guarded;
 use super::kernels::*;
 use super::load::{LoadIo, PendingLoad};
-use crate::backend::{check, AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
+use crate::backend::{
+    check, AttentionSpec, Backend, GatedMlp, MlaShape, RopeSpec, RouteSpec, Routing,
+};
 use crate::backend::{StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
 
@@ -343,8 +345,13 @@ impl Backend for CudaBackend {
         let y = self.alloc(x.rows, out)?;
         if x.rows > 0 {
             let s = &self.stream;
+            let f = if x.rows == 1 {
+                &self.k.linear_1
+            } else {
+                &self.k.linear
+            };
             self.launch(
-                &self.k.linear,
+                f,
                 "linear",
                 (grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32), 1, 1),
                 32 * GEMV_WARPS as u32,
@@ -360,6 +367,55 @@ impl Backend for CudaBackend {
             )?;
         }
         Ok(y)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut GpuAct,
+        y: &GpuAct,
+        weight: &GpuWeight,
+        eps: f32,
+    ) -> Result<GpuAct> {
+        self.add_rms_norm_op(x, y, weight, eps)
+    }
+
+    fn linear_pair(&self, x: &GpuAct, a: &GpuWeight, b: &GpuWeight) -> Result<(GpuAct, GpuAct)> {
+        self.linear_pair_op(x, a, b)
+    }
+
+    fn mla_latent(
+        &self,
+        compressed: &GpuAct,
+        norm: &GpuWeight,
+        eps: f32,
+        rank: usize,
+        rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<(GpuAct, GpuAct)> {
+        self.mla_latent_op(
+            compressed, norm, eps, rank, rope, inv_freq, positions, scales,
+        )
+    }
+
+    fn mla_expand_append(
+        &self,
+        kv: &GpuAct,
+        k_pe: &GpuAct,
+        mla: MlaShape,
+        keys: &mut GpuAct,
+        values: &mut GpuAct,
+        start: usize,
+        q: &mut GpuAct,
+        q_rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        self.mla_expand_append_op(
+            kv, k_pe, mla, keys, values, start, q, q_rope, inv_freq, positions, scales,
+        )
     }
 
     fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
@@ -562,6 +618,18 @@ impl Backend for CudaBackend {
         count_as: Option<usize>,
     ) -> Result<(GpuAct, Option<Routing>)> {
         self.routed_moe_op(x, logits, spec, experts, host_routing, count_as)
+    }
+
+    fn routed_moe_plus(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        plus: &GpuAct,
+    ) -> Result<GpuAct> {
+        self.routed_moe_plus_op(x, logits, spec, experts, count_as, plus)
     }
 
     fn gated_mlp(&self, x: &GpuAct, mlp: &GatedMlp<Self>) -> Result<GpuAct> {

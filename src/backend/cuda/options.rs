@@ -23,6 +23,11 @@ pub struct CudaOptions {
     /// With offloaded experts: hold expert copies to this many bytes per second, to emulate a
     /// slower link (25e9: PCIe 4.0 x16) on a faster one; `None`: the link's own rate.
     pub link_pace_bytes_per_s: Option<f64>,
+    /// Launch each kernel so that it may start while the one before it on the stream finishes
+    /// (programmatic dependent launch, Hopper and newer; ignored on older devices). Kernels
+    /// wait for their inputs on the device (kernels/common.cuh, `spx_grid_wait`), so the bits
+    /// are the same either way; what it saves is the gap between dependent kernels.
+    pub overlap_launches: bool,
 }
 
 impl CudaOptions {
@@ -48,6 +53,7 @@ impl Default for CudaOptions {
             host_experts: None,
             link_bytes_per_s: 54e9,
             link_pace_bytes_per_s: None,
+            overlap_launches: true,
         }
     }
 }

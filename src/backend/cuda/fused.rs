@@ -1,0 +1,280 @@
+//! Fused forms of op sequences the forward pass runs back to back (see the [`Backend`] defaults
+//! they replace): the residual add with the next RMSNorm, MLA's two projections of one input, its
+//! latent step (split, norm, rope) and its cache append (expand, two row writes, query rope).
+//! Each kernel does the same per-element arithmetic as the ops it replaces, so the bits are the
+//! same; what it saves is launches and the round trips of intermediates through memory.
+//!
+//! [`Backend`]: crate::backend::Backend
+
+use super::act::{GpuAct, GpuWeight};
+use super::backend::CudaBackend;
+use super::kernels::*;
+use crate::arch::RopeStyle;
+use crate::backend::{check, MlaShape, RopeSpec};
+use crate::Result;
+
+impl CudaBackend {
+    /// The rotation tables of `positions`: the step buffer's in a recorded pass, else the table
+    /// rebuilt for these positions.
+    pub(super) fn rope_tables(
+        &self,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<(u64, u64)> {
+        let s = &self.stream;
+        match self.step_args()? {
+            Some(a) if self.step_rope_matches(inv_freq, positions, scales)? => Ok((a.cos, a.sin)),
+            _ => {
+                let table = self.rope_table(inv_freq, positions, scales)?;
+                let t = table
+                    .as_ref()
+                    .ok_or_else(|| shape_err("rope", "no table".into()))?;
+                Ok((ptr(&t.cos, s), ptr(&t.sin, s)))
+            }
+        }
+    }
+
+    pub(super) fn add_rms_norm_op(
+        &self,
+        x: &mut GpuAct,
+        y: &GpuAct,
+        weight: &GpuWeight,
+        eps: f32,
+    ) -> Result<GpuAct> {
+        check::same((x.rows, x.cols), (y.rows, y.cols))
+            .map_err(|d| shape_err("add_rms_norm", d))?;
+        let w = self.f16_vector(weight, x.cols, "add_rms_norm")?;
+        let out = self.alloc(x.rows, x.cols)?;
+        if x.rows > 0 && x.cols > 0 {
+            let s = &self.stream;
+            self.launch(
+                &self.k.add_rms_norm,
+                "add_rms_norm",
+                (rows_grid(x.rows, "add_rms_norm")?, 1, 1),
+                ROW_THREADS,
+                &[
+                    ptr(&x.buf, s),
+                    ptr(&y.buf, s),
+                    ptr(w, s),
+                    float(eps),
+                    int(x.cols, "cols")?,
+                    ptr(&out.buf, s),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn linear_pair_op(
+        &self,
+        x: &GpuAct,
+        a: &GpuWeight,
+        b: &GpuWeight,
+    ) -> Result<(GpuAct, GpuAct)> {
+        let (wa, na, ka) = self.f16_matrix(a, "linear_pair")?;
+        let (wb, nb, kb) = self.f16_matrix(b, "linear_pair")?;
+        if ka != x.cols || kb != x.cols {
+            return Err(shape_err(
+                "linear_pair",
+                format!(
+                    "{} and {} do not both take an input of {} columns",
+                    a.describe(),
+                    b.describe(),
+                    x.cols
+                ),
+            ));
+        }
+        let (ya, yb) = (self.alloc(x.rows, na)?, self.alloc(x.rows, nb)?);
+        if x.rows > 0 {
+            let s = &self.stream;
+            let per_block = (GEMV_WARPS * GEMV_FEATURES) as u32;
+            let blocks_a = grid_for(na, per_block);
+            let f = if x.rows == 1 {
+                &self.k.linear2_1
+            } else {
+                &self.k.linear2
+            };
+            self.launch(
+                f,
+                "linear_pair",
+                (blocks_a + grid_for(nb, per_block), 1, 1),
+                32 * GEMV_WARPS as u32,
+                &[
+                    ptr(&x.buf, s),
+                    int(x.rows, "rows")?,
+                    int(x.cols, "in")?,
+                    ptr(wa, s),
+                    int(na, "out")?,
+                    0,
+                    ptr(&ya.buf, s),
+                    ptr(wb, s),
+                    int(nb, "out")?,
+                    0,
+                    ptr(&yb.buf, s),
+                    u64::from(blocks_a),
+                ],
+            )?;
+        }
+        Ok((ya, yb))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mla_latent_op(
+        &self,
+        compressed: &GpuAct,
+        norm: &GpuWeight,
+        eps: f32,
+        rank: usize,
+        rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<(GpuAct, GpuAct)> {
+        let rot = rope.rot_dim;
+        if rope.heads != 1
+            || rope.offset != 0
+            || rope.head_stride != rot
+            || rank + rot != compressed.cols
+        {
+            return Err(shape_err(
+                "mla_latent",
+                format!(
+                    "a [{}, {}] input does not split into a latent of {rank} and one rotated head of {rot}",
+                    compressed.rows, compressed.cols
+                ),
+            ));
+        }
+        check::rope(
+            &rope,
+            (compressed.rows, rot),
+            inv_freq.len(),
+            positions.len(),
+            scales.len(),
+        )
+        .map_err(|d| shape_err("mla_latent", d))?;
+        let w = self.f16_vector(norm, rank, "mla_latent")?;
+        let latent = self.alloc(compressed.rows, rank)?;
+        let pe = self.alloc(compressed.rows, rot)?;
+        if compressed.rows > 0 {
+            let (cos, sin) = self.rope_tables(inv_freq, positions, scales)?;
+            let s = &self.stream;
+            self.launch(
+                &self.k.mla_latent,
+                "mla_latent",
+                (rows_grid(compressed.rows, "mla_latent")?, 1, 1),
+                ROW_THREADS,
+                &[
+                    ptr(&compressed.buf, s),
+                    int(compressed.cols, "cols")?,
+                    int(rank, "rank")?,
+                    ptr(w, s),
+                    float(eps),
+                    cos,
+                    sin,
+                    int(rot, "rope")?,
+                    u64::from(rope.style == RopeStyle::Interleaved),
+                    ptr(&latent.buf, s),
+                    ptr(&pe.buf, s),
+                ],
+            )?;
+        }
+        Ok((latent, pe))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mla_expand_append_op(
+        &self,
+        kv: &GpuAct,
+        k_pe: &GpuAct,
+        mla: MlaShape,
+        keys: &mut GpuAct,
+        values: &mut GpuAct,
+        start: usize,
+        q: &mut GpuAct,
+        q_rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        let MlaShape { heads, nope, v_dim } = mla;
+        let rope = k_pe.cols;
+        check::mla_expand(
+            (kv.rows, kv.cols),
+            (k_pe.rows, k_pe.cols),
+            heads,
+            nope,
+            v_dim,
+        )
+        .map_err(|d| shape_err("mla_expand_append", d))?;
+        check::write_rows(
+            (keys.rows, keys.cols),
+            start,
+            (kv.rows, heads * (nope + rope)),
+        )
+        .map_err(|d| shape_err("mla_expand_append keys", d))?;
+        check::write_rows((values.rows, values.cols), start, (kv.rows, heads * v_dim))
+            .map_err(|d| shape_err("mla_expand_append values", d))?;
+        check::rope(
+            &q_rope,
+            (q.rows, q.cols),
+            inv_freq.len(),
+            positions.len(),
+            scales.len(),
+        )
+        .map_err(|d| shape_err("mla_expand_append query", d))?;
+        let fits = q_rope.heads == heads
+            && q_rope.head_stride == nope + rope
+            && q_rope.offset == nope
+            && q_rope.rot_dim == rope
+            && q.rows == kv.rows
+            && q.cols == heads * (nope + rope);
+        if !fits {
+            return Err(shape_err(
+                "mla_expand_append",
+                format!(
+                    "the query [{}, {}] does not rotate as the keys do",
+                    q.rows, q.cols
+                ),
+            ));
+        }
+        if kv.rows == 0 {
+            return Ok(());
+        }
+        // A recorded pass appends at the position the step buffer holds at replay.
+        let start_at = self
+            .step_args()?
+            .filter(|a| a.start == start && a.rows == kv.rows)
+            .map_or(0, |a| a.positions);
+        let (cos, sin) = self.rope_tables(inv_freq, positions, scales)?;
+        let s = &self.stream;
+        let h = u32::try_from(heads)
+            .map_err(|_| shape_err("mla_expand_append", "too many heads".into()))?;
+        self.launch(
+            &self.k.mla_expand_append,
+            "mla_expand_append",
+            (rows_grid(kv.rows, "mla_expand_append")?, h, 1),
+            MLA_THREADS,
+            &[
+                ptr(&kv.buf, s),
+                ptr(&k_pe.buf, s),
+                int(heads, "heads")?,
+                int(nope, "nope")?,
+                int(rope, "rope")?,
+                int(v_dim, "v_dim")?,
+                ptr(&keys.buf, s),
+                ptr(&values.buf, s),
+                int(start, "start")?,
+                start_at,
+                ptr(&q.buf, s),
+                cos,
+                sin,
+                u64::from(q_rope.style == RopeStyle::Interleaved),
+            ],
+        )
+    }
+}
+
+fn rows_grid(rows: usize, op: &str) -> Result<u32> {
+    u32::try_from(rows).map_err(|_| shape_err(op, "too many rows".into()))
+}
