@@ -544,21 +544,10 @@ impl<B: Backend> MoeModel<B> {
                     rot_dim: rope,
                     style: cfg.rope.style,
                 };
-                let compressed = match kv_a.bias {
-                    None => None,
-                    Some(_) => Some(self.linear(h, kv_a)?),
-                };
-                let (mut qs, compressed) = match (q, compressed) {
+                let (mut qs, compressed) = match (q, &kv_a.bias) {
                     // No q_lora and no bias: both projections of `h` in one call.
                     (MlaQuery::Full(w), None) => be.linear_pair(h, w, &kv_a.weight)?,
-                    (q, compressed) => {
-                        let qs = self.mla_query(q, h)?;
-                        let compressed = match compressed {
-                            Some(c) => c,
-                            None => self.linear(h, kv_a)?,
-                        };
-                        (qs, compressed)
-                    }
+                    (q, _) => (self.mla_query(q, h)?, self.linear(h, kv_a)?),
                 };
                 let k_spec = RopeSpec {
                     heads: 1,
