@@ -22,6 +22,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A count given to `flag`, with the flag named when it is not one.
+fn count(v: &str, flag: &str) -> anyhow::Result<usize> {
+    v.parse()
+        .map_err(|_| anyhow::anyhow!("{flag}: {v:?} is not a number"))
+}
+
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let mut bundle = None;
@@ -43,8 +49,8 @@ fn main() -> anyhow::Result<()> {
                     other => anyhow::bail!("--backend: unknown backend {other} (cuda or cpu)"),
                 }
             }
-            "--steps" => steps = value("--steps")?.parse()?,
-            "--window" => windows.push(value("--window")?.parse::<usize>()?),
+            "--steps" => steps = count(&value("--steps")?, "--steps")?,
+            "--window" => windows.push(count(&value("--window")?, "--window")?),
             "--json" => json = Some(value("--json")?),
             "--no-overlap" => overlap = false,
             _ if bundle.is_none() && !a.starts_with('-') => bundle = Some(a),
