@@ -17,6 +17,8 @@
 
 #include "common.cuh"
 
+#include "routing.cuh"
+
 #define WARPS 4
 // Output features per warp of linear_f16 and moe_f16_down (the rows w0 and w1 below); the host
 // sizes their grids by it.
@@ -323,39 +325,30 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
 LINEAR_KERNELS(, false)
 LINEAR_KERNELS(_1, true)
 
-// The gate/up product of a gated MLP with the activation fused:
+// The gate/up product of a gated MLP with the activation fused, feature j of every row:
 // h[r][j] = silu(x[r] . w[j]) * (x[r] . w[inter + j]), w = [gate; up] of shape [2 * inter, k].
 // The two dot products are the ones linear_f16 computes (same order), so h equals linear_f16
-// followed by silu_mul bit for bit. Grid: ceil(inter / WARPS); block: 32 * WARPS. (A one-row
-// form with more pieces in flight measured slower on the H200 for DeepSeek's shared experts.)
-template <bool ONE>
-__device__ __forceinline__ void gate_up_silu_block(const float* __restrict__ x, int rows, int k,
-                                                   const __half* __restrict__ w, int inter,
-                                                   float* __restrict__ h) {
+// followed by silu_mul bit for bit. One warp. (A one-row form with more pieces in flight measured
+// slower on the H200 for DeepSeek's shared experts.)
+__device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x, int rows, int k,
+                                                     const __half* __restrict__ w, int inter,
+                                                     float* __restrict__ h, int j) {
     const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
     const __half* wg = w + (size_t)j * k;
     const __half* wu = w + (size_t)(inter + j) * k;
     spx_prefetch_l2(wg, (size_t)k * sizeof(__half), lane);
     spx_prefetch_l2(wu, (size_t)k * sizeof(__half), lane);
     spx_grid_wait();
-    constexpr int M = ONE ? 1 : MR;
-    for (int r0 = 0; r0 < rows; r0 += M) {
-        const int mr = min(M, rows - r0);
-        const float* xr[M];
-        float a[M], b[M];
+    for (int r0 = 0; r0 < rows; r0 += MR) {
+        const int mr = min(MR, rows - r0);
+        const float* xr[MR];
+        float a[MR], b[MR];
 #pragma unroll
-        for (int m = 0; m < M; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
-        if (ONE) {
-            a[0] = 0.0f;
-            b[0] = 0.0f;
-            lane_dot2<1, UNROLL_ONE>(wg, wu, xr, 1, k, lane, a, b);
-        } else {
-            group_dot2(wg, wu, xr, mr, k, lane, a, b);
-        }
+        for (int m = 0; m < MR; ++m) xr[m] = x + (size_t)(r0 + min(m, mr - 1)) * k;
+        group_dot2(wg, wu, xr, mr, k, lane, a, b);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
+        for (int m = 0; m < MR; ++m) {
             if (m < mr) {
                 const float ga = warp_sum(a[m]);
                 const float ub = warp_sum(b[m]);
@@ -450,14 +443,41 @@ __device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int 
     }
 }
 
+// Grid: ceil(inter / WARPS); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
     const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int inter,
     float* __restrict__ h) {
     spx_launch_dependents();
-    gate_up_silu_block<false>(x, rows, k, w, inter, h);
+    gate_up_silu_feature(x, rows, k, w, inter, h, blockIdx.x * WARPS + (threadIdx.x >> 5));
+}
+
+// An MoE layer's routing and work list (route_plan, kernels/routing.cu) and its ungated shared
+// experts' gate/up (gate_up_silu_f16) in one launch, for few rows: block 0 routes and builds the
+// list while the other blocks compute h_shared[rows, inter_shared] from x, which needs no
+// routing, so the shared experts' weights stream while the routing's latency chain runs. Each
+// part has its own kernel's arithmetic. Grid: 1 + ceil(inter_shared / WARPS); block: 32 * WARPS.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16(
+    const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
+    unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
+    int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
+    float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* __restrict__ x, int k,
+    const __half* __restrict__ w_shared, int inter_shared, float* __restrict__ h_shared) {
+    spx_launch_dependents();
+    if (blockIdx.x == 0) {
+        spx_grid_wait();
+        route_plan_block<WARPS>(logits, experts, top_k, renormalize, scale, ids, weights, rows, table, max_groups,
+                                groups, item_row, item_weight, row_items);
+    } else {
+        gate_up_silu_feature(x, rows, k, w_shared, inter_shared, h_shared,
+                             (blockIdx.x - 1) * WARPS + (threadIdx.x >> 5));
+    }
 }
 
 // The _1 kernels take groups' items one at a time (decode: every group holds one item).
+// moe_f16_down_shared: moe_f16_down over the first gridDim.y - 1 rows of blocks, and in the last
+// the shared experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16
+// computes it (the _1 form one row at a time, the same bits), its weights fetched to L2 while the
+// gate/up launch finishes. Grid: (ceil(hidden / (FEATURES * WARPS)), groups + 1).
 #define MOE_F16_KERNELS(SUFFIX, MS)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
         const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
@@ -470,6 +490,19 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
         const float* __restrict__ item_weight, float* __restrict__ out) {                               \
         SPX_PROLOGUE();                                                                                 \
         moe_down_block<MS>(h, hidden, inter, groups, item_weight, out);                                 \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down_shared##SUFFIX(               \
+        const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
+        const float* __restrict__ item_weight, float* __restrict__ out, const float* __restrict__ h_shared, \
+        int rows, int inter_shared, const __half* __restrict__ w_down, float* __restrict__ y_shared) {  \
+        spx_launch_dependents();                                                                        \
+        if (blockIdx.y + 1 < gridDim.y) {                                                               \
+            spx_grid_wait();                                                                            \
+            moe_down_block<MS>(h, hidden, inter, groups, item_weight, out);                             \
+        } else {                                                                                        \
+            linear_block<MS == 1>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared,      \
+                                  blockIdx.x);                                                          \
+        }                                                                                               \
     }
 
 MOE_F16_KERNELS(, MR_SPLIT)

@@ -97,24 +97,13 @@ extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const floa
 #define ROUTE_PLAN_WARPS 8
 
 // route_softmax_topk and moe_plan in one launch, for few rows (decode, verification windows):
-// warp w routes rows w, w + ROUTE_PLAN_WARPS, ... (the same per-row code as route_softmax_topk),
-// then, after the block barrier makes ids/weights visible, the block builds the work list as
-// moe_plan does. Grid: 1; block: 32 * ROUTE_PLAN_WARPS.
+// route_plan_block (routing.cuh). Grid: 1; block: 32 * ROUTE_PLAN_WARPS.
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_PLAN_WARPS) route_plan(
     const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
     unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
     int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
     float* __restrict__ item_weight, unsigned* __restrict__ row_items) {
     SPX_PROLOGUE();
-    __shared__ int chosen[ROUTE_PLAN_WARPS][MAX_TOP_K];
-    __shared__ float chosen_p[ROUTE_PLAN_WARPS][MAX_TOP_K];
-    __shared__ PlanShared sh;
-    const int warp = threadIdx.x >> 5;
-    for (int r = warp; r < rows; r += ROUTE_PLAN_WARPS) {
-        route_row(logits + (size_t)r * experts, experts, top_k, renormalize, scale, chosen[warp], chosen_p[warp],
-                  ids + (size_t)r * top_k, weights + (size_t)r * top_k);
-    }
-    __syncthreads();
-    plan_list(ids, weights, rows, top_k, experts, table, max_groups, groups, item_row, item_weight, row_items,
-              &sh);
+    route_plan_block<ROUTE_PLAN_WARPS>(logits, experts, top_k, renormalize, scale, ids, weights, rows, table,
+                                       max_groups, groups, item_row, item_weight, row_items);
 }

@@ -202,4 +202,27 @@ __device__ void plan_list(const unsigned* ids, const float* weights, int rows, i
     }
 }
 
+// Routing of `rows` rows (warp w of the block's RW routes rows w, w + RW, ...: the per-row code of
+// route_softmax_topk), then, after the block barrier makes ids/weights visible, the work list as
+// moe_plan builds it. The body of route_plan (routing.cu) and of block 0 of
+// route_plan_shared_f16 (gemv_f16.cu); the block has 32 * RW threads.
+template <int RW>
+__device__ __forceinline__ void route_plan_block(const float* __restrict__ logits, int experts, int top_k,
+                                                 int renormalize, float scale, unsigned* ids, float* weights,
+                                                 int rows, const ExpertGroup* __restrict__ table, int max_groups,
+                                                 ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
+                                                 float* __restrict__ item_weight, unsigned* row_items) {
+    __shared__ int chosen[RW][MAX_TOP_K];
+    __shared__ float chosen_p[RW][MAX_TOP_K];
+    __shared__ PlanShared sh;
+    const int warp = threadIdx.x >> 5;
+    for (int r = warp; r < rows; r += RW) {
+        route_row(logits + (size_t)r * experts, experts, top_k, renormalize, scale, chosen[warp], chosen_p[warp],
+                  ids + (size_t)r * top_k, weights + (size_t)r * top_k);
+    }
+    __syncthreads();
+    plan_list(ids, weights, rows, top_k, experts, table, max_groups, groups, item_row, item_weight, row_items,
+              &sh);
+}
+
 #endif  // SPECTER_KERNELS_ROUTING_CUH

@@ -10,7 +10,8 @@
 #   ops       every CUDA op against the CPU reference on random inputs, one test per op family
 #             (tests/cuda_ops.rs)
 #   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
-#   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; and every
+#   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; the same
+#             logits with the shared experts fused into the routed launches as without; and every
 #             load I/O method gives the per-tensor upload's weights (tests/cuda_load.rs)
 #   lossless  every fixture model: speculative decoding on the GPU equals target-only
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
@@ -529,6 +530,7 @@ run() {
             ops) run_test cuda_ops "$out/ops.log" || status=1 ;;
             int4) run_test cuda_moe_int4 "$out/int4.log" || status=1 ;;
             fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1
+                run_test cuda_fixtures "$out/fused.log" gpu_logits || status=1
                 run_test cuda_load "$out/load.log" || status=1 ;;
             lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;

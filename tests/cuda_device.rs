@@ -119,6 +119,15 @@ fn embedded_kernels_match_their_sources() {
             "kernels/{name}.cu is embedded without kernels/common.cuh"
         );
     }
+    let routing_h =
+        std::fs::read_to_string(kernels.join("routing.cuh")).expect("kernels/routing.cuh");
+    for name in ["routing", "gemv_f16"] {
+        let kernel = kernel_source(name).expect("kernel embedded");
+        assert!(
+            kernel.source.contains(&routing_h),
+            "kernels/{name}.cu is embedded without kernels/routing.cuh"
+        );
+    }
     // The routing kernels live in their own file, loaded as their own module.
     let ops = kernel_source("ops").expect("ops kernels embedded");
     let routing = kernel_source("routing").expect("routing kernels embedded");

@@ -19,7 +19,7 @@ use specter::backend::cuda::{
     OffloadConfig,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
-use specter::model::{LanguageModel, NoHook};
+use specter::model::{LanguageModel, NoHook, Variant};
 use specter::offload::Policy;
 use specter::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
@@ -234,6 +234,65 @@ fn every_fixture_every_residency(speculative: bool) {
             }
         }
         eprintln!("{name}: GPU tokens equal the CPU's in every residency");
+    }
+}
+
+/// Running an MoE layer's shared experts inside its routed experts' launches
+/// (`CudaOptions::fuse_shared_experts`) changes no bit: the target's and the draft's logits for a
+/// prompt (one window of rows) and four decode steps after it equal those of the separate ops,
+/// with passes recorded and op by op.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn gpu_logits_do_not_depend_on_fusing_the_shared_experts() {
+    let device = Arc::new(common::gpu::device());
+    for name in FIXTURES {
+        let fixture = Fixture::load(name);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.specter");
+        convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+        let bundle = Bundle::open(&path).expect("open");
+        let prompt = fixture.prompts()[0].clone();
+        let logits = |fuse: bool, graphs: bool| -> Vec<Vec<u32>> {
+            let options = CudaOptions {
+                fuse_shared_experts: fuse,
+                graphs,
+                ..CudaOptions::default()
+            };
+            let backend =
+                CudaBackend::with_device(device.clone(), None, &options).expect("backend");
+            let model = MoeModel::load(fixture.cfg.clone(), &bundle, backend).unwrap();
+            let vocab = model.info().vocab_size;
+            let mut passes = Vec::new();
+            for variant in [Variant::Target, Variant::Draft] {
+                let mut kv = model.new_kv(prompt.len() + 8).unwrap();
+                let mut tokens = prompt.clone();
+                for _ in 0..5 {
+                    let out = model
+                        .forward(variant, &tokens, &mut kv, &mut NoHook)
+                        .expect("forward");
+                    let last = &out[out.len() - vocab..];
+                    let next =
+                        (0..vocab).fold(0, |best, i| if last[i] > last[best] { i } else { best });
+                    passes.push(out.iter().map(|v| v.to_bits()).collect());
+                    tokens = vec![next as u32];
+                }
+            }
+            passes
+        };
+        let separate = logits(false, true);
+        for (fuse, graphs) in [(true, true), (true, false)] {
+            let got = logits(fuse, graphs);
+            for (pass, (a, b)) in got.iter().zip(&separate).enumerate() {
+                let variant = if pass < 5 { "target" } else { "draft" };
+                let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+                assert!(
+                    a.len() == b.len() && differ == 0,
+                    "{name}: {variant} pass {} (graphs {graphs}): {differ} logits differ with the shared experts fused",
+                    pass % 5
+                );
+            }
+        }
+        eprintln!("{name}: the same logits with the shared experts fused");
     }
 }
 

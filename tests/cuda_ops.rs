@@ -722,6 +722,33 @@ fn moe_experts_device_routing() {
             if let (Some(got), Some(_)) = (got, og) {
                 p.same_bits(&format!("{fcase} = routed_moe + add"), plain, &got);
             }
+            // Shared experts (twice the experts' width) run in the routed experts' launches: the
+            // CPU's separate ops, and bit for bit the GPU's own (their gated MLP, then the
+            // combine's add).
+            let (cpu_shared, gpu_shared) = random_experts(&mut p, hidden, 2 * inter, 1);
+            let scase = format!("routed_moe_shared {rows}x{hidden} {label}");
+            let want = Cpu
+                .routed_moe_shared(&xc, &lc, spec, &cpu_experts, None, &cpu_shared[0])
+                .unwrap();
+            let fused = p
+                .gpu
+                .routed_moe_shared(&xg, &lg, spec, &gpu_experts, None, &gpu_shared[0]);
+            let got = p.check(&scase, fused, &want);
+            let separate = p
+                .gpu
+                .gated_mlp(&xg, &gpu_shared[0])
+                .and_then(|s| {
+                    p.gpu
+                        .routed_moe_plus(&xg, &lg, spec, &gpu_experts, None, &s)
+                })
+                .and_then(|o| p.gpu.to_host(&o));
+            if let Some(got) = got {
+                p.same_bits(
+                    &format!("{scase} = gated_mlp + routed_moe_plus"),
+                    separate,
+                    &got,
+                );
+            }
         }
     }
     p.finish();

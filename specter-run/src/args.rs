@@ -378,7 +378,8 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 
 /// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns
 /// recorded passes off, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
-/// it has finished, `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
+/// it has finished, `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
+/// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
 pub fn cuda_options_from_env() -> Result<CudaOptions> {
     cuda_options_from(|name| std::env::var(name).ok())
 }
@@ -390,6 +391,9 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     }
     if let Some(value) = var("SPECTER_CUDA_OVERLAP") {
         opts.overlap_launches = value.trim() != "0";
+    }
+    if let Some(value) = var("SPECTER_CUDA_FUSE_SHARED") {
+        opts.fuse_shared_experts = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_LOAD_THREADS") {
         match value.trim().parse::<usize>() {
@@ -419,10 +423,12 @@ mod tests {
             ("SPECTER_CUDA_GRAPHS", "0"),
             ("SPECTER_LOAD_THREADS", "3"),
             ("SPECTER_CUDA_OVERLAP", "0"),
+            ("SPECTER_CUDA_FUSE_SHARED", "0"),
         ])
         .unwrap();
         assert!(!opts.graphs);
         assert!(!opts.overlap_launches);
+        assert!(!opts.fuse_shared_experts);
         assert_eq!(opts.load_threads, Some(3));
         assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);
     }

@@ -653,17 +653,6 @@ impl<B: Backend> MoeModel<B> {
                 None => &block.draft,
             },
         };
-        let shared = match &block.shared {
-            Some(mlp) => {
-                let s = be.gated_mlp(h, mlp)?;
-                let gate = match &block.shared_gate {
-                    Some(g) => Some(be.linear(h, g, None)?),
-                    None => None,
-                };
-                Some((s, gate))
-            }
-            None => None,
-        };
         let moe = &self.cfg.moe;
         let spec = match moe.router {
             RouterKind::SoftmaxTopK => RouteSpec::SoftmaxTopK {
@@ -684,36 +673,42 @@ impl<B: Backend> MoeModel<B> {
                 hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);
             }
             let mut out = be.moe_experts(h, &routing, experts)?;
-            if let Some((s, gate)) = shared {
-                add_shared(be, &mut out, &s, gate.as_ref())?;
+            if let Some(mlp) = &block.shared {
+                self.add_shared_mlp(&mut out, h, mlp, block.shared_gate.as_ref())?;
             }
             return Ok(out);
         }
         let count_as = on_device.then_some(block.moe_index);
         let logits = be.linear(h, &block.router, None)?;
-        match shared {
-            // The shared experts' output added in the routed experts' combine.
-            Some((s, None)) => be.routed_moe_plus(h, &logits, spec, experts, count_as, &s),
-            Some((s, Some(gate))) => {
+        match (&block.shared, &block.shared_gate) {
+            // The shared experts run with the routed ones, added in their combine.
+            (Some(mlp), None) => be.routed_moe_shared(h, &logits, spec, experts, count_as, mlp),
+            (Some(mlp), Some(gate)) => {
                 let mut out = be.routed_moe(h, &logits, spec, experts, false, count_as)?.0;
-                add_shared(be, &mut out, &s, Some(&gate))?;
+                self.add_shared_mlp(&mut out, h, mlp, Some(gate))?;
                 Ok(out)
             }
-            None => Ok(be.routed_moe(h, &logits, spec, experts, false, count_as)?.0),
+            (None, _) => Ok(be.routed_moe(h, &logits, spec, experts, false, count_as)?.0),
         }
     }
-}
 
-/// `out += s`, or `out += sigmoid(gate) * s` for a gated shared expert.
-fn add_shared<B: Backend>(
-    be: &B,
-    out: &mut B::Act,
-    s: &B::Act,
-    gate: Option<&B::Act>,
-) -> Result<()> {
-    match gate {
-        Some(gate) => be.add_sigmoid_gated(out, s, gate),
-        None => be.add_assign(out, s),
+    /// `out += shared(h)`, or `out += sigmoid(gate . h) * shared(h)` for a gated shared expert.
+    fn add_shared_mlp(
+        &self,
+        out: &mut B::Act,
+        h: &B::Act,
+        mlp: &GatedMlp<B>,
+        gate: Option<&B::Weight>,
+    ) -> Result<()> {
+        let be = &self.backend;
+        let s = be.gated_mlp(h, mlp)?;
+        match gate {
+            Some(g) => {
+                let g = be.linear(h, g, None)?;
+                be.add_sigmoid_gated(out, &s, &g)
+            }
+            None => be.add_assign(out, &s),
+        }
     }
 }
 

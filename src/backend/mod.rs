@@ -381,6 +381,26 @@ pub trait Backend: Send + Sync {
         Ok(out)
     }
 
+    /// An MoE layer's routed experts (as [`Self::routed_moe_plus`]) with its ungated shared
+    /// experts `shared` (a dense gated MLP over every row) added in the combine: the default runs
+    /// the two; a backend may run the shared experts inside the routed experts' launches, with
+    /// the same bits.
+    fn routed_moe_shared(
+        &self,
+        x: &Self::Act,
+        logits: &Self::Act,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        shared: &GatedMlp<Self>,
+    ) -> Result<Self::Act>
+    where
+        Self: Sized,
+    {
+        let s = self.gated_mlp(x, shared)?;
+        self.routed_moe_plus(x, logits, spec, experts, count_as, &s)
+    }
+
     /// A dense gated MLP over every row.
     fn gated_mlp(&self, x: &Self::Act, mlp: &GatedMlp<Self>) -> Result<Self::Act>;
     /// Routed experts: each expert hit by `routing` runs once over the rows routed to it; a row's

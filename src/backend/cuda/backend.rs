@@ -79,6 +79,8 @@ pub struct CudaBackend {
     /// Kernels are launched to overlap the tail of the one before them (see
     /// [`CudaOptions::overlap_launches`]): asked for, and the device is sm_90 or newer.
     pub(super) overlap_launches: bool,
+    /// See [`CudaOptions::fuse_shared_experts`].
+    pub(super) fuse_shared_experts: bool,
 }
 
 impl CudaBackend {
@@ -141,6 +143,7 @@ impl CudaBackend {
             pending: Mutex::new(None),
             load_report: Mutex::new(None),
             overlap_launches,
+            fuse_shared_experts: options.fuse_shared_experts,
         })
     }
 

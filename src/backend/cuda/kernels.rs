@@ -30,15 +30,20 @@ pub(super) struct Kernels {
     pub(super) count_routes: CudaFunction,
     pub(super) moe_plan: CudaFunction,
     pub(super) route_plan: CudaFunction,
+    /// route_plan with the shared experts' gate/up in its other blocks (kernels/gemv_f16.cu).
+    pub(super) route_plan_shared: CudaFunction,
     pub(super) linear: CudaFunction,
     pub(super) gate_up_silu: CudaFunction,
     pub(super) moe_gate_up: CudaFunction,
     pub(super) moe_down: CudaFunction,
+    /// moe_down with the shared experts' down product in a last row of blocks.
+    pub(super) moe_down_shared: CudaFunction,
     /// The one-row forms (kernels/gemv_f16.cu, `*_1`): the same bits, more loads in flight.
     pub(super) linear_1: CudaFunction,
     pub(super) linear2_1: CudaFunction,
     pub(super) moe_gate_up_1: CudaFunction,
     pub(super) moe_down_1: CudaFunction,
+    pub(super) moe_down_shared_1: CudaFunction,
     pub(super) attention: CudaFunction,
 }
 
@@ -69,14 +74,17 @@ impl Kernels {
             count_routes: routing("count_routes")?,
             moe_plan: routing("moe_plan")?,
             route_plan: routing("route_plan")?,
+            route_plan_shared: gemv("route_plan_shared_f16")?,
             linear: gemv("linear_f16")?,
             gate_up_silu: gemv("gate_up_silu_f16")?,
             moe_gate_up: gemv("moe_f16_gate_up")?,
             moe_down: gemv("moe_f16_down")?,
+            moe_down_shared: gemv("moe_f16_down_shared")?,
             linear_1: gemv("linear_f16_1")?,
             linear2_1: gemv("linear2_f16_1")?,
             moe_gate_up_1: gemv("moe_f16_gate_up_1")?,
             moe_down_1: gemv("moe_f16_down_1")?,
+            moe_down_shared_1: gemv("moe_f16_down_shared_1")?,
             attention: dev.function("attention", "attention")?,
         })
     }

@@ -15,6 +15,36 @@ use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
 use crate::host_experts::{ExpertJob, HostExperts};
 use crate::{Error, Result};
 
+/// What an MoE layer's combine adds to its routed experts' output.
+#[derive(Clone, Copy)]
+enum Extra<'a> {
+    Nothing,
+    /// A finished `[rows, hidden]` output (the shared experts, run before).
+    Output(&'a GpuAct),
+    /// Ungated shared experts with FP16 weights (`SharedF16`, the addresses of that MLP), run
+    /// in the routed experts' launches.
+    Shared(SharedF16, &'a GatedMlp<CudaBackend>),
+}
+
+/// The device addresses and width of a layer's FP16 shared experts.
+#[derive(Clone, Copy)]
+struct SharedF16 {
+    /// `[2 * inter, hidden]`: gate rows, then up rows.
+    gate_up: u64,
+    /// `[hidden, inter]`.
+    down: u64,
+    inter: usize,
+}
+
+/// The shared experts' down product for `launch_moe_f16`: `y = h @ down^T`, `[rows, hidden]`.
+struct SharedDown {
+    h: u64,
+    rows: usize,
+    inter: usize,
+    down: u64,
+    y: u64,
+}
+
 /// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
 /// ascending expert id.
 pub(crate) struct MoePlan {
@@ -159,7 +189,15 @@ impl CudaBackend {
     ) -> Result<(GpuAct, Option<Routing>)> {
         if let Some(top_k) = self.device_routing_fits(x, logits, spec, experts, host_routing) {
             return Ok((
-                self.routed_moe_on_device(x, logits, spec, top_k, experts, count_as, None)?,
+                self.routed_moe_on_device(
+                    x,
+                    logits,
+                    spec,
+                    top_k,
+                    experts,
+                    count_as,
+                    Extra::Nothing,
+                )?,
                 None,
             ));
         }
@@ -192,13 +230,60 @@ impl CudaBackend {
                     top_k,
                     experts,
                     count_as,
-                    Some(plus),
+                    Extra::Output(plus),
                 );
             }
         }
         let (mut out, _) = self.routed_moe_op(x, logits, spec, experts, false, count_as)?;
         self.add_assign(&mut out, plus)?;
         Ok(out)
+    }
+
+    /// Routed experts plus ungated shared experts. With device routing of few rows and FP16
+    /// shared weights, the shared gate/up runs in the routing launch and (FP16 routed experts)
+    /// the shared down in the routed down's; otherwise the shared MLP runs first, as the
+    /// default. The same bits either way.
+    pub(super) fn routed_moe_shared_op(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        shared: &GatedMlp<Self>,
+    ) -> Result<GpuAct> {
+        let few_rows =
+            matches!(spec, RouteSpec::SoftmaxTopK { .. }) && x.rows <= ROUTE_PLAN_MAX_ROWS;
+        if self.fuse_shared_experts && few_rows {
+            if let (Some(top_k), Some(sh)) = (
+                self.device_routing_fits(x, logits, spec, experts, false),
+                self.shared_f16(shared, x.cols),
+            ) {
+                return self.routed_moe_on_device(
+                    x,
+                    logits,
+                    spec,
+                    top_k,
+                    experts,
+                    count_as,
+                    Extra::Shared(sh, shared),
+                );
+            }
+        }
+        let s = self.gated_mlp(x, shared)?;
+        self.routed_moe_plus_op(x, logits, spec, experts, count_as, &s)
+    }
+
+    /// `mlp`'s addresses when it is an FP16 gated MLP over `hidden` inputs.
+    fn shared_f16(&self, mlp: &GatedMlp<Self>, hidden: usize) -> Option<SharedF16> {
+        let s = &self.stream;
+        let (gate_up, two_inter, inp) = self.f16_matrix(&mlp.gate_up, "shared experts").ok()?;
+        let (down, out, inter) = self.f16_matrix(&mlp.down, "shared experts").ok()?;
+        (inp == hidden && out == hidden && two_inter == 2 * inter && inter > 0).then(|| SharedF16 {
+            gate_up: ptr(gate_up, s),
+            down: ptr(down, s),
+            inter,
+        })
     }
 
     /// The routing's top-k when routing, work list and experts can all run on the device.
@@ -349,15 +434,17 @@ impl CudaBackend {
     }
 
     /// Launches the grouped FP16 expert kernels (gate/up then down) for one work list.
-    fn launch_moe_f16(&self, l: &MoeLaunch) -> Result<()> {
+    /// The grouped FP16 expert kernels; with `shared`, the down launch also computes the shared
+    /// experts' down product in a last row of blocks.
+    fn launch_moe_f16(&self, l: &MoeLaunch, shared: Option<&SharedDown>) -> Result<()> {
         let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
         let gy = u32::try_from(l.num_groups).unwrap_or(u32::MAX);
         // Groups of at most one item (decode): the one-item forms, the same bits.
         let one = l.max_count <= 1;
-        let (gate_up, down) = if one {
-            (&self.k.moe_gate_up_1, &self.k.moe_down_1)
+        let gate_up = if one {
+            &self.k.moe_gate_up_1
         } else {
-            (&self.k.moe_gate_up, &self.k.moe_down)
+            &self.k.moe_gate_up
         };
         self.launch(
             gate_up,
@@ -366,24 +453,36 @@ impl CudaBackend {
             32 * GEMV_WARPS as u32,
             &[l.x, h, i, l.groups, l.item_row, l.h],
         )?;
-        self.launch(
-            down,
-            "moe down",
-            (
-                grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32),
-                gy,
-                1,
-            ),
-            32 * GEMV_WARPS as u32,
-            &[l.h, h, i, l.groups, l.item_weight, l.out],
-        )
+        let gx = grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32);
+        let mut args = vec![l.h, h, i, l.groups, l.item_weight, l.out];
+        let (down, gy) = match shared {
+            None if one => (&self.k.moe_down_1, gy),
+            None => (&self.k.moe_down, gy),
+            Some(sd) => {
+                args.extend_from_slice(&[
+                    sd.h,
+                    int(sd.rows, "rows")?,
+                    int(sd.inter, "shared inter")?,
+                    sd.down,
+                    sd.y,
+                ]);
+                let k = if one {
+                    &self.k.moe_down_shared_1
+                } else {
+                    &self.k.moe_down_shared
+                };
+                (k, gy.saturating_add(1))
+            }
+        };
+        self.launch(down, "moe down", (gx, gy, 1), 32 * GEMV_WARPS as u32, &args)
     }
 }
 
 impl CudaBackend {
-    /// Routing, work list and expert kernels all on the device: no host round trip.
-    /// `plus` (`[rows, hidden]`, optional) is added to the combined output in the combine's
-    /// launch.
+    /// Routing, work list and expert kernels all on the device: no host round trip. `extra` is
+    /// added to the combined output in the combine's launch; shared experts to run (which the
+    /// caller passes only for softmax top-k routing of at most `ROUTE_PLAN_MAX_ROWS` rows) run
+    /// in the routing and expert launches.
     #[allow(clippy::too_many_arguments)]
     fn routed_moe_on_device(
         &self,
@@ -393,7 +492,7 @@ impl CudaBackend {
         top_k: usize,
         experts: &[GatedMlp<Self>],
         count_as: Option<usize>,
-        plus: Option<&GpuAct>,
+        extra: Extra,
     ) -> Result<GpuAct> {
         let s = &self.stream;
         let rows = x.rows;
@@ -437,6 +536,22 @@ impl CudaBackend {
         );
         drop(tables);
 
+        let shared_h = match extra {
+            Extra::Shared(sh, _) => {
+                let fused =
+                    matches!(spec, RouteSpec::SoftmaxTopK { .. }) && rows <= ROUTE_PLAN_MAX_ROWS;
+                if !fused {
+                    return Err(shape_err(
+                        "moe_experts",
+                        format!(
+                            "shared experts in the routing launch of {rows} rows: no such launch"
+                        ),
+                    ));
+                }
+                Some(self.alloc(rows, sh.inter)?)
+            }
+            _ => None,
+        };
         let n_items = rows * top_k;
         let max_groups = n_items.min(n_experts);
         // 32-bit scratch from the activation pool (kernels see raw pointers); the routing and
@@ -487,7 +602,25 @@ impl CudaBackend {
                     ptr(&ids, s),
                     ptr(&weights, s),
                 ];
-                if rows <= ROUTE_PLAN_MAX_ROWS {
+                if let (Extra::Shared(sh, _), Some(hs)) = (extra, &shared_h) {
+                    // Routing and work list in block 0, the shared gate/up in the others.
+                    let mut args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
+                    args.extend_from_slice(&[
+                        ptr(&x.buf, s),
+                        int(hidden, "hidden")?,
+                        sh.gate_up,
+                        int(sh.inter, "shared inter")?,
+                        ptr(&hs.buf, s),
+                    ]);
+                    let blocks = 1 + grid_for(sh.inter, GEMV_WARPS as u32);
+                    self.launch(
+                        &self.k.route_plan_shared,
+                        "route + plan + shared gate/up",
+                        (blocks, 1, 1),
+                        32 * GEMV_WARPS as u32,
+                        &args,
+                    )?;
+                } else if rows <= ROUTE_PLAN_MAX_ROWS {
                     // Few rows: routing and work list in one launch.
                     let args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
                     self.launch(
@@ -543,7 +676,33 @@ impl CudaBackend {
             h: ptr(&h.buf, s),
             out: ptr(&out.buf, s),
         };
-        self.launch_moe(&launch, int4)?;
+        let shared_y = match (extra, &shared_h) {
+            (Extra::Shared(sh, mlp), Some(hs)) => {
+                if int4 {
+                    self.launch_moe(&launch, int4)?;
+                    Some(self.linear(hs, &mlp.down, None)?)
+                } else {
+                    let y = self.alloc(rows, hidden)?;
+                    let down = SharedDown {
+                        h: ptr(&hs.buf, s),
+                        rows,
+                        inter: sh.inter,
+                        down: sh.down,
+                        y: ptr(&y.buf, s),
+                    };
+                    self.launch_moe_f16(&launch, Some(&down))?;
+                    Some(y)
+                }
+            }
+            _ => {
+                self.launch_moe(&launch, int4)?;
+                None
+            }
+        };
+        let plus = match (extra, &shared_y) {
+            (Extra::Output(p), _) => Some(p),
+            (_, y) => y.as_ref(),
+        };
         let y = self.alloc(rows, hidden)?;
         self.launch(
             &self.k.moe_combine,
@@ -653,7 +812,7 @@ impl CudaBackend {
         if int4 {
             self.launch_moe_int4(l)
         } else {
-            self.launch_moe_f16(l)
+            self.launch_moe_f16(l, None)
         }
     }
 

@@ -632,6 +632,18 @@ impl Backend for CudaBackend {
         self.routed_moe_plus_op(x, logits, spec, experts, count_as, plus)
     }
 
+    fn routed_moe_shared(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        shared: &GatedMlp<Self>,
+    ) -> Result<GpuAct> {
+        self.routed_moe_shared_op(x, logits, spec, experts, count_as, shared)
+    }
+
     fn gated_mlp(&self, x: &GpuAct, mlp: &GatedMlp<Self>) -> Result<GpuAct> {
         let (wb, two_inter, inp) = self.f16_matrix(&mlp.gate_up, "gated_mlp")?;
         if inp != x.cols || two_inter % 2 != 0 {

@@ -1,5 +1,6 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
-//! the binaries map `SPECTER_CUDA_GRAPHS` and `SPECTER_LOAD_THREADS` onto these fields.
+//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED` and
+//! `SPECTER_LOAD_THREADS` onto these fields.
 
 use super::{HostExpertsConfig, HostPath, LoadIo};
 
@@ -28,6 +29,11 @@ pub struct CudaOptions {
     /// wait for their inputs on the device (kernels/common.cuh, `spx_grid_wait`), so the bits
     /// are the same either way; what it saves is the gap between dependent kernels.
     pub overlap_launches: bool,
+    /// Run an MoE layer's ungated shared experts inside its routed experts' launches (their
+    /// gate/up beside the routing, their down beside the routed down) instead of as separate
+    /// ops. The same bits either way; what it saves is two launches per layer and the routing's
+    /// latency.
+    pub fuse_shared_experts: bool,
 }
 
 impl CudaOptions {
@@ -54,6 +60,7 @@ impl Default for CudaOptions {
             link_bytes_per_s: 54e9,
             link_pace_bytes_per_s: None,
             overlap_launches: true,
+            fuse_shared_experts: true,
         }
     }
 }
