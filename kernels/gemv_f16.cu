@@ -297,28 +297,56 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
     }
 }
 
-// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]). Grid: ceil(n / (FEATURES * WARPS)); block:
-// 32 * WARPS. linear_f16_1: the same for one row.
+// Asks L2 for the weight rows warp `threadIdx.x >> 5` reads in block `block` of a linear product.
+__device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, int n, int k, int block) {
+    const int col = FEATURES * (block * WARPS + (threadIdx.x >> 5));
+    if (col < n) {
+        spx_prefetch_l2(w + (size_t)col * k, (size_t)(col + 1 < n ? 2 : 1) * k * sizeof(__half), threadIdx.x & 31);
+    }
+}
+
+// The matrix kernels below run their blocks' work in grid-stride loops: work block b for b =
+// blockIdx.x, blockIdx.x + gridDim.x, ... For several rows the host launches at most as many
+// blocks as fit on the device at once, so no block waits for a wave to drain, and each asks L2
+// for its next work block's weights before computing the current one; for one row, a block per
+// work block (src/backend/cuda/kernels.rs, `GridStride::grid`). Which block computes a feature
+// changes no bit.
+
+// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]), over ceil(n / (FEATURES * WARPS)) work
+// blocks; block: 32 * WARPS. linear_f16_1: the same for one row.
 //
 // linear2_f16: two products of the same input in one launch, each as linear_f16 computes it:
-// blocks below `blocks_a` compute ya = x @ wa^T (+ ba), the others yb = x @ wb^T (+ bb).
-// Grid: blocks_a + ceil(nb / (FEATURES * WARPS)), blocks_a = ceil(na / (FEATURES * WARPS)).
+// work blocks below `blocks_a` compute ya = x @ wa^T (+ ba), the others yb = x @ wb^T (+ bb);
+// blocks_a = ceil(na / (FEATURES * WARPS)).
 #define LINEAR_KERNELS(SUFFIX, ONE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16##SUFFIX(                      \
         const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,            \
         const __half* __restrict__ bias, float* __restrict__ y) {                                     \
         spx_launch_dependents();                                                                      \
-        linear_block<ONE>(x, rows, k, w, n, bias, y, blockIdx.x);                                     \
+        const int blocks = (n + FEATURES * WARPS - 1) / (FEATURES * WARPS);                           \
+        for (int b = blockIdx.x; b < blocks; b += gridDim.x) {                                        \
+            if (b + (int)gridDim.x < blocks) linear_prefetch(w, n, k, b + gridDim.x);                 \
+            linear_block<ONE>(x, rows, k, w, n, bias, y, b);                                          \
+        }                                                                                             \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear2_f16##SUFFIX(                     \
         const float* __restrict__ x, int rows, int k, const __half* __restrict__ wa, int na,          \
         const __half* __restrict__ ba, float* __restrict__ ya, const __half* __restrict__ wb, int nb, \
         const __half* __restrict__ bb, float* __restrict__ yb, int blocks_a) {                        \
         spx_launch_dependents();                                                                      \
-        if ((int)blockIdx.x < blocks_a) {                                                             \
-            linear_block<ONE>(x, rows, k, wa, na, ba, ya, blockIdx.x);                                \
-        } else {                                                                                      \
-            linear_block<ONE>(x, rows, k, wb, nb, bb, yb, blockIdx.x - blocks_a);                     \
+        const int blocks = blocks_a + (nb + FEATURES * WARPS - 1) / (FEATURES * WARPS);               \
+        for (int b = blockIdx.x; b < blocks; b += gridDim.x) {                                        \
+            const int next = b + gridDim.x;                                                           \
+            if (next < blocks_a) {                                                                    \
+                linear_prefetch(wa, na, k, next);                                                     \
+            } else if (next < blocks) {                                                               \
+                linear_prefetch(wb, nb, k, next - blocks_a);                                          \
+            }                                                                                         \
+            if (b < blocks_a) {                                                                       \
+                linear_block<ONE>(x, rows, k, wa, na, ba, ya, b);                                     \
+            } else {                                                                                  \
+                linear_block<ONE>(x, rows, k, wb, nb, bb, yb, b - blocks_a);                          \
+            }                                                                                         \
         }                                                                                             \
     }
 
@@ -376,15 +404,16 @@ __device__ __forceinline__ void split_items(const __half* __restrict__ w0, const
     }
 }
 
-// Grouped gate/up: h[item][j] = silu(x[row] . gate[j]) * (x[row] . up[j]).
-// Grid: (ceil(inter / WARPS), groups); block: 32 * WARPS.
+// Grouped gate/up: h[item][j] = silu(x[row] . gate[j]) * (x[row] . up[j]), work block (bx, by)
+// of (ceil(inter / WARPS), groups): group by's features bx * WARPS + w.
 template <int MS>
 __device__ __forceinline__ void moe_gate_up_block(const float* __restrict__ x, int hidden, int inter,
                                                   const ExpertGroup* __restrict__ groups,
-                                                  const unsigned* __restrict__ item_row, float* __restrict__ h) {
-    const ExpertGroup g = groups[blockIdx.y];
+                                                  const unsigned* __restrict__ item_row, float* __restrict__ h,
+                                                  int bx, int by) {
+    const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int j = bx * WARPS + (threadIdx.x >> 5);
     if (j >= inter) return;
     const __half* wg = reinterpret_cast<const __half*>(g.gate_up) + (size_t)j * hidden;
     const __half* wu = reinterpret_cast<const __half*>(g.gate_up) + (size_t)(inter + j) * hidden;
@@ -406,16 +435,17 @@ __device__ __forceinline__ void moe_gate_up_block(const float* __restrict__ x, i
     }
 }
 
-// Grouped down: out[item][c] = weight[item] * (h[item] . down[c]); warp w of block b owns
-// features c = FEATURES * (b * WARPS + w) and c + 1. Grid: (ceil(hidden / (FEATURES * WARPS)),
-// groups); block: 32 * WARPS.
+// Grouped down: out[item][c] = weight[item] * (h[item] . down[c]); warp w of work block (bx, by)
+// of (ceil(hidden / (FEATURES * WARPS)), groups) owns group by's features
+// c = FEATURES * (bx * WARPS + w) and c + 1.
 template <int MS>
 __device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int hidden, int inter,
                                                const ExpertGroup* __restrict__ groups,
-                                               const float* __restrict__ item_weight, float* __restrict__ out) {
-    const ExpertGroup g = groups[blockIdx.y];
+                                               const float* __restrict__ item_weight, float* __restrict__ out,
+                                               int bx, int by) {
+    const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
-    const int c = FEATURES * (blockIdx.x * WARPS + (threadIdx.x >> 5));
+    const int c = FEATURES * (bx * WARPS + (threadIdx.x >> 5));
     if (c >= hidden) return;
     const bool second = c + 1 < hidden;
     const __half* w0 = reinterpret_cast<const __half*>(g.down) + (size_t)c * inter;
@@ -443,19 +473,41 @@ __device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int 
     }
 }
 
-// Grid: ceil(inter / WARPS); block: 32 * WARPS.
+// Asks L2 for the gate and up rows of feature j (none past inter).
+__device__ __forceinline__ void gate_up_prefetch(const __half* __restrict__ w, int k, int inter, int j) {
+    if (j < inter) {
+        const int lane = threadIdx.x & 31;
+        spx_prefetch_l2(w + (size_t)j * k, (size_t)k * sizeof(__half), lane);
+        spx_prefetch_l2(w + (size_t)(inter + j) * k, (size_t)k * sizeof(__half), lane);
+    }
+}
+
+// Work blocks first, first + stride, ... below ceil(inter / WARPS) of gate_up_silu_feature, warp
+// w of work block b computing feature b * WARPS + w.
+__device__ __forceinline__ void gate_up_silu_blocks(const float* __restrict__ x, int rows, int k,
+                                                    const __half* __restrict__ w, int inter,
+                                                    float* __restrict__ h, int first, int stride) {
+    const int warp = threadIdx.x >> 5;
+    const int blocks = (inter + WARPS - 1) / WARPS;
+    for (int b = first; b < blocks; b += stride) {
+        gate_up_prefetch(w, k, inter, (b + stride) * WARPS + warp);
+        gate_up_silu_feature(x, rows, k, w, inter, h, b * WARPS + warp);
+    }
+}
+
+// Block: 32 * WARPS; any grid.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
     const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int inter,
     float* __restrict__ h) {
     spx_launch_dependents();
-    gate_up_silu_feature(x, rows, k, w, inter, h, blockIdx.x * WARPS + (threadIdx.x >> 5));
+    gate_up_silu_blocks(x, rows, k, w, inter, h, blockIdx.x, gridDim.x);
 }
 
 // An MoE layer's routing and work list (route_plan, kernels/routing.cu) and its ungated shared
 // experts' gate/up (gate_up_silu_f16) in one launch, for few rows: block 0 routes and builds the
 // list while the other blocks compute h_shared[rows, inter_shared] from x, which needs no
 // routing, so the shared experts' weights stream while the routing's latency chain runs. Each
-// part has its own kernel's arithmetic. Grid: 1 + ceil(inter_shared / WARPS); block: 32 * WARPS.
+// part has its own kernel's arithmetic. Grid: at least 2 blocks of 32 * WARPS threads.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16(
     const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
     unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
@@ -468,40 +520,53 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16(
         route_plan_block<WARPS>(logits, experts, top_k, renormalize, scale, ids, weights, rows, table, max_groups,
                                 groups, item_row, item_weight, row_items);
     } else {
-        gate_up_silu_feature(x, rows, k, w_shared, inter_shared, h_shared,
-                             (blockIdx.x - 1) * WARPS + (threadIdx.x >> 5));
+        gate_up_silu_blocks(x, rows, k, w_shared, inter_shared, h_shared, blockIdx.x - 1, gridDim.x - 1);
     }
 }
 
-// The _1 kernels take groups' items one at a time (decode: every group holds one item).
-// moe_f16_down_shared: moe_f16_down over the first gridDim.y - 1 rows of blocks, and in the last
-// the shared experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16
-// computes it (the _1 form one row at a time, the same bits), its weights fetched to L2 while the
-// gate/up launch finishes. Grid: (ceil(hidden / (FEATURES * WARPS)), groups + 1).
+// The grouped kernels run work blocks v = by * gx + bx (group by, then its features) in
+// grid-stride loops (without the next block's prefetch: the host gives the one-item forms a
+// block per work block, and the others' weights serve several items). The _1 kernels take
+// groups' items one at a time (decode: every group holds one item). Block: 32 * WARPS; any grid.
+// moe_f16_down_shared: moe_f16_down over work rows by < groups, and in row by = groups the shared
+// experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16 computes it
+// (the _1 form one row at a time, the same bits), whose weights L2 fetches before the wait for
+// the gate/up launch.
 #define MOE_F16_KERNELS(SUFFIX, MS)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
         const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
-        const unsigned* __restrict__ item_row, float* __restrict__ h) {                                 \
+        int num_groups, const unsigned* __restrict__ item_row, float* __restrict__ h) {                 \
         SPX_PROLOGUE();                                                                                 \
-        moe_gate_up_block<MS>(x, hidden, inter, groups, item_row, h);                                   \
+        const int gx = (inter + WARPS - 1) / WARPS, blocks = gx * num_groups;                           \
+        for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
+            moe_gate_up_block<MS>(x, hidden, inter, groups, item_row, h, v % gx, v / gx);               \
+        }                                                                                               \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down##SUFFIX(                      \
         const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
-        const float* __restrict__ item_weight, float* __restrict__ out) {                               \
+        int num_groups, const float* __restrict__ item_weight, float* __restrict__ out) {               \
         SPX_PROLOGUE();                                                                                 \
-        moe_down_block<MS>(h, hidden, inter, groups, item_weight, out);                                 \
+        const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS), blocks = gx * num_groups;  \
+        for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
+            moe_down_block<MS>(h, hidden, inter, groups, item_weight, out, v % gx, v / gx);             \
+        }                                                                                               \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down_shared##SUFFIX(               \
         const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
-        const float* __restrict__ item_weight, float* __restrict__ out, const float* __restrict__ h_shared, \
-        int rows, int inter_shared, const __half* __restrict__ w_down, float* __restrict__ y_shared) {  \
+        int num_groups, const float* __restrict__ item_weight, float* __restrict__ out,                 \
+        const float* __restrict__ h_shared, int rows, int inter_shared, const __half* __restrict__ w_down, \
+        float* __restrict__ y_shared) {                                                                 \
         spx_launch_dependents();                                                                        \
-        if (blockIdx.y + 1 < gridDim.y) {                                                               \
-            spx_grid_wait();                                                                            \
-            moe_down_block<MS>(h, hidden, inter, groups, item_weight, out);                             \
-        } else {                                                                                        \
-            linear_block<MS == 1>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared,      \
-                                  blockIdx.x);                                                          \
+        const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);                            \
+        const int blocks = gx * (num_groups + 1);                                                       \
+        for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
+            if (v / gx < num_groups) {                                                                  \
+                spx_grid_wait();                                                                        \
+                moe_down_block<MS>(h, hidden, inter, groups, item_weight, out, v % gx, v / gx);         \
+            } else {                                                                                    \
+                linear_block<MS == 1>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared,  \
+                                      v % gx);                                                          \
+            }                                                                                           \
         }                                                                                               \
     }
 

@@ -238,6 +238,9 @@ fn linear() {
         (2, 512, 4096),
         (4, 136, 41),
         (13, 2048, 7),
+        // More work blocks than fit on the device at once: blocks loop over them.
+        (1, 256, 9001),
+        (3, 264, 8200),
     ] {
         let (xc, xg, xv) = p.act(rows, k);
         let (wc, wg) = p.weight("w", &[n, k], 0.05);
@@ -789,6 +792,7 @@ fn fused() {
         (1usize, 2048usize, 3072usize, 576usize),
         (17, 2048, 3072, 576),
         (3, 96, 13, 7),
+        (1, 256, 6000, 2001),
     ] {
         let (xc, xg, _) = p.act(rows, k);
         let (ac, ag) = p.weight("a", &[na, k], 0.05);

@@ -96,9 +96,13 @@ impl CudaBackend {
                 &self.k.linear2
             };
             self.launch(
-                f,
+                &f.f,
                 "linear_pair",
-                (blocks_a + grid_for(nb, per_block), 1, 1),
+                (
+                    f.grid(blocks_a + grid_for(nb, per_block), x.rows == 1),
+                    1,
+                    1,
+                ),
                 32 * GEMV_WARPS as u32,
                 &[
                     ptr(&x.buf, s),

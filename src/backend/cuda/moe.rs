@@ -438,7 +438,9 @@ impl CudaBackend {
     /// experts' down product in a last row of blocks.
     fn launch_moe_f16(&self, l: &MoeLaunch, shared: Option<&SharedDown>) -> Result<()> {
         let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
-        let gy = u32::try_from(l.num_groups).unwrap_or(u32::MAX);
+        let groups = int(l.num_groups, "groups")?;
+        // Work blocks: (features, groups), run by grid-stride blocks.
+        let blocks = |per_group: u32, rows: usize| per_group.saturating_mul(rows as u32);
         // Groups of at most one item (decode): the one-item forms, the same bits.
         let one = l.max_count <= 1;
         let gate_up = if one {
@@ -446,18 +448,19 @@ impl CudaBackend {
         } else {
             &self.k.moe_gate_up
         };
+        let gx = grid_for(l.inter, GEMV_WARPS as u32);
         self.launch(
-            gate_up,
+            &gate_up.f,
             "moe gate/up",
-            (grid_for(l.inter, GEMV_WARPS as u32), gy, 1),
+            (gate_up.grid(blocks(gx, l.num_groups), one), 1, 1),
             32 * GEMV_WARPS as u32,
-            &[l.x, h, i, l.groups, l.item_row, l.h],
+            &[l.x, h, i, l.groups, groups, l.item_row, l.h],
         )?;
         let gx = grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32);
-        let mut args = vec![l.h, h, i, l.groups, l.item_weight, l.out];
-        let (down, gy) = match shared {
-            None if one => (&self.k.moe_down_1, gy),
-            None => (&self.k.moe_down, gy),
+        let mut args = vec![l.h, h, i, l.groups, groups, l.item_weight, l.out];
+        let (down, work_rows) = match shared {
+            None if one => (&self.k.moe_down_1, l.num_groups),
+            None => (&self.k.moe_down, l.num_groups),
             Some(sd) => {
                 args.extend_from_slice(&[
                     sd.h,
@@ -471,10 +474,16 @@ impl CudaBackend {
                 } else {
                     &self.k.moe_down_shared
                 };
-                (k, gy.saturating_add(1))
+                (k, l.num_groups + 1)
             }
         };
-        self.launch(down, "moe down", (gx, gy, 1), 32 * GEMV_WARPS as u32, &args)
+        self.launch(
+            &down.f,
+            "moe down",
+            (down.grid(blocks(gx, work_rows), one), 1, 1),
+            32 * GEMV_WARPS as u32,
+            &args,
+        )
     }
 }
 
@@ -612,9 +621,13 @@ impl CudaBackend {
                         int(sh.inter, "shared inter")?,
                         ptr(&hs.buf, s),
                     ]);
-                    let blocks = 1 + grid_for(sh.inter, GEMV_WARPS as u32);
+                    let f = &self.k.route_plan_shared;
+                    // Block 0 and the shared gate/up's work blocks.
+                    let blocks = f
+                        .grid(1 + grid_for(sh.inter, GEMV_WARPS as u32), rows == 1)
+                        .max(2);
                     self.launch(
-                        &self.k.route_plan_shared,
+                        &f.f,
                         "route + plan + shared gate/up",
                         (blocks, 1, 1),
                         32 * GEMV_WARPS as u32,

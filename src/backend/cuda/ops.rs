@@ -351,9 +351,16 @@ impl Backend for CudaBackend {
                 &self.k.linear
             };
             self.launch(
-                f,
+                &f.f,
                 "linear",
-                (grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32), 1, 1),
+                (
+                    f.grid(
+                        grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32),
+                        x.rows == 1,
+                    ),
+                    1,
+                    1,
+                ),
                 32 * GEMV_WARPS as u32,
                 &[
                     ptr(&x.buf, s),
@@ -670,10 +677,15 @@ impl Backend for CudaBackend {
                 int(inter, "inter")?,
                 ptr(&h.buf, s),
             ];
+            let f = &self.k.gate_up_silu;
             self.launch(
-                &self.k.gate_up_silu,
+                &f.f,
                 "gate/up silu",
-                (grid_for(inter, GEMV_WARPS as u32), 1, 1),
+                (
+                    f.grid(grid_for(inter, GEMV_WARPS as u32), x.rows == 1),
+                    1,
+                    1,
+                ),
                 32 * GEMV_WARPS as u32,
                 &args,
             )?;
