@@ -52,3 +52,12 @@ pub struct MoeLaunch {
     /// `[items, hidden]` f32: each item's weighted down output.
     pub out: u64,
 }
+
+/// The shared experts' down product for `launch_moe_f16`: `y = h @ down^T`, `[rows, hidden]`.
+pub(crate) struct SharedDown {
+    pub(crate) h: u64,
+    pub(crate) rows: usize,
+    pub(crate) inter: usize,
+    pub(crate) down: u64,
+    pub(crate) y: u64,
+}

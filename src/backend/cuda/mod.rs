@@ -21,6 +21,7 @@ mod kernels;
 mod launch_constants;
 pub mod load;
 mod moe;
+mod moe_device;
 mod moe_int4;
 mod nvrtc;
 mod ops;

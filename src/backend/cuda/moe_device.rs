@@ -1,0 +1,475 @@
+//! Routed experts with routing on the device: the router's top-k, the work list, the expert
+//! kernels and the combine run in launches of their own with no host round trip (so recorded
+//! passes replay them), optionally with the shared experts inside the routed launches; and the
+//! per-layer routing counts the draft's prefetch planner reads.
+
+use super::act::{GpuAct, GpuWeight};
+use super::backend::{CudaBackend, RouteCounts};
+use super::driver::guarded;
+use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
+use super::kernels::*;
+use super::moe::expert_pointers;
+use crate::backend::{Backend, GatedMlp, RouteSpec};
+use crate::{Error, Result};
+
+/// What an MoE layer's combine adds to its routed experts' output.
+#[derive(Clone, Copy)]
+pub(super) enum Extra<'a> {
+    Nothing,
+    /// A finished `[rows, hidden]` output (the shared experts, run before).
+    Output(&'a GpuAct),
+    /// Ungated shared experts with FP16 weights (`SharedF16`, the addresses of that MLP), run
+    /// in the routed experts' launches.
+    Shared(SharedF16, &'a GatedMlp<CudaBackend>),
+}
+
+/// The device addresses and width of a layer's FP16 shared experts.
+#[derive(Clone, Copy)]
+pub(super) struct SharedF16 {
+    /// `[2 * inter, hidden]`: gate rows, then up rows.
+    gate_up: u64,
+    /// `[hidden, inter]`.
+    down: u64,
+    inter: usize,
+}
+
+impl CudaBackend {
+    /// [`crate::backend::Backend::routed_moe_plus`]: on the device, `plus` is added in the
+    /// combine's launch.
+    pub(super) fn routed_moe_plus_op(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        plus: &GpuAct,
+    ) -> Result<GpuAct> {
+        if let Some(top_k) = self.device_routing_fits(x, logits, spec, experts, false) {
+            if (plus.rows, plus.cols) == (x.rows, x.cols) {
+                return self.routed_moe_on_device(
+                    x,
+                    logits,
+                    spec,
+                    top_k,
+                    experts,
+                    count_as,
+                    Extra::Output(plus),
+                );
+            }
+        }
+        let (mut out, _) = self.routed_moe_op(x, logits, spec, experts, false, count_as)?;
+        self.add_assign(&mut out, plus)?;
+        Ok(out)
+    }
+
+    /// Routed experts plus ungated shared experts. With device routing of few rows and FP16
+    /// shared weights, the shared gate/up runs in the routing launch and (FP16 routed experts)
+    /// the shared down in the routed down's; otherwise the shared MLP runs first, as the
+    /// default. The same bits either way.
+    pub(super) fn routed_moe_shared_op(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        shared: &GatedMlp<Self>,
+    ) -> Result<GpuAct> {
+        let few_rows =
+            matches!(spec, RouteSpec::SoftmaxTopK { .. }) && x.rows <= ROUTE_PLAN_MAX_ROWS;
+        if self.fuse_shared_experts && few_rows {
+            if let (Some(top_k), Some(sh)) = (
+                self.device_routing_fits(x, logits, spec, experts, false),
+                self.shared_f16(shared, x.cols),
+            ) {
+                return self.routed_moe_on_device(
+                    x,
+                    logits,
+                    spec,
+                    top_k,
+                    experts,
+                    count_as,
+                    Extra::Shared(sh, shared),
+                );
+            }
+        }
+        let s = self.gated_mlp(x, shared)?;
+        self.routed_moe_plus_op(x, logits, spec, experts, count_as, &s)
+    }
+
+    /// `mlp`'s addresses when it is an FP16 gated MLP over `hidden` inputs.
+    fn shared_f16(&self, mlp: &GatedMlp<Self>, hidden: usize) -> Option<SharedF16> {
+        let s = &self.stream;
+        let (gate_up, two_inter, inp) = self.f16_matrix(&mlp.gate_up, "shared experts").ok()?;
+        let (down, out, inter) = self.f16_matrix(&mlp.down, "shared experts").ok()?;
+        (inp == hidden && out == hidden && two_inter == 2 * inter && inter > 0).then(|| SharedF16 {
+            gate_up: ptr(gate_up, s),
+            down: ptr(down, s),
+            inter,
+        })
+    }
+
+    /// The routing's top-k when routing, work list and experts can all run on the device.
+    pub(super) fn device_routing_fits(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        host_routing: bool,
+    ) -> Option<usize> {
+        let resident = experts
+            .iter()
+            .all(|m| !matches!(m.gate_up, GpuWeight::Offloaded { .. }));
+        let top_k = match spec {
+            RouteSpec::SoftmaxTopK { top_k, .. } => top_k,
+            RouteSpec::SparseMixer { .. } => 2,
+        };
+        let fits = (1..=MAX_TOP_K).contains(&top_k)
+            && top_k <= experts.len()
+            && experts.len() <= PLAN_MAX_EXPERTS;
+        (!host_routing
+            && resident
+            && fits
+            && logits.cols == experts.len()
+            && x.rows == logits.rows
+            && x.rows > 0)
+            .then_some(top_k)
+    }
+
+    /// [`Self::routed_moe_on_device`] with nothing added in the combine.
+    pub(super) fn routed_moe_alone_on_device(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        top_k: usize,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+    ) -> Result<GpuAct> {
+        self.routed_moe_on_device(x, logits, spec, top_k, experts, count_as, Extra::Nothing)
+    }
+
+    /// Routing, work list and expert kernels all on the device: no host round trip. `extra` is
+    /// added to the combined output in the combine's launch; shared experts to run (which the
+    /// caller passes only for softmax top-k routing of at most `ROUTE_PLAN_MAX_ROWS` rows) run
+    /// in the routing and expert launches.
+    #[allow(clippy::too_many_arguments)]
+    fn routed_moe_on_device(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        top_k: usize,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        extra: Extra,
+    ) -> Result<GpuAct> {
+        let s = &self.stream;
+        let rows = x.rows;
+        let hidden = x.cols;
+        let n_experts = experts.len();
+        let mut templates = Vec::with_capacity(n_experts);
+        let int4 = matches!(experts[0].gate_up, GpuWeight::Int4 { .. });
+        for (e, mlp) in experts.iter().enumerate() {
+            let (t, q) = expert_pointers(mlp, e, s)?;
+            if q != int4 {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("expert {e} is not of the same kind (FP16 or INT4) as expert 0"),
+                ));
+            }
+            templates.push(t);
+        }
+        let inter = match &experts[0].gate_up {
+            GpuWeight::F16 { shape, .. } => shape[0] / 2,
+            GpuWeight::Int4 { n, .. } => n / 2,
+            other => {
+                return Err(shape_err(
+                    "moe_experts",
+                    format!("{} is not an expert", other.describe()),
+                ))
+            }
+        };
+        let mut tables = self.lock(&self.expert_tables)?;
+        let key = experts.as_ptr() as usize;
+        let fresh = tables.get(&key).is_some_and(|(host, _)| *host == templates);
+        if !fresh {
+            let dev = self.upload_groups(&templates)?;
+            tables.insert(key, (templates, dev));
+        }
+        let table = ptr(
+            &tables
+                .get(&key)
+                .ok_or_else(|| shape_err("moe_experts", "no table".into()))?
+                .1,
+            s,
+        );
+        drop(tables);
+
+        let shared_h = match extra {
+            Extra::Shared(sh, _) => {
+                let fused =
+                    matches!(spec, RouteSpec::SoftmaxTopK { .. }) && rows <= ROUTE_PLAN_MAX_ROWS;
+                if !fused {
+                    return Err(shape_err(
+                        "moe_experts",
+                        format!(
+                            "shared experts in the routing launch of {rows} rows: no such launch"
+                        ),
+                    ));
+                }
+                Some(self.alloc(rows, sh.inter)?)
+            }
+            _ => None,
+        };
+        let n_items = rows * top_k;
+        let max_groups = n_items.min(n_experts);
+        // 32-bit scratch from the activation pool (kernels see raw pointers); the routing and
+        // plan kernels write every element before anything reads it.
+        let alloc_u32 = |n: usize| self.alloc(n.max(1), 1).map(|a| a.buf);
+        let ids = alloc_u32(n_items)?;
+        let weights = alloc_u32(n_items)?;
+        let item_row = alloc_u32(n_items)?;
+        let item_weight = alloc_u32(n_items)?;
+        let row_items = alloc_u32(n_items)?;
+        let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
+        let plan_args = [
+            int(rows, "rows")?,
+            table,
+            int(max_groups, "groups")?,
+            ptr(&groups, s),
+            ptr(&item_row, s),
+            ptr(&item_weight, s),
+            ptr(&row_items, s),
+        ];
+        let plan_separately = |this: &Self| -> Result<()> {
+            let mut args = vec![
+                ptr(&ids, s),
+                ptr(&weights, s),
+                int(rows, "rows")?,
+                int(top_k, "top_k")?,
+                int(n_experts, "experts")?,
+            ];
+            args.extend_from_slice(&plan_args[1..]);
+            this.launch(
+                &this.k.moe_plan,
+                "moe plan",
+                (1, 1, 1),
+                ROUTE_PLAN_THREADS,
+                &args,
+            )
+        };
+        match spec {
+            RouteSpec::SoftmaxTopK {
+                renormalize, scale, ..
+            } => {
+                let route_args = [
+                    ptr(&logits.buf, s),
+                    int(n_experts, "experts")?,
+                    int(top_k, "top_k")?,
+                    u64::from(renormalize),
+                    float(scale),
+                    ptr(&ids, s),
+                    ptr(&weights, s),
+                ];
+                if let (Extra::Shared(sh, _), Some(hs)) = (extra, &shared_h) {
+                    // Routing and work list in block 0, the shared gate/up in the others.
+                    let mut args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
+                    args.extend_from_slice(&[
+                        ptr(&x.buf, s),
+                        int(hidden, "hidden")?,
+                        sh.gate_up,
+                        int(sh.inter, "shared inter")?,
+                        ptr(&hs.buf, s),
+                    ]);
+                    let f = &self.k.route_plan_shared;
+                    // Block 0 and the shared gate/up's work blocks.
+                    let blocks = f
+                        .grid(1 + grid_for(sh.inter, GEMV_WARPS as u32), rows == 1)
+                        .max(2);
+                    self.launch(
+                        &f.f,
+                        "route + plan + shared gate/up",
+                        (blocks, 1, 1),
+                        32 * GEMV_WARPS as u32,
+                        &args,
+                    )?;
+                } else if rows <= ROUTE_PLAN_MAX_ROWS {
+                    // Few rows: routing and work list in one launch.
+                    let args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
+                    self.launch(
+                        &self.k.route_plan,
+                        "route + plan",
+                        (1, 1, 1),
+                        ROUTE_PLAN_THREADS,
+                        &args,
+                    )?;
+                } else {
+                    self.launch(
+                        &self.k.route_topk,
+                        "route top-k",
+                        (rows as u32, 1, 1),
+                        32,
+                        &route_args,
+                    )?;
+                    plan_separately(self)?;
+                }
+            }
+            RouteSpec::SparseMixer { jitter_eps } => {
+                self.launch(
+                    &self.k.route_sparse_mixer,
+                    "route sparse mixer",
+                    (rows as u32, 1, 1),
+                    32,
+                    &[
+                        ptr(&logits.buf, s),
+                        int(n_experts, "experts")?,
+                        float(jitter_eps),
+                        ptr(&ids, s),
+                        ptr(&weights, s),
+                    ],
+                )?;
+                plan_separately(self)?;
+            }
+        }
+        if let Some(layer) = count_as {
+            self.count_routes(ptr(&ids, s), n_items, layer)?;
+        }
+        let h = self.alloc(n_items, inter)?;
+        let out = self.alloc(n_items, hidden)?;
+        let launch = MoeLaunch {
+            x: ptr(&x.buf, s),
+            hidden,
+            inter,
+            groups: ptr(&groups, s),
+            num_groups: max_groups,
+            max_count: rows,
+            item_row: ptr(&item_row, s),
+            item_weight: ptr(&item_weight, s),
+            items: n_items,
+            h: ptr(&h.buf, s),
+            out: ptr(&out.buf, s),
+        };
+        let shared_y = match (extra, &shared_h) {
+            (Extra::Shared(sh, mlp), Some(hs)) => {
+                if int4 {
+                    self.launch_moe(&launch, int4)?;
+                    Some(self.linear(hs, &mlp.down, None)?)
+                } else {
+                    let y = self.alloc(rows, hidden)?;
+                    let down = SharedDown {
+                        h: ptr(&hs.buf, s),
+                        rows,
+                        inter: sh.inter,
+                        down: sh.down,
+                        y: ptr(&y.buf, s),
+                    };
+                    self.launch_moe_f16(&launch, Some(&down))?;
+                    Some(y)
+                }
+            }
+            _ => {
+                self.launch_moe(&launch, int4)?;
+                None
+            }
+        };
+        let plus = match (extra, &shared_y) {
+            (Extra::Output(p), _) => Some(p),
+            (_, y) => y.as_ref(),
+        };
+        let y = self.alloc(rows, hidden)?;
+        self.launch(
+            &self.k.moe_combine,
+            "moe combine",
+            (rows as u32, grid_for(hidden, ROW_THREADS), 1),
+            ROW_THREADS,
+            &[
+                launch.out,
+                ptr(&row_items, s),
+                int(top_k, "top_k")?,
+                int(hidden, "hidden")?,
+                ptr(&y.buf, s),
+                plus.map_or(0, |p| ptr(&p.buf, s)),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    /// Adds `n` expert ids at device address `ids` to MoE layer `layer`'s routing counts, when
+    /// counting is on.
+    pub(super) fn count_routes(&self, ids: u64, n: usize, layer: usize) -> Result<()> {
+        let counts = self.lock(&self.route_counts)?;
+        let Some(c) = counts.as_ref() else {
+            return Ok(());
+        };
+        if layer >= c.moe_layers || n == 0 {
+            return Ok(());
+        }
+        let row = ptr(&c.counts, &self.stream) + (4 * layer * c.experts) as u64;
+        self.launch(
+            &self.k.count_routes,
+            "count routes",
+            (1, 1, 1),
+            128,
+            &[ids, int(n, "items")?, row],
+        )
+    }
+
+    /// Starts counting, per MoE layer and expert, the routings of passes whose hook asks for
+    /// device counts (from zero). A buffer of another shape replaces the old one and drops every
+    /// recorded pass (they may write to the old one).
+    pub fn enable_route_counts(&self, moe_layers: usize, experts: usize) -> Result<()> {
+        let same = self
+            .lock(&self.route_counts)?
+            .as_ref()
+            .is_some_and(|c| c.moe_layers == moe_layers && c.experts == experts);
+        if same {
+            // Keep the buffer: recorded draft passes write to its address.
+            return self.reset_route_counts();
+        }
+        let counts = guarded("cuda: cannot allocate routing counts", || {
+            self.stream
+                .alloc_zeros::<u32>((moe_layers * experts).max(1))
+        })?;
+        self.drop_recordings()?;
+        *self.lock(&self.route_counts)? = Some(RouteCounts {
+            counts,
+            moe_layers,
+            experts,
+        });
+        Ok(())
+    }
+
+    /// Sets every routing count to zero (ordered after the passes already issued).
+    pub fn reset_route_counts(&self) -> Result<()> {
+        let mut counts = self.lock(&self.route_counts)?;
+        if let Some(c) = counts.as_mut() {
+            guarded("cuda: cannot reset routing counts", || {
+                self.stream.memset_zeros(&mut c.counts)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The routing counts `[moe layers, experts]` so far (waits for the passes issued).
+    pub fn route_counts(&self) -> Result<Vec<u32>> {
+        self.synchronize()?;
+        let counts = self.lock(&self.route_counts)?;
+        let Some(c) = counts.as_ref() else {
+            return Err(Error::Request(
+                "routing counts were never enabled on this backend".into(),
+            ));
+        };
+        let mut host = vec![0u32; c.moe_layers * c.experts];
+        if !host.is_empty() {
+            let view = c.counts.slice(..host.len());
+            guarded("cuda: routing counts device-to-host copy failed", || {
+                self.stream.memcpy_dtoh(&view, &mut host)
+            })?;
+            guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        }
+        Ok(host)
+    }
+}
