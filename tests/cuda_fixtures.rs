@@ -21,8 +21,6 @@ use specter::backend::cuda::{
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{LanguageModel, NoHook, Variant};
 use specter::offload::Policy;
-use specter::pack::{convert, ConvertOptions, Silent};
-use specter_format::Bundle;
 
 fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
     GenerateOptions {
@@ -65,10 +63,8 @@ fn every_fixture_every_residency(speculative: bool) {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("model.specter");
-        convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
-        let bundle = Arc::new(Bundle::open(&path).expect("open"));
+        let (_dir, bundle) = fixture.bundle();
+        let bundle = Arc::new(bundle);
         let cpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), Cpu).unwrap();
         let experts = fixture.cfg.moe.num_experts;
         let mut variants: Vec<(String, Option<OffloadConfig>)> = vec![
@@ -247,10 +243,7 @@ fn gpu_logits_do_not_depend_on_fusing_the_shared_experts() {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("model.specter");
-        convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
-        let bundle = Bundle::open(&path).expect("open");
+        let (_dir, bundle) = fixture.bundle();
         let prompt = fixture.prompts()[0].clone();
         let logits = |fuse: bool, graphs: bool| -> Vec<Vec<u32>> {
             let options = CudaOptions {
@@ -301,10 +294,8 @@ fn gpu_logits_do_not_depend_on_fusing_the_shared_experts() {
 fn impossible_residency_is_a_clear_error() {
     let device = Arc::new(common::gpu::device());
     let fixture = Fixture::load("mixtral");
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("model.specter");
-    convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
-    let bundle = Arc::new(Bundle::open(&path).unwrap());
+    let (_dir, bundle) = fixture.bundle();
+    let bundle = Arc::new(bundle);
     for slots in [0, fixture.cfg.moe.num_experts + 1] {
         let cfg = OffloadConfig {
             bundle: bundle.clone(),

@@ -14,8 +14,6 @@ use specter::arch::MoeModel;
 use specter::backend::cuda::{CudaBackend, CudaOptions, LoadIo};
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
 use specter::model::NoHook;
-use specter::pack::{convert, ConvertOptions, Silent};
-use specter_format::Bundle;
 
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
@@ -23,10 +21,7 @@ fn gpu_every_load_io_gives_the_per_tensor_weights() {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("model.specter");
-        convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
-        let bundle = Bundle::open(&path).expect("open");
+        let (_dir, bundle) = fixture.bundle();
         let tokens = |io: LoadIo| {
             let mut backend =
                 CudaBackend::with_device(device.clone(), None, &CudaOptions::default())

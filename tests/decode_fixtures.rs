@@ -15,18 +15,13 @@ use specter::offload::{
     frequency_top_m, ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig,
     SimulatorConfig,
 };
-use specter::pack::{convert, ConvertOptions, Silent};
 use specter::Result;
-use specter_format::Bundle;
 
 /// A fixture converted into a bundle by the real pipeline (RTN INT4 draft, Marlin tiled), and its
 /// model loaded from the bundle's mapping.
 fn load(name: &str) -> (Fixture, MoeModel<Cpu>) {
     let fixture = Fixture::load(name);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("model.specter");
-    convert(&fixture.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
-    let bundle = Bundle::open(&path).expect("open bundle");
+    let (_dir, bundle) = fixture.bundle();
     let model = MoeModel::load(fixture.cfg.clone(), &bundle, Cpu).expect("load");
     assert!(model.has_draft());
     (fixture, model)

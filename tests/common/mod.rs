@@ -10,6 +10,8 @@ use serde_json::Value;
 use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cpu::Cpu;
 use specter::checkpoint::Checkpoint;
+use specter::pack::{convert, ConvertOptions, Silent};
+use specter_format::Bundle;
 
 /// The repository root: where the tests were built, or `$SPECTER_ROOT` when the test binaries
 /// were carried to another machine (the GPU checks run that way).
@@ -46,6 +48,17 @@ impl Fixture {
     /// The fixture's checkpoint, through the crate's Hugging Face reader.
     pub fn checkpoint(&self) -> Checkpoint {
         Checkpoint::open(&self.dir).unwrap()
+    }
+
+    /// The fixture converted by the real pipeline (default options: RTN INT4 draft, Marlin
+    /// tiled) into a bundle in a fresh temporary directory, opened. The directory lasts as long
+    /// as the returned guard.
+    pub fn bundle(&self) -> (tempfile::TempDir, Bundle) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("model.specter");
+        convert(&self.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+        let bundle = Bundle::open(&path).expect("open bundle");
+        (dir, bundle)
     }
 
     pub fn model(&self) -> MoeModel<Cpu> {
