@@ -14,7 +14,7 @@ use crate::{Error, Result};
 
 /// What an MoE layer's combine adds to its routed experts' output.
 #[derive(Clone, Copy)]
-pub(super) enum Extra<'a> {
+enum Extra<'a> {
     Nothing,
     /// A finished `[rows, hidden]` output (the shared experts, run before).
     Output(&'a GpuAct),
@@ -25,7 +25,7 @@ pub(super) enum Extra<'a> {
 
 /// The device addresses and width of a layer's FP16 shared experts.
 #[derive(Clone, Copy)]
-pub(super) struct SharedF16 {
+struct SharedF16 {
     /// `[2 * inter, hidden]`: gate rows, then up rows.
     gate_up: u64,
     /// `[hidden, inter]`.
