@@ -8,7 +8,7 @@
 #   device    device opening, kernel loading, pinned and registered copies, doctor (tests/cuda_device.rs,
 #             tests/cuda_doctor.rs)
 #   ops       every CUDA op against the CPU reference on random inputs, one test per op family
-#             (tests/cuda_ops.rs)
+#             (tests/cuda_ops.rs, tests/cuda_ops_fused.rs)
 #   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
 #   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; the same
 #             logits with the shared experts fused into the routed launches as without; and every
@@ -59,7 +59,7 @@ build() {
     cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
-    local tests=(cuda_device cuda_doctor cuda_ops cuda_fixtures cuda_load cuda_host_experts cuda_pace)
+    local tests=(cuda_device cuda_doctor cuda_ops cuda_ops_fused cuda_fixtures cuda_load cuda_host_experts cuda_pace)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -527,7 +527,8 @@ run() {
                 for t in cuda_device cuda_doctor; do
                     SPECTER_ROOT="$ROOT" "$CARRY/test-$t" --include-ignored --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || status=1
                 done ;;
-            ops) run_test cuda_ops "$out/ops.log" || status=1 ;;
+            ops) run_test cuda_ops "$out/ops.log" || status=1
+                run_test cuda_ops_fused "$out/ops-fused.log" || status=1 ;;
             int4) run_test cuda_moe_int4 "$out/int4.log" || status=1 ;;
             fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1
                 run_test cuda_fixtures "$out/fused.log" gpu_logits || status=1

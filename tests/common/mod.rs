@@ -1,8 +1,9 @@
 //! Shared helpers of the golden tests: fixture loading and comparison; `gpu`: how the GPU tests
-//! open the GPU.
+//! open the GPU; `ops`: the GPU op tests' harness.
 #![allow(dead_code)]
 
 pub mod gpu;
+pub mod ops;
 
 use std::path::{Path, PathBuf};
 

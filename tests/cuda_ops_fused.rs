@@ -1,0 +1,196 @@
+//! The CUDA backend's fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against the GPU's own unfused sequence
+//! of the ops each replaces: the manner of tests/cuda_ops.rs, whose harness (tests/common/ops.rs)
+//! they share. They need an NVIDIA GPU: `scripts/gpu-check.sh run ops` runs them with
+//! `--ignored`.
+
+mod common;
+
+use common::ops::*;
+use specter::arch::RopeStyle;
+use specter::backend::cpu::Cpu;
+use specter::backend::{Backend, MlaShape, RopeSpec};
+
+/// The fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against
+/// the GPU's own unfused sequence of the ops each replaces.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn fused() {
+    let mut p = Family::new("fused", 31);
+    // Residual add + RMSNorm: DeepSeek's width, a width past the kernel's register cache, and a
+    // width that is not a multiple of 4.
+    for &(rows, cols) in &[(1usize, 2048usize), (17, 2048), (3, 5000), (2, 1030)] {
+        let (mut xc, mut xg, xv) = p.act(rows, cols);
+        let (yc, yg, _) = p.act(rows, cols);
+        let (wc, wg) = p.weight("w", &[cols], 1.0);
+        let nc = Cpu.add_rms_norm(&mut xc, &yc, &wc, 1e-6).unwrap();
+        let case = format!("add_rms_norm {rows}x{cols}");
+        let fused = p.gpu.add_rms_norm(&mut xg, &yg, &wg, 1e-6);
+        let got = p.check(&format!("{case} norm"), fused, &nc);
+        {
+            let view = p.gpu.head_rows(&xg, p.gpu.shape(&xg).0);
+            p.check(&format!("{case} sum"), view, &xc)
+        };
+        let mut xs = p.gpu.upload(rows, cols, &xv).unwrap();
+        let plain = p
+            .gpu
+            .add_assign(&mut xs, &yg)
+            .and_then(|()| p.gpu.rms_norm(&xs, &wg, 1e-6, cols))
+            .and_then(|n| p.gpu.to_host(&n));
+        if let Some(got) = got {
+            p.same_bits(&format!("{case} = add + rms_norm"), plain, &got);
+        }
+    }
+    // Two projections of one input.
+    for &(rows, k, na, nb) in &[
+        (1usize, 2048usize, 3072usize, 576usize),
+        (17, 2048, 3072, 576),
+        (3, 96, 13, 7),
+        (1, 256, 6000, 2001),
+    ] {
+        let (xc, xg, _) = p.act(rows, k);
+        let (ac, ag) = p.weight("a", &[na, k], 0.05);
+        let (bc, bg) = p.weight("b", &[nb, k], 0.05);
+        let (yac, ybc) = Cpu.linear_pair(&xc, &ac, &bc).unwrap();
+        let case = format!("linear_pair {rows}x{k} -> {na}, {nb}");
+        match p.gpu.linear_pair(&xg, &ag, &bg) {
+            Ok((ya, yb)) => {
+                let ga = p.check(&format!("{case} a"), Ok(ya), &yac);
+                let gb = p.check(&format!("{case} b"), Ok(yb), &ybc);
+                let plain_a = p.gpu.linear(&xg, &ag, None).and_then(|y| p.gpu.to_host(&y));
+                let plain_b = p.gpu.linear(&xg, &bg, None).and_then(|y| p.gpu.to_host(&y));
+                if let (Some(ga), Some(gb)) = (ga, gb) {
+                    p.same_bits(&format!("{case} a = linear"), plain_a, &ga);
+                    p.same_bits(&format!("{case} b = linear"), plain_b, &gb);
+                }
+            }
+            Err(err) => {
+                p.checks += 1;
+                p.fail(&case, format!("GPU error: {err}"));
+            }
+        }
+    }
+    // MLA's latent step and cache append, at DeepSeek-V2-Lite's widths and at small ones.
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        for &(rows, heads, nope, rope, v_dim, rank) in &[
+            (1usize, 16usize, 128usize, 64usize, 128usize, 512usize),
+            (5, 4, 32, 16, 32, 96),
+        ] {
+            let label = format!("{rows} rows, {heads} heads, {style:?}");
+            let half = rope / 2;
+            let inv: Vec<f32> = (0..half)
+                .map(|i| 10000f32.powf(-(2.0 * i as f32) / rope as f32))
+                .collect();
+            let pos: Vec<usize> = (0..rows).map(|r| 40 + r).collect();
+            let scales = vec![1.0f32; rows];
+            let k_spec = RopeSpec {
+                heads: 1,
+                head_stride: rope,
+                offset: 0,
+                rot_dim: rope,
+                style,
+            };
+            let (cc, cg, _) = p.act(rows, rank + rope);
+            let (nc, ng) = p.weight("kv_a_norm", &[rank], 1.0);
+            let (lc, pc) = Cpu
+                .mla_latent(&cc, &nc, 1e-6, rank, k_spec, &inv, &pos, &scales)
+                .unwrap();
+            let (lg, pg) = match p
+                .gpu
+                .mla_latent(&cg, &ng, 1e-6, rank, k_spec, &inv, &pos, &scales)
+            {
+                Ok(v) => v,
+                Err(err) => {
+                    p.checks += 1;
+                    p.fail(&format!("mla_latent {label}"), format!("GPU error: {err}"));
+                    continue;
+                }
+            };
+            let gl = {
+                let view = p.gpu.head_rows(&lg, p.gpu.shape(&lg).0);
+                p.check(&format!("mla_latent {label} latent"), view, &lc)
+            };
+            let gp = {
+                let view = p.gpu.head_rows(&pg, p.gpu.shape(&pg).0);
+                p.check(&format!("mla_latent {label} k_pe"), view, &pc)
+            };
+            let mut parts = p.gpu.split_cols(&cg, &[rank, rope]).unwrap().into_iter();
+            let (l0, mut p0) = (parts.next().unwrap(), parts.next().unwrap());
+            let plain_l = p
+                .gpu
+                .rms_norm(&l0, &ng, 1e-6, rank)
+                .and_then(|n| p.gpu.to_host(&n));
+            let plain_p = p
+                .gpu
+                .rope(&mut p0, k_spec, &inv, &pos, &scales)
+                .and_then(|()| p.gpu.to_host(&p0));
+            if let (Some(gl), Some(gp)) = (gl, gp) {
+                p.same_bits(
+                    &format!("mla_latent {label} latent = split + rms_norm"),
+                    plain_l,
+                    &gl,
+                );
+                p.same_bits(
+                    &format!("mla_latent {label} k_pe = split + rope"),
+                    plain_p,
+                    &gp,
+                );
+            }
+
+            let mla = MlaShape { heads, nope, v_dim };
+            let q_spec = RopeSpec {
+                heads,
+                head_stride: nope + rope,
+                offset: nope,
+                rot_dim: rope,
+                style,
+            };
+            let (kvc, kvg, _) = p.act(rows, heads * (nope + v_dim));
+            let (mut qc, mut qg, qv) = p.act(rows, heads * (nope + rope));
+            let cap = 40 + rows + 3;
+            let (mut kc, mut kg, kv0) = p.act(cap, heads * (nope + rope));
+            let (mut vc, mut vg, vv0) = p.act(cap, heads * v_dim);
+            Cpu.mla_expand_append(
+                &kvc, &pc, mla, &mut kc, &mut vc, 40, &mut qc, q_spec, &inv, &pos, &scales,
+            )
+            .unwrap();
+            let r = p.gpu.mla_expand_append(
+                &kvg, &pg, mla, &mut kg, &mut vg, 40, &mut qg, q_spec, &inv, &pos, &scales,
+            );
+            p.check_in_place(&format!("mla_expand_append {label} keys"), r, &kg, &kc);
+            {
+                let view = p.gpu.head_rows(&vg, p.gpu.shape(&vg).0);
+                p.check(&format!("mla_expand_append {label} values"), view, &vc)
+            };
+            let gq = {
+                let view = p.gpu.head_rows(&qg, p.gpu.shape(&qg).0);
+                p.check(&format!("mla_expand_append {label} query"), view, &qc)
+            };
+            let mut ks = p.gpu.upload(cap, heads * (nope + rope), &kv0).unwrap();
+            let mut vs = p.gpu.upload(cap, heads * v_dim, &vv0).unwrap();
+            let mut qs = p.gpu.upload(rows, heads * (nope + rope), &qv).unwrap();
+            let plain = p
+                .gpu
+                .mla_expand_kv(&kvg, &pg, heads, nope, v_dim)
+                .and_then(|(nk, nv)| {
+                    p.gpu.write_rows(&mut ks, 40, &nk)?;
+                    p.gpu.write_rows(&mut vs, 40, &nv)?;
+                    p.gpu.rope(&mut qs, q_spec, &inv, &pos, &scales)
+                });
+            let plain_k = plain.and_then(|()| p.gpu.to_host(&ks));
+            let fused_k = p.gpu.to_host(&kg).unwrap();
+            p.same_bits(
+                &format!("mla_expand_append {label} keys = expand + write_rows"),
+                plain_k,
+                &fused_k,
+            );
+            if let Some(gq) = gq {
+                p.same_bits(
+                    &format!("mla_expand_append {label} query = rope"),
+                    p.gpu.to_host(&qs),
+                    &gq,
+                );
+            }
+        }
+    }
+    p.finish();
+}
