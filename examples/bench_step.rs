@@ -10,6 +10,7 @@
 //! first; the one-row steps then run at positions 16, 17, ...; a window always starts at the
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
+//! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops, as in specter-run.
 
 use std::time::Instant;
 
@@ -64,6 +65,10 @@ fn main() -> anyhow::Result<()> {
     }
     let mut opts = SessionOptions::new(backend);
     opts.cuda.overlap_launches = overlap;
+    // One of the switches specter-run reads from the environment, for A/B runs of one binary.
+    if std::env::var("SPECTER_CUDA_FUSE_SHARED").is_ok_and(|v| v.trim() == "0") {
+        opts.cuda.fuse_shared_experts = false;
+    }
     let session = Session::open_with(std::path::Path::new(&bundle), &opts)?;
     let prompt: Vec<u32> = (5..21).collect();
     let report = with_session_model!(session, |m| time_passes(m, &prompt, steps, &windows))?;

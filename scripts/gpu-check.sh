@@ -34,7 +34,11 @@
 #             DRAM bytes per kernel); KMODE=draft for the draft's steps
 #   steps     the target's and the draft's one-row steps and 17- and 4-row verification windows
 #             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident;
-#             with $OLD_CARRY, old and new binaries taking turns
+#             with $OLD_CARRY, old and new binaries taking turns; with $NEW_ENV (variables for
+#             the new binaries, runs separated by ';', e.g. "SPECTER_CUDA_FUSE_SHARED=0;A=0 B=0"),
+#             also the new binaries under each (newenv0, newenv1, ...); with $BUILDS (directories
+#             of other builds' specter-run and bench_step, separated by spaces), those too (build0,
+#             build1, ...)
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
 #             lossless check on 10 prompts (specter against target-only, all resident; LOSSLESS=0
@@ -224,15 +228,25 @@ steps() {
     PACK="${OLD_CARRY:-$CARRY}/specter-pack" bench_model "$dir" "$out"
     local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20 sides=(new)
     [ -n "${OLD_CARRY:-}" ] && sides=(old new)
+    local variants=()
+    [ -n "${NEW_ENV:-}" ] && IFS=';' read -ra variants <<< "$NEW_ENV"
+    for i in "${!variants[@]}"; do sides+=("newenv$i"); done
+    local builds=()
+    read -ra builds <<< "${BUILDS:-}"
+    for i in "${!builds[@]}"; do sides+=("build$i"); done
     : > "$out/steps.tsv"
     for rep in $(seq "${REPEATS:-3}"); do
         for side in "${sides[@]}"; do
-            local bin="$CARRY"
+            local bin="$CARRY" envs=()
             [ "$side" = old ] && bin="$OLD_CARRY"
-            "$bin/bench_step" "$dir/dsv2.specter" --window 17 --window 4 --json "$out/step-$side-$rep.json" \
+            [[ "$side" == newenv* ]] && read -ra envs <<< "${variants[${side#newenv}]}"
+            [[ "$side" == build* ]] && bin="${builds[${side#build}]}"
+            env "${envs[@]}" "$bin/bench_step" "$dir/dsv2.specter" --window 17 --window 4 \
+                --json "$out/step-$side-$rep.json" \
                 > /dev/null 2> "$out/step-$side-$rep.err" || { tail -3 "$out/step-$side-$rep.err"; return 1; }
             for mode in target draft; do
-                "$bin/specter-run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 \
+                env "${envs[@]}" "$bin/specter-run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" \
+                    --max-new-tokens 128 \
                     --ignore-eos --json --backend cuda --mode "$mode" > "$out/gen-$side-$mode-$rep.json"
             done
             python3 - "$out" "$side" "$rep" >> "$out/steps.tsv" <<'EOF'
