@@ -265,6 +265,25 @@ EOF
     echo "== all resident, ${LAYERS:-27} layers (ms; tpot over 128 tokens)"
     echo "side rep target_step draft_step verify17 verify4 tpot_target tpot_draft target_tokens draft_last"
     cat "$out/steps.tsv"
+    steps_medians "$out/steps.tsv"
+}
+
+# The medians per side of a steps.tsv, and whether every round of every side gave the same
+# tokens.
+steps_medians() {
+    python3 - "$1" <<'EOF'
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+names = ["target_step", "draft_step", "verify17", "verify4", "tpot_target", "tpot_draft"]
+print("== medians (ms)")
+print("side".ljust(10) + "".join(n.rjust(13) for n in names) + "  rounds")
+for side in dict.fromkeys(r[0] for r in rows):
+    mine = [r for r in rows if r[0] == side]
+    meds = [statistics.median(float(r[2 + i]) for r in mine) for i in range(len(names))]
+    print(side.ljust(10) + "".join(f"{m:13.3f}" for m in meds) + f"  {len(mine)}")
+same = len({r[8] for r in rows}) == 1 and len({r[9] for r in rows}) == 1
+print("tokens: " + ("the same in every round of every side" if same else "DIFFER between rounds or sides"))
+EOF
 }
 
 # Old against new: target-only TPOT all resident and with 16 resident experts (lru) on the bench
