@@ -1,7 +1,7 @@
-//! The CUDA backend's fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against the GPU's own unfused sequence
-//! of the ops each replaces: the manner of tests/cuda_ops.rs, whose harness (tests/common/ops.rs)
-//! they share. They need an NVIDIA GPU: `scripts/gpu-check.sh run ops` runs them with
-//! `--ignored`.
+//! The CUDA backend's fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit
+//! for bit against the GPU's own unfused sequence of the ops each replaces, in the manner of
+//! tests/cuda_ops.rs, whose harness (tests/common/ops.rs) they share. They need an NVIDIA GPU:
+//! `scripts/gpu-check.sh run ops` runs them with `--ignored`.
 
 mod common;
 
