@@ -357,7 +357,9 @@ LINEAR_KERNELS(_1, true)
 // h[r][j] = silu(x[r] . w[j]) * (x[r] . w[inter + j]), w = [gate; up] of shape [2 * inter, k].
 // The two dot products are the ones linear_f16 computes (same order), so h equals linear_f16
 // followed by silu_mul bit for bit. One warp. (A one-row form with more pieces in flight measured
-// slower on the H200 for DeepSeek's shared experts.)
+// slower on the H200 for DeepSeek's shared experts.) ONE: one row, by the code group_dot2 runs
+// for a group of one row (the same bits), without the registers of wider groups.
+template <bool ONE = false>
 __device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x, int rows, int k,
                                                      const __half* __restrict__ w, int inter,
                                                      float* __restrict__ h, int j) {
@@ -368,6 +370,15 @@ __device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x
     spx_prefetch_l2(wg, (size_t)k * sizeof(__half), lane);
     spx_prefetch_l2(wu, (size_t)k * sizeof(__half), lane);
     spx_grid_wait();
+    if (ONE) {
+        const float* xr[1] = {x};
+        float a[1] = {0.0f}, b[1] = {0.0f};
+        lane_dot2<1>(wg, wu, xr, 1, k, lane, a, b);
+        const float ga = warp_sum(a[0]);
+        const float ub = warp_sum(b[0]);
+        if (lane == 0) h[j] = ga / (1.0f + expf(-ga)) * ub;
+        return;
+    }
     for (int r0 = 0; r0 < rows; r0 += MR) {
         const int mr = min(MR, rows - r0);
         const float* xr[MR];
@@ -484,6 +495,7 @@ __device__ __forceinline__ void gate_up_prefetch(const __half* __restrict__ w, i
 
 // Work blocks first, first + stride, ... below ceil(inter / WARPS) of gate_up_silu_feature, warp
 // w of work block b computing feature b * WARPS + w.
+template <bool ONE = false>
 __device__ __forceinline__ void gate_up_silu_blocks(const float* __restrict__ x, int rows, int k,
                                                     const __half* __restrict__ w, int inter,
                                                     float* __restrict__ h, int first, int stride) {
@@ -491,7 +503,7 @@ __device__ __forceinline__ void gate_up_silu_blocks(const float* __restrict__ x,
     const int blocks = (inter + WARPS - 1) / WARPS;
     for (int b = first; b < blocks; b += stride) {
         gate_up_prefetch(w, k, inter, (b + stride) * WARPS + warp);
-        gate_up_silu_feature(x, rows, k, w, inter, h, b * WARPS + warp);
+        gate_up_silu_feature<ONE>(x, rows, k, w, inter, h, b * WARPS + warp);
     }
 }
 
@@ -507,22 +519,29 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
 // experts' gate/up (gate_up_silu_f16) in one launch, for few rows: block 0 routes and builds the
 // list while the other blocks compute h_shared[rows, inter_shared] from x, which needs no
 // routing, so the shared experts' weights stream while the routing's latency chain runs. Each
-// part has its own kernel's arithmetic. Grid: at least 2 blocks of 32 * WARPS threads.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16(
-    const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
-    unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
-    int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
-    float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* __restrict__ x, int k,
-    const __half* __restrict__ w_shared, int inter_shared, float* __restrict__ h_shared) {
-    spx_launch_dependents();
-    if (blockIdx.x == 0) {
-        spx_grid_wait();
-        route_plan_block<WARPS>(logits, experts, top_k, renormalize, scale, ids, weights, rows, table, max_groups,
-                                groups, item_row, item_weight, row_items);
-    } else {
-        gate_up_silu_blocks(x, rows, k, w_shared, inter_shared, h_shared, blockIdx.x - 1, gridDim.x - 1);
+// part has its own kernel's arithmetic. route_plan_shared_f16_1: the same for one row, whose
+// shared gate/up holds no registers for other rows (more blocks fit on a multiprocessor).
+// Grid: at least 2 blocks of 32 * WARPS threads.
+#define ROUTE_PLAN_SHARED_KERNEL(SUFFIX, ONE)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16##SUFFIX(                    \
+        const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,                \
+        unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table, \
+        int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,                     \
+        float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* __restrict__ x, int k,  \
+        const __half* __restrict__ w_shared, int inter_shared, float* __restrict__ h_shared) {                 \
+        spx_launch_dependents();                                                                               \
+        if (blockIdx.x == 0) {                                                                                 \
+            spx_grid_wait();                                                                                   \
+            route_plan_block<WARPS>(logits, experts, top_k, renormalize, scale, ids, weights, rows, table,     \
+                                    max_groups, groups, item_row, item_weight, row_items);                     \
+        } else {                                                                                               \
+            gate_up_silu_blocks<ONE>(x, rows, k, w_shared, inter_shared, h_shared, blockIdx.x - 1,             \
+                                     gridDim.x - 1);                                                           \
+        }                                                                                                      \
     }
-}
+
+ROUTE_PLAN_SHARED_KERNEL(, false)
+ROUTE_PLAN_SHARED_KERNEL(_1, true)
 
 // The grouped kernels run work blocks v = by * gx + bx (group by, then its features) in
 // grid-stride loops (without the next block's prefetch: the host gives the one-item forms a

@@ -321,7 +321,7 @@ fn host_routing_and_argmax() {
 }
 
 /// Expert FFN shapes: (hidden, inter, experts, rows, top_k).
-const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 6] = [
+const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 8] = [
     (128, 128, 8, 5, 2),
     (2048, 1408, 8, 17, 6),
     (96, 40, 4, 3, 2),
@@ -330,6 +330,10 @@ const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 6] = [
     (512, 88, 8, 4, 3),
     // More rows than the fused routing + work-list launch takes: two launches.
     (64, 32, 8, 70, 2),
+    // Decode at DeepSeek-V2-Lite's expert widths, and at widths that are not multiples of 8 (the
+    // scalar paths; a last output block of 4 features).
+    (2048, 1408, 8, 1, 6),
+    (100, 36, 6, 1, 2),
 ];
 
 /// `experts` random FP16 gated MLPs, the same on both backends.

@@ -32,6 +32,7 @@ pub(super) struct Kernels {
     pub(super) route_plan: CudaFunction,
     /// route_plan with the shared experts' gate/up in its other blocks (kernels/gemv_f16.cu).
     pub(super) route_plan_shared: GridStride,
+    pub(super) route_plan_shared_1: GridStride,
     pub(super) linear: GridStride,
     pub(super) gate_up_silu: GridStride,
     pub(super) moe_gate_up: GridStride,
@@ -75,6 +76,7 @@ impl Kernels {
             moe_plan: routing("moe_plan")?,
             route_plan: routing("route_plan")?,
             route_plan_shared: GridStride::load(dev, gemv("route_plan_shared_f16")?)?,
+            route_plan_shared_1: GridStride::load(dev, gemv("route_plan_shared_f16_1")?)?,
             linear: GridStride::load(dev, gemv("linear_f16")?)?,
             gate_up_silu: GridStride::load(dev, gemv("gate_up_silu_f16")?)?,
             moe_gate_up: GridStride::load(dev, gemv("moe_f16_gate_up")?)?,

@@ -284,7 +284,12 @@ impl CudaBackend {
                         int(sh.inter, "shared inter")?,
                         ptr(&hs.buf, s),
                     ]);
-                    let f = &self.k.route_plan_shared;
+                    // One row: the form whose shared gate/up holds one row's registers.
+                    let f = if rows == 1 {
+                        &self.k.route_plan_shared_1
+                    } else {
+                        &self.k.route_plan_shared
+                    };
                     // Block 0 and the shared gate/up's work blocks.
                     let blocks = f
                         .grid(1 + grid_for(sh.inter, GEMV_WARPS as u32), rows == 1)
