@@ -2,9 +2,9 @@
 // prompts): plain linear layers, the fused gate/up of a gated MLP, and the grouped routed-expert
 // FFN (see src/backend/cuda/experts.rs).
 //
-// One warp owns two output features (two weight rows): its lanes stream both rows in 16-byte
-// pieces (8 halves), several pieces of each row in flight per lane, and each activation value
-// loaded serves both features. Each lane accumulates, for up to MR activation rows at once, in f32
+// One warp owns two output features (two weight rows; four in the one-item routed down kernels,
+// whose rows are short): its lanes stream the rows in 16-byte pieces (8 halves), several pieces
+// of each row in flight per lane, and each activation value loaded serves every feature. Each lane accumulates, for up to MR activation rows at once, in f32
 // with one fixed order (its pieces in ascending order, 8 fused multiply-adds each); the 32 partial
 // sums are then combined by a fixed shuffle tree. The arithmetic of one (row, feature) is the same
 // whatever the number of rows in the launch, the row's place in its group of MR, or which of the
@@ -31,6 +31,13 @@
 // The one-row kernels (*_1, decode) hold no accumulators for other rows: their registers go to
 // twice the pieces in flight, the same arithmetic in the same order.
 #define UNROLL_ONE 8
+// Output features per warp of the one-item routed down kernels (moe_f16_down_1 and the routed
+// rows of moe_f16_down_shared_1), and their pieces in flight per feature: six cover a lane's
+// share of DeepSeek-V2-Lite's 1408-long rows in one pass.
+#define DOWN_FEATURES_ONE 4
+#define DOWN_UNROLL_ONE 6
+// Their register cap: three blocks an SM (<= 168 registers), as the several-row kernels.
+#define DOWN_MIN_BLOCKS_ONE 3
 
 __device__ __forceinline__ void halves_to_floats(const uint4& v, float f[8]) {
     const __half2* h2 = reinterpret_cast<const __half2*>(&v);
@@ -214,6 +221,50 @@ __device__ __forceinline__ void group_dot2_split(const __half* __restrict__ w0,
         lane_dot2_split<2>(w0, w1, xr, mr, k, lane, a0, a1);
     } else {
         lane_dot2_split<MR_SPLIT>(w0, w1, xr, mr, k, lane, a0, a1);
+    }
+}
+
+// lane_dot2_split of one row for NF features at once: a[f] += the lane partials of x . w[f],
+// every feature's loads in flight together (the one-item down kernels). Each feature gets the
+// arithmetic lane_dot2_split<1> gives it, so the bits are the same.
+template <int NF, int UNR>
+__device__ __forceinline__ void lane_dotn_split(const __half* const* w, const float* __restrict__ x, int k,
+                                                int lane, float a[NF][8]) {
+    if ((k & 7) == 0) {
+        const int chunks = k >> 3;
+        for (int c0 = lane; c0 < chunks; c0 += 32 * UNR) {
+            uint4 p[NF][UNR];
+#pragma unroll
+            for (int u = 0; u < UNR; ++u) {
+                const int c = c0 + 32 * u;
+                if (c < chunks) {
+#pragma unroll
+                    for (int f = 0; f < NF; ++f) p[f][u] = __ldg(reinterpret_cast<const uint4*>(w[f]) + c);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < UNR; ++u) {
+                const int c = c0 + 32 * u;
+                if (c < chunks) {
+                    const float4 xa = reinterpret_cast<const float4*>(x + 8 * c)[0];
+                    const float4 xb = reinterpret_cast<const float4*>(x + 8 * c)[1];
+                    const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                    for (int f = 0; f < NF; ++f) {
+                        float wf[8];
+                        halves_to_floats(p[f][u], wf);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) a[f][e] = fmaf(wf[e], xv[e], a[f][e]);
+                    }
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < k; i += 32) {
+            const float xv = x[i];
+#pragma unroll
+            for (int f = 0; f < NF; ++f) a[f][0] = fmaf(__half2float(w[f][i]), xv, a[f][0]);
+        }
     }
 }
 
@@ -484,6 +535,43 @@ __device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int 
     }
 }
 
+// moe_down_block for groups of one item at a time with DOWN_FEATURES_ONE features per warp:
+// warp w of work block (bx, by) of (ceil(hidden / (DOWN_FEATURES_ONE * WARPS)), groups) owns
+// group by's features c = DOWN_FEATURES_ONE * (bx * WARPS + w) onwards. More weight bytes in
+// flight per warp than two features give (the down rows are only inter long); each output has
+// moe_down_block's arithmetic.
+__device__ __forceinline__ void moe_down_block_1(const float* __restrict__ h, int hidden, int inter,
+                                                 const ExpertGroup* __restrict__ groups,
+                                                 const float* __restrict__ item_weight,
+                                                 float* __restrict__ out, int bx, int by) {
+    const ExpertGroup g = groups[by];
+    const int lane = threadIdx.x & 31;
+    const int c = DOWN_FEATURES_ONE * (bx * WARPS + (threadIdx.x >> 5));
+    if (c >= hidden) return;
+    const __half* w[DOWN_FEATURES_ONE];
+#pragma unroll
+    for (int f = 0; f < DOWN_FEATURES_ONE; ++f) {
+        // Past the last feature the warp recomputes it and stores it once.
+        w[f] = reinterpret_cast<const __half*>(g.down) + (size_t)min(c + f, hidden - 1) * inter;
+    }
+    for (int i = 0; i < (int)g.count; ++i) {
+        const size_t item = g.first + i;
+        float a[DOWN_FEATURES_ONE][8];
+#pragma unroll
+        for (int f = 0; f < DOWN_FEATURES_ONE; ++f) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[f][e] = 0.0f;
+        }
+        lane_dotn_split<DOWN_FEATURES_ONE, DOWN_UNROLL_ONE>(w, h + item * inter, inter, lane, a);
+        const float wt = item_weight[item];
+#pragma unroll
+        for (int f = 0; f < DOWN_FEATURES_ONE; ++f) {
+            const float s = split_sum(a[f], lane);
+            if (lane == 0 && c + f < hidden) out[item * hidden + c + f] = wt * s;
+        }
+    }
+}
+
 // Asks L2 for the gate and up rows of feature j (none past inter).
 __device__ __forceinline__ void gate_up_prefetch(const __half* __restrict__ w, int k, int inter, int j) {
     if (j < inter) {
@@ -550,8 +638,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 // moe_f16_down_shared: moe_f16_down over work rows by < groups, and in row by = groups the shared
 // experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16 computes it
 // (the _1 form one row at a time, the same bits), whose weights L2 fetches before the wait for
-// the gate/up launch.
-#define MOE_F16_KERNELS(SUFFIX, MS)                                                                     \
+// the gate/up launch. The one-item down kernels follow the macros.
+#define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
         const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
         int num_groups, const unsigned* __restrict__ item_row, float* __restrict__ h) {                 \
@@ -560,7 +648,9 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
             moe_gate_up_block<MS>(x, hidden, inter, groups, item_row, h, v % gx, v / gx);               \
         }                                                                                               \
-    }                                                                                                   \
+    }
+
+#define MOE_F16_DOWN_KERNELS(SUFFIX, MS)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down##SUFFIX(                      \
         const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
         int num_groups, const float* __restrict__ item_weight, float* __restrict__ out) {               \
@@ -583,11 +673,50 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
                 spx_grid_wait();                                                                        \
                 moe_down_block<MS>(h, hidden, inter, groups, item_weight, out, v % gx, v / gx);         \
             } else {                                                                                    \
-                linear_block<MS == 1>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared,  \
-                                      v % gx);                                                          \
+                linear_block<false>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared,    \
+                                    v % gx);                                                            \
             }                                                                                           \
         }                                                                                               \
     }
 
-MOE_F16_KERNELS(, MR_SPLIT)
-MOE_F16_KERNELS(_1, 1)
+MOE_F16_GATE_UP_KERNEL(, MR_SPLIT)
+MOE_F16_GATE_UP_KERNEL(_1, 1)
+MOE_F16_DOWN_KERNELS(, MR_SPLIT)
+
+// The one-item forms of the down kernels: routed work blocks of DOWN_FEATURES_ONE features a warp
+// (moe_down_block_1), gx1 = ceil(hidden / (DOWN_FEATURES_ONE * WARPS)) per group; in
+// moe_f16_down_shared_1 the shared experts' down product follows as gx = ceil(hidden / (FEATURES
+// * WARPS)) work blocks of linear_block<true>.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_1(
+    const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
+    int num_groups, const float* __restrict__ item_weight, float* __restrict__ out) {
+    SPX_PROLOGUE();
+    const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
+    const int blocks = gx1 * num_groups;
+    for (int v = blockIdx.x; v < blocks; v += gridDim.x) {
+        moe_down_block_1(h, hidden, inter, groups, item_weight, out, v % gx1, v / gx1);
+    }
+}
+extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_shared_1(
+    const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
+    int num_groups, const float* __restrict__ item_weight, float* __restrict__ out,
+    const float* __restrict__ h_shared, int rows, int inter_shared, const __half* __restrict__ w_down,
+    float* __restrict__ y_shared) {
+    spx_launch_dependents();
+    const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
+    const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);
+    const int routed = gx1 * num_groups, blocks = routed + gx;
+    // The shared rows first (linear_block asks L2 for their weights before it waits), then the
+    // routed ones: two loops, so the two kinds of work never hold registers at once.
+    const int stride = gridDim.x;
+    int v = blockIdx.x;
+    if (v < routed) v += (routed - v + stride - 1) / stride * stride;
+    for (; v < blocks; v += stride) {
+        linear_block<true>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared, v - routed);
+    }
+    if ((int)blockIdx.x >= routed) return;
+    spx_grid_wait();
+    for (v = blockIdx.x; v < routed; v += stride) {
+        moe_down_block_1(h, hidden, inter, groups, item_weight, out, v % gx1, v / gx1);
+    }
+}

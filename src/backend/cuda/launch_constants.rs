@@ -13,6 +13,10 @@ pub(crate) const GEMV_WARPS: usize = 4;
 /// kernels/gemv_f16.cu.
 pub(crate) const GEMV_FEATURES: usize = 2;
 
+/// Output features per warp of the one-item routed down kernels (`moe_f16_down_1` and the
+/// routed rows of `moe_f16_down_shared_1`): `DOWN_FEATURES_ONE` in kernels/gemv_f16.cu.
+pub(crate) const GEMV_DOWN_FEATURES_ONE: usize = 4;
+
 /// Threads per block of `attention`: `ATT_THREADS` in kernels/attention.cu (also its
 /// `__launch_bounds__`).
 pub(crate) const ATT_THREADS: u32 = 256;
@@ -141,6 +145,10 @@ mod tests {
         let gemv = integer_defines("gemv_f16");
         assert_eq!(GEMV_WARPS as i64, define(&gemv, "gemv_f16", "WARPS"));
         assert_eq!(GEMV_FEATURES as i64, define(&gemv, "gemv_f16", "FEATURES"));
+        assert_eq!(
+            GEMV_DOWN_FEATURES_ONE as i64,
+            define(&gemv, "gemv_f16", "DOWN_FEATURES_ONE")
+        );
     }
 
     #[test]

@@ -315,11 +315,18 @@ impl CudaBackend {
             32 * GEMV_WARPS as u32,
             &[l.x, h, i, l.groups, groups, l.item_row, l.h],
         )?;
+        // Work blocks of a group's down product: the one-item forms give a warp more features.
         let gx = grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32);
+        let gx_routed = if one {
+            grid_for(l.hidden, (GEMV_WARPS * GEMV_DOWN_FEATURES_ONE) as u32)
+        } else {
+            gx
+        };
+        let routed = blocks(gx_routed, l.num_groups);
         let mut args = vec![l.h, h, i, l.groups, groups, l.item_weight, l.out];
-        let (down, work_rows) = match shared {
-            None if one => (&self.k.moe_down_1, l.num_groups),
-            None => (&self.k.moe_down, l.num_groups),
+        let (down, work_blocks) = match shared {
+            None if one => (&self.k.moe_down_1, routed),
+            None => (&self.k.moe_down, routed),
             Some(sd) => {
                 args.extend_from_slice(&[
                     sd.h,
@@ -333,13 +340,14 @@ impl CudaBackend {
                 } else {
                     &self.k.moe_down_shared
                 };
-                (k, l.num_groups + 1)
+                // The shared experts' down product: a last row of gx work blocks.
+                (k, routed.saturating_add(gx))
             }
         };
         self.launch(
             &down.f,
             "moe down",
-            (down.grid(blocks(gx, work_rows), one), 1, 1),
+            (down.grid(work_blocks, one), 1, 1),
             32 * GEMV_WARPS as u32,
             &args,
         )
