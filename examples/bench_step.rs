@@ -3,7 +3,7 @@
 //! several rows (the target over a drafted window, the KV cropped back after each).
 //!
 //!     cargo run --release --example bench_step -- BUNDLE [--backend cuda|cpu] [--steps N]
-//!         [--window R]... [--no-overlap] [--json OUT]
+//!         [--window R]... [--no-overlap] [--skip-launches LABEL[@BLOCKS],...] [--json OUT]
 //!
 //! Each figure is the median wall time of `--steps` passes (after as many untimed ones), logits
 //! copied back to the host as the decode loop receives them. A 16-token prompt is prefilled
@@ -11,6 +11,12 @@
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
 //! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops, as in specter-run.
+//!
+//! `--skip-launches` (a measurement, not a run: the outputs are meaningless) leaves the named
+//! kernels' launches out of every pass (`CudaOptions::skip_launches`; the labels are
+//! `specter::backend::cuda::LAUNCH_LABELS`), so the step time saved is what those kernels cost
+//! inside a recorded pass. Skipping a kernel that feeds the routing changes which experts a
+//! window reads, so only one-row steps measure it cleanly.
 
 use std::time::Instant;
 
@@ -37,6 +43,7 @@ fn main() -> anyhow::Result<()> {
     let mut windows = Vec::new();
     let mut json = None;
     let mut overlap = true;
+    let mut skip = Vec::new();
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -54,6 +61,10 @@ fn main() -> anyhow::Result<()> {
             "--window" => windows.push(count(&value("--window")?, "--window")?),
             "--json" => json = Some(value("--json")?),
             "--no-overlap" => overlap = false,
+            "--skip-launches" => {
+                skip = specter::backend::cuda::SkipLaunch::parse_list(&value("--skip-launches")?)
+                    .map_err(|e| anyhow::anyhow!("--skip-launches: {e}"))?
+            }
             _ if bundle.is_none() && !a.starts_with('-') => bundle = Some(a),
             _ => anyhow::bail!("unknown argument {a}"),
         }
@@ -65,6 +76,11 @@ fn main() -> anyhow::Result<()> {
     }
     let mut opts = SessionOptions::new(backend);
     opts.cuda.overlap_launches = overlap;
+    anyhow::ensure!(
+        skip.is_empty() || backend == BackendKind::Cuda,
+        "--skip-launches needs --backend cuda"
+    );
+    opts.cuda.skip_launches = skip;
     // One of the switches specter-run reads from the environment, for A/B runs of one binary.
     if std::env::var("SPECTER_CUDA_FUSE_SHARED").is_ok_and(|v| v.trim() == "0") {
         opts.cuda.fuse_shared_experts = false;

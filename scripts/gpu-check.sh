@@ -39,6 +39,12 @@
 #             also the new binaries under each (newenv0, newenv1, ...); with $BUILDS (directories
 #             of other builds' specter-run and bench_step, separated by spaces), those too (build0,
 #             build1, ...)
+#   incost    what kernels cost inside a recorded step: the one-row target and draft steps with
+#             each set of launches left out (bench_step --skip-launches; a measurement, the
+#             outputs are meaningless) against none left out, $REPEATS runs (default 2); sets in
+#             $INCOST_SETS separated by ';' (default: attention, MLA's cache append and latent
+#             step, the MoE combine, add + RMSNorm, the router's product, attention's matrices,
+#             the MoE down)
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
 #             lossless check on 10 prompts (specter against target-only, all resident; LOSSLESS=0
@@ -283,6 +289,40 @@ for side in dict.fromkeys(r[0] for r in rows):
     print(side.ljust(10) + "".join(f"{m:13.3f}" for m in meds) + f"  {len(mine)}")
 same = len({r[8] for r in rows}) == 1 and len({r[9] for r in rows}) == 1
 print("tokens: " + ("the same in every round of every side" if same else "DIFFER between rounds or sides"))
+EOF
+}
+
+# The step time each set of launches adds inside a recorded pass (see incost above).
+incost() {
+    local dir=$1 out=$2 sets=()
+    bench_model "$dir" "$out"
+    IFS=';' read -ra sets <<< "${INCOST_SETS:-attention;mla_expand_append;mla_latent;moe combine;add_rms_norm;linear@8;linear_pair,linear@512,linear@256;moe down}"
+    sets=("" "${sets[@]}")
+    : > "$out/incost.tsv"
+    for rep in $(seq "${REPEATS:-2}"); do
+        for i in "${!sets[@]}"; do
+            local skip=()
+            [ -n "${sets[$i]}" ] && skip=(--skip-launches "${sets[$i]}")
+            "$CARRY/bench_step" "$dir/dsv2.specter" --window 4 "${skip[@]}" --json "$out/incost-$i-$rep.json" \
+                > /dev/null 2> "$out/incost-$i-$rep.err" || { tail -3 "$out/incost-$i-$rep.err"; return 1; }
+            printf '%s\t%s\t%s\n' "$i" "$rep" "${sets[$i]:-(none)}" >> "$out/incost.tsv"
+        done
+    done
+    python3 - "$out" <<'EOF'
+import json, statistics, sys
+out = sys.argv[1]
+rows = [l.rstrip("\n").split("\t") for l in open(f"{out}/incost.tsv") if l.strip()]
+by = {}
+for i, rep, name in rows:
+    s = json.load(open(f"{out}/incost-{i}-{rep}.json"))
+    by.setdefault((int(i), name), []).append((s["target_step_ms"], s["draft_step_ms"]))
+base = by[min(by)]
+bt, bd = (statistics.mean(v[k] for v in base) for k in (0, 1))
+print("== what each set of launches adds to a one-row step (ms; mean of runs)")
+print("left out".ljust(40) + "target step".rjust(12) + "saved".rjust(9) + "draft step".rjust(12) + "saved".rjust(9))
+for (i, name), v in sorted(by.items()):
+    t, d = (statistics.mean(x[k] for x in v) for k in (0, 1))
+    print(name.ljust(40) + f"{t:12.3f}{bt - t:9.3f}{d:12.3f}{bd - d:9.3f}")
 EOF
 }
 
@@ -575,6 +615,7 @@ run() {
             pace) run_test cuda_pace "$out/pace.log" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
+            incost) incost "$dir" "$out" 2>&1 | tee "$out/incost.log" || status=1 ;;
             steps) steps "$dir" "$out" 2>&1 | tee "$out/steps.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
             trained) trained "$dir" "$out" 2>&1 | tee "$out/trained.log" || status=1 ;;
@@ -591,5 +632,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|steps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|incost|steps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac

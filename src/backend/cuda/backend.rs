@@ -24,7 +24,7 @@ use super::moe_int4::MoeInt4Kernels;
 use super::pool::{bucket, default_mem_pool, pool_attribute, BufferPool, MemPool, PooledBuf};
 use super::rope::RopeTableGpu;
 use super::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
-use super::{CudaDevice, CudaOptions};
+use super::{CudaDevice, CudaOptions, SkipLaunch};
 use crate::offload::OffloadStats;
 use crate::{Error, Result};
 
@@ -81,6 +81,8 @@ pub struct CudaBackend {
     pub(super) overlap_launches: bool,
     /// See [`CudaOptions::fuse_shared_experts`].
     pub(super) fuse_shared_experts: bool,
+    /// See [`CudaOptions::skip_launches`] (measurement only; empty in real runs).
+    pub(super) skip_launches: Vec<SkipLaunch>,
 }
 
 impl CudaBackend {
@@ -144,6 +146,7 @@ impl CudaBackend {
             load_report: Mutex::new(None),
             overlap_launches,
             fuse_shared_experts: options.fuse_shared_experts,
+            skip_launches: options.skip_launches.clone(),
         })
     }
 
@@ -348,6 +351,9 @@ impl CudaBackend {
         let failed = |e: &dyn std::fmt::Display| {
             Error::Backend(format!("cuda {what}: kernel launch failed: {e}"))
         };
+        if self.skip_launches.iter().any(|s| s.matches(what, grid.0)) {
+            return Ok(());
+        }
         if self.overlap_launches {
             // SAFETY: as below; the kernel waits in `spx_grid_wait` before it touches anything
             // an earlier kernel writes or reads (every kernel this launches starts with it).

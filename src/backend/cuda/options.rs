@@ -1,6 +1,7 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
 //! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED` and
-//! `SPECTER_LOAD_THREADS` onto these fields.
+//! `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
+//! measurement-only `skip_launches`).
 
 use super::{HostExpertsConfig, HostPath, LoadIo};
 
@@ -34,6 +35,90 @@ pub struct CudaOptions {
     /// ops. The same bits either way; what it saves is two launches per layer and the routing's
     /// latency.
     pub fuse_shared_experts: bool,
+    /// Measurement only: launches to leave out of every pass. A pass that skips a launch
+    /// computes meaningless outputs; `examples/bench_step.rs` uses this to measure what a
+    /// kernel costs inside a recorded pass (the step time saved without it), which timing a
+    /// kernel alone does not show. Empty (the default) for every real run.
+    pub skip_launches: Vec<SkipLaunch>,
+}
+
+/// The labels of the kernel launches [`CudaOptions::skip_launches`] can name: the names the
+/// backend gives its launches in errors (the INT4 expert kernels, launched on their own, are not
+/// among them).
+pub const LAUNCH_LABELS: &[&str] = &[
+    "add",
+    "add_rms_norm",
+    "add_sigmoid_gated",
+    "argmax",
+    "attention",
+    "clamp",
+    "count routes",
+    "embedding",
+    "gate/up silu",
+    "layer_norm",
+    "linear",
+    "linear_pair",
+    "mla_expand_append",
+    "mla_expand_kv",
+    "mla_latent",
+    "moe combine",
+    "moe down",
+    "moe gate/up",
+    "moe plan",
+    "rms_norm",
+    "rope",
+    "route + plan",
+    "route + plan + shared gate/up",
+    "route sparse mixer",
+    "route top-k",
+    "split_cols",
+    "write_rows",
+];
+
+/// One kind of launch a measurement pass leaves out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkipLaunch {
+    /// A label of [`LAUNCH_LABELS`].
+    pub kernel: String,
+    /// Only the launches of this many blocks (the grid's x extent: "linear@8" is DeepSeek's
+    /// router product, 64 outputs at 8 a block); `None`: every launch of the kernel.
+    pub blocks: Option<u32>,
+}
+
+impl SkipLaunch {
+    /// `LABEL[@BLOCKS]` items separated by commas, each label one of [`LAUNCH_LABELS`].
+    pub fn parse_list(list: &str) -> Result<Vec<SkipLaunch>, String> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+            .map(|item| {
+                let (kernel, blocks) = match item.split_once('@') {
+                    Some((k, b)) => {
+                        let blocks = b.trim().parse::<u32>().map_err(|_| {
+                            format!("{item:?}: the block count after '@' is not a number")
+                        })?;
+                        (k.trim(), Some(blocks))
+                    }
+                    None => (item, None),
+                };
+                if !LAUNCH_LABELS.contains(&kernel) {
+                    return Err(format!(
+                        "{kernel:?} is not a kernel launch label (one of: {})",
+                        LAUNCH_LABELS.join(", ")
+                    ));
+                }
+                Ok(SkipLaunch {
+                    kernel: kernel.to_string(),
+                    blocks,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether this entry names a launch of `kernel` over `blocks` blocks.
+    pub fn matches(&self, kernel: &str, blocks: u32) -> bool {
+        self.kernel == kernel && self.blocks.is_none_or(|b| b == blocks)
+    }
 }
 
 impl CudaOptions {
@@ -61,6 +146,57 @@ impl Default for CudaOptions {
             link_pace_bytes_per_s: None,
             overlap_launches: true,
             fuse_shared_experts: true,
+            skip_launches: Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skip_lists_parse_and_match() {
+        let list = SkipLaunch::parse_list("attention, linear@8,moe combine,").unwrap();
+        assert_eq!(list.len(), 3);
+        assert!(list[0].matches("attention", 16) && list[0].matches("attention", 272));
+        assert!(list[1].matches("linear", 8) && !list[1].matches("linear", 256));
+        assert!(list[2].matches("moe combine", 1) && !list[2].matches("moe down", 1));
+        assert!(SkipLaunch::parse_list("").unwrap().is_empty());
+        let err = SkipLaunch::parse_list("atention").unwrap_err();
+        assert!(
+            err.contains("\"atention\" is not a kernel launch label"),
+            "{err}"
+        );
+        let err = SkipLaunch::parse_list("linear@x").unwrap_err();
+        assert!(err.contains("not a number"), "{err}");
+    }
+
+    /// Every label the backend gives a launch is one a skip list may name, and no other.
+    #[test]
+    fn launch_labels_are_the_backends() {
+        let sources = [
+            include_str!("attention.rs"),
+            include_str!("fused.rs"),
+            include_str!("moe.rs"),
+            include_str!("moe_device.rs"),
+            include_str!("ops.rs"),
+        ];
+        let mut found = std::collections::BTreeSet::new();
+        for src in sources {
+            // `self.launch(` or `this.launch(`, the kernel, then the label as a string literal.
+            for (at, _) in src.match_indices(".launch(") {
+                let rest = &src[at..];
+                let Some(open) = rest.find('"') else { continue };
+                let close = rest[open + 1..].find('"').expect("a closed label") + open + 1;
+                // The label is the launch's second argument: only a comma lies before it.
+                if rest[..open].matches(',').count() == 1 {
+                    found.insert(rest[open + 1..close].to_string());
+                }
+            }
+        }
+        let listed: std::collections::BTreeSet<String> =
+            LAUNCH_LABELS.iter().map(|s| s.to_string()).collect();
+        assert_eq!(found, listed);
     }
 }
