@@ -36,8 +36,9 @@ pub struct CudaOptions {
     /// latency.
     pub fuse_shared_experts: bool,
     /// Measurement only: launches to leave out of every pass. A pass that skips a launch
-    /// computes meaningless outputs; `examples/bench_step.rs` uses this to measure what a
-    /// kernel costs inside a recorded pass (the step time saved without it), which timing a
+    /// computes meaningless outputs (and where the skipped kernel feeds the routing, the
+    /// experts it then picks are arbitrary); `examples/bench_step.rs` uses this to measure what
+    /// a kernel costs inside a recorded pass (the step time saved without it), which timing a
     /// kernel alone does not show. Empty (the default) for every real run.
     pub skip_launches: Vec<SkipLaunch>,
 }
