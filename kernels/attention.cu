@@ -1,15 +1,27 @@
 // Causal softmax attention of query rows over a KV cache (prefill, decode and verification
 // windows alike), f32 throughout.
 //
-// One block of ATT_THREADS threads per (query row, head). Scores live in shared memory when the
-// visible keys fit (ATT_SMEM_KEYS), else in a global scratch row (any context length works).
-// Each warp scores ATT_KEYS_PER_WARP keys at a time (lanes split the channels, 16-byte loads
-// where the shapes allow, a fixed shuffle tree per key); the softmax uses block reductions in a
-// fixed order; the weighted sum of values is split over the warps by contiguous key ranges (each
-// in ascending key order per channel) and the warps' partial sums are added in warp order.
+// `attention`: the visible keys of a (query row, head) are cut into at most ATT_SPLITS chunks
+// of `att_chunk(n)` keys (n the visible key count), one block of ATT_THREADS threads each. A
+// decode row of DeepSeek-V2-Lite's 16 heads at 144 keys is 80 blocks instead of 16, and each
+// block's chain of dependent loads is one pass over the keys and one over the values instead of
+// five and five. A block computes its chunk's scores (each warp ATT_KEYS_PER_WARP keys at a
+// time, lanes splitting the channels, 16-byte loads where the shapes allow, a fixed shuffle tree
+// per key), their maximum m, e_j = exp(s_j - m) and their sum l (block reductions in a fixed
+// order), and the unnormalised value sum o = sum_j e_j v_j (warps over contiguous key ranges in
+// ascending order, their partial sums added in warp order). It writes (m, l, o) to `part`.
+//
+// The combine (`att_combine`) takes a (row, head)'s chunks in order: M = max m_c,
+// w_c = exp(m_c - M), L = sum_c w_c l_c, out = (sum_c w_c o_c) / L. With `counters`, the last
+// chunk block of a (row, head) to finish runs it (a ticket from an atomic count, which that
+// block sets back to zero for the next launch); without, `attention_combine` runs it as a
+// second launch. Both compute every output the same way, so they give the same bits.
+//
 // Every split depends only on the number of visible keys and the head shapes, so a (row, head)
 // result depends only on its query and the keys it may see, never on the other rows of the
-// call: a verification window gives the same bits as decoding its rows one at a time.
+// call: a verification window gives the same bits as decoding its rows one at a time. The grid
+// does not depend on the key count either, only on the most keys a row of the launch may see
+// (chunks past a row's last are empty blocks), so a recorded pass replays at any length.
 
 #include "common.cuh"
 
@@ -19,38 +31,98 @@
 #define ATT_KEYS_PER_WARP 4
 // Channels of the value sum per pass: 4 per lane.
 #define ATT_VTILE 128
+// Most chunks a (row, head)'s keys are cut into, and the fewest keys of a chunk (one pass of
+// the score loop).
+#define ATT_SPLITS 8
+#define ATT_CHUNK_MIN (ATT_WARPS * ATT_KEYS_PER_WARP)
+// Threads of `attention_combine`: one channel each per pass.
+#define ATT_COMBINE_THREADS 128
 
-// q: [rows, heads * qk_dim]; k: [>= kv_len, kv_heads * qk_dim]; v: [>= kv_len, kv_heads * v_dim];
-// out: [rows, heads * v_dim]; scratch: [rows * heads, score_stride] f32.
-// Query row r sits at position start + r (start = start_at[0] when start_at is not null) and sees
-// keys lo..=start + r, lo = 0 or the window's start; the caller guarantees that the visible key
-// count start + r + 1 - lo is at most score_stride.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    float* __restrict__ out, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
-    float scale, int start, int window, int score_stride, const unsigned* __restrict__ start_at) {
-    SPX_PROLOGUE();
-    __shared__ float red[ATT_WARPS];
-    __shared__ float smem_scores[ATT_SMEM_KEYS];
-    __shared__ float part[ATT_WARPS][ATT_VTILE];
-    const int r = blockIdx.x / heads, h = blockIdx.x % heads;
-    const int kh = h / (heads / kv_heads);
+// Keys per chunk for n visible keys: n / ATT_SPLITS rounded up to whole score passes.
+__device__ __forceinline__ int att_chunk(int n) {
+    const int c = (n + ATT_SPLITS - 1) / ATT_SPLITS;
+    return max(ATT_CHUNK_MIN, (c + ATT_CHUNK_MIN - 1) / ATT_CHUNK_MIN * ATT_CHUNK_MIN);
+}
+
+// The first visible key and the visible key count of query row r.
+__device__ __forceinline__ int2 att_keys(int r, int start, int window, const unsigned* start_at) {
     const int pos = (start_at ? (int)start_at[0] : start) + r;
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int n = pos + 1 - lo;
+    return make_int2(lo, pos + 1 - lo);
+}
+
+// The combine of one (row, head): p its ATT_SPLITS partials (`chunks` of them written), o its
+// output row; thread t of `threads` writes channels t, t + threads, ... (each channel's
+// arithmetic does not depend on which thread computes it). Partials are read past L1: in the
+// fused form other blocks wrote them.
+__device__ __forceinline__ void att_combine(const float* p, int chunks, int v_dim, float* __restrict__ o,
+                                            int t, int threads) {
+    float w[ATT_SPLITS];
+    float big = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int c = 0; c < ATT_SPLITS; ++c) {
+        if (c < chunks) big = fmaxf(big, __ldcg(p + (size_t)c * (2 + v_dim)));
+    }
+    float total = 0.0f;
+#pragma unroll
+    for (int c = 0; c < ATT_SPLITS; ++c) {
+        w[c] = 0.0f;
+        if (c < chunks) {
+            w[c] = expf(__ldcg(p + (size_t)c * (2 + v_dim)) - big);
+            total = fmaf(w[c], __ldcg(p + (size_t)c * (2 + v_dim) + 1), total);
+        }
+    }
+    const float inv = 1.0f / total;
+    for (int d = t; d < v_dim; d += threads) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < ATT_SPLITS; ++c) {
+            if (c < chunks) acc = fmaf(w[c], __ldcg(p + (size_t)c * (2 + v_dim) + 2 + d), acc);
+        }
+        o[d] = acc * inv;
+    }
+}
+
+// q: [rows, heads * qk_dim]; k: [>= kv_len, kv_heads * qk_dim]; v: [>= kv_len, kv_heads * v_dim];
+// part: [rows * heads * ATT_SPLITS, 2 + v_dim] (m, l, o); scratch: [rows * heads, score_stride]
+// f32, used only by chunks of more than ATT_SMEM_KEYS keys; counters: null, or [rows * heads]
+// zeros, and then out: [rows, heads * v_dim] gets the combined result.
+// Query row r sits at position start + r (start = start_at[0] when start_at is not null) and sees
+// keys lo..=start + r, lo = 0 or the window's start; the caller guarantees that the visible key
+// count start + r + 1 - lo is at most score_stride. Grid: rows * heads * splits blocks, splits
+// (at most ATT_SPLITS) no fewer than the chunks of score_stride keys: block b takes chunk
+// b % splits of pair b / splits.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    float* __restrict__ part, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
+    float scale, int start, int window, int score_stride, const unsigned* __restrict__ start_at,
+    unsigned* __restrict__ counters, float* __restrict__ out, int splits) {
+    SPX_PROLOGUE();
+    __shared__ float red[ATT_WARPS];
+    __shared__ unsigned ticket;
+    __shared__ float smem_scores[ATT_SMEM_KEYS];
+    __shared__ float vsum[ATT_WARPS][ATT_VTILE];
+    const int rh = blockIdx.x / splits, c = blockIdx.x % splits;
+    const int r = rh / heads, h = rh % heads;
+    const int2 keys = att_keys(r, start, window, start_at);
+    const int chunk = att_chunk(keys.y);
+    const int c0 = c * chunk;
+    if (c0 >= keys.y) return;  // past the last chunk: the combine reads no more chunks
+    const int n = min(keys.y - c0, chunk);
+    const int kh = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* qh = q + ((size_t)r * heads + h) * qk_dim;
-    float* scores = n <= ATT_SMEM_KEYS ? smem_scores : scratch + (size_t)blockIdx.x * score_stride;
+    float* scores = n <= ATT_SMEM_KEYS ? smem_scores : scratch + (size_t)rh * score_stride + c0;
     const size_t k_stride = (size_t)kv_heads * qk_dim, v_stride = (size_t)kv_heads * v_dim;
-    const float* kbase = k + (size_t)lo * k_stride + (size_t)kh * qk_dim;
-    const float* vbase = v + (size_t)lo * v_stride + (size_t)kh * v_dim;
+    const float* kbase = k + (size_t)(keys.x + c0) * k_stride + (size_t)kh * qk_dim;
+    const float* vbase = v + (size_t)(keys.x + c0) * v_stride + (size_t)kh * v_dim;
 
     // Scores: each warp takes ATT_KEYS_PER_WARP consecutive keys at a time.
     // Channels in fours when the widths allow (16-byte loads where aligned, the same arithmetic
     // otherwise), so the order depends on the shapes only.
     const bool qk_vec = (qk_dim & 3) == 0;
     const bool qk_aligned = ((reinterpret_cast<size_t>(q) | reinterpret_cast<size_t>(k)) & 15) == 0;
-    for (int j0 = warp * ATT_KEYS_PER_WARP; j0 < n; j0 += ATT_THREADS / 32 * ATT_KEYS_PER_WARP) {
+    for (int j0 = warp * ATT_KEYS_PER_WARP; j0 < n; j0 += ATT_WARPS * ATT_KEYS_PER_WARP) {
         float s[ATT_KEYS_PER_WARP];
 #pragma unroll
         for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) s[u] = 0.0f;
@@ -108,15 +180,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     __syncthreads();
     total = red[0];
     for (int w = 1; w < ATT_WARPS; ++w) total += red[w];
-    const float inv = 1.0f / total;
 
-    // Values: warp w sums keys [w * per, min(n, (w + 1) * per)) in ascending order; lane l owns
-    // channels d0 + 4l .. d0 + 4l + 3 of each tile of ATT_VTILE channels.
+    // Values: warp w sums keys [w * per, min(n, (w + 1) * per)) of the chunk in ascending order;
+    // lane l owns channels d0 + 4l .. d0 + 4l + 3 of each tile of ATT_VTILE channels.
     const int per = (n + ATT_WARPS - 1) / ATT_WARPS;
     const int j_begin = min(n, warp * per), j_end = min(n, j_begin + per);
     const bool v_vec = (v_dim & 3) == 0;
     const bool v_aligned = (reinterpret_cast<size_t>(v) & 15) == 0;
-    float* o = out + ((size_t)r * heads + h) * v_dim;
+    float* p = part + ((size_t)rh * ATT_SPLITS + c) * (2 + v_dim);
+    if (threadIdx.x == 0) {
+        p[0] = m;
+        p[1] = total;
+    }
+    float* o = p + 2;
     for (int d0 = 0; d0 < v_dim; d0 += ATT_VTILE) {
         const int d = d0 + 4 * lane;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -125,35 +201,62 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
                 const float* vd = vbase + d;
 #pragma unroll 4
                 for (int j = j_begin; j < j_end; ++j) {
-                    const float p = scores[j] * inv;
+                    const float e = scores[j];
                     const float4 x = load_float4(vd + (size_t)j * v_stride, v_aligned);
-                    acc.x = fmaf(p, x.x, acc.x);
-                    acc.y = fmaf(p, x.y, acc.y);
-                    acc.z = fmaf(p, x.z, acc.z);
-                    acc.w = fmaf(p, x.w, acc.w);
+                    acc.x = fmaf(e, x.x, acc.x);
+                    acc.y = fmaf(e, x.y, acc.y);
+                    acc.z = fmaf(e, x.z, acc.z);
+                    acc.w = fmaf(e, x.w, acc.w);
                 }
             } else {
                 const float* vd = vbase + d;
                 for (int j = j_begin; j < j_end; ++j) {
-                    const float p = scores[j] * inv;
+                    const float e = scores[j];
                     const float* x = vd + (size_t)j * v_stride;
-                    acc.x = fmaf(p, x[0], acc.x);
-                    if (d + 1 < v_dim) acc.y = fmaf(p, x[1], acc.y);
-                    if (d + 2 < v_dim) acc.z = fmaf(p, x[2], acc.z);
-                    if (d + 3 < v_dim) acc.w = fmaf(p, x[3], acc.w);
+                    acc.x = fmaf(e, x[0], acc.x);
+                    if (d + 1 < v_dim) acc.y = fmaf(e, x[1], acc.y);
+                    if (d + 2 < v_dim) acc.z = fmaf(e, x[2], acc.z);
+                    if (d + 3 < v_dim) acc.w = fmaf(e, x[3], acc.w);
                 }
             }
         }
-        part[warp][4 * lane] = acc.x;
-        part[warp][4 * lane + 1] = acc.y;
-        part[warp][4 * lane + 2] = acc.z;
-        part[warp][4 * lane + 3] = acc.w;
+        vsum[warp][4 * lane] = acc.x;
+        vsum[warp][4 * lane + 1] = acc.y;
+        vsum[warp][4 * lane + 2] = acc.z;
+        vsum[warp][4 * lane + 3] = acc.w;
         __syncthreads();
         if (threadIdx.x < ATT_VTILE && d0 + (int)threadIdx.x < v_dim) {
-            float sum = part[0][threadIdx.x];
-            for (int w = 1; w < ATT_WARPS; ++w) sum += part[w][threadIdx.x];
+            float sum = vsum[0][threadIdx.x];
+            for (int w = 1; w < ATT_WARPS; ++w) sum += vsum[w][threadIdx.x];
             o[d0 + threadIdx.x] = sum;
         }
         __syncthreads();
     }
+    if (counters == nullptr) return;
+    // Publish this chunk, then take a ticket: the block that takes the last one has seen every
+    // chunk's partials published and combines them.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + rh, 1u);
+    __syncthreads();
+    const int chunks = (keys.y + chunk - 1) / chunk;
+    if (ticket != (unsigned)(chunks - 1)) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[rh] = 0;
+    att_combine(part + (size_t)rh * ATT_SPLITS * (2 + v_dim), chunks, v_dim, out + (size_t)rh * v_dim,
+                threadIdx.x, ATT_THREADS);
+}
+
+// The combine as a launch of its own, after `attention` without counters. part: as `attention`
+// wrote it; out: [rows, heads * v_dim]. Grid: rows * heads blocks of ATT_COMBINE_THREADS
+// threads; the other arguments as `attention`'s.
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attention_combine(
+    const float* __restrict__ part, float* __restrict__ out, int heads, int v_dim, int start, int window,
+    const unsigned* __restrict__ start_at) {
+    SPX_PROLOGUE();
+    const int rh = blockIdx.x, r = rh / heads;
+    const int n = att_keys(r, start, window, start_at).y;
+    const int chunk = att_chunk(n);
+    att_combine(part + (size_t)rh * ATT_SPLITS * (2 + v_dim), (n + chunk - 1) / chunk, v_dim,
+                out + (size_t)rh * v_dim, threadIdx.x, ATT_COMBINE_THREADS);
 }

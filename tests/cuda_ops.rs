@@ -238,12 +238,20 @@ fn attention() {
         (4, 2, 32, 32, None, 40, 7),
         (8, 8, 64, 64, Some(16), 50, 1),
         (16, 16, 192, 128, None, 144, 17),
-        // MLA decode; more keys than fit the kernel's shared-memory scores (global scratch);
-        // widths off the 16-byte path; values wider than one 128-channel tile.
+        // MLA decode; key counts at and just past a whole number of 32-key chunks in every
+        // split; long contexts (chunks of 576 keys); chunks of more keys than fit the kernel's
+        // shared-memory scores (global scratch); widths off the 16-byte path; values wider
+        // than one 128-channel tile.
         (16, 16, 192, 128, None, 60, 1),
+        (16, 16, 192, 128, None, 256, 1),
+        (16, 16, 192, 128, None, 257, 2),
         (2, 1, 64, 64, None, 4500, 5),
+        (2, 1, 64, 64, None, 33000, 2),
         (4, 4, 30, 18, Some(7), 23, 5),
         (2, 2, 64, 160, None, 33, 3),
+        // More (row, head) pairs than the backend's counters: the chunks are combined by a
+        // second launch, and the last row alone (combined in the same launch) has its bits.
+        (64, 8, 16, 16, None, 200, 129),
     ] {
         let (qc, qg, qv) = p.act(rows, heads * qk);
         let (kc, kg, _) = p.act(len + 3, kv_heads * qk);

@@ -165,7 +165,7 @@ impl CudaBackend {
         if q.rows == 0 {
             return Ok(out);
         }
-        let blocks = q.rows * heads;
+        let pairs = q.rows * heads;
         // A recorded pass reads its start on the device and may be replayed at any length the
         // cache holds: its score rows are sized for the whole cache.
         let step = self
@@ -175,13 +175,21 @@ impl CudaBackend {
             Some(_) => k.rows.min(v.rows).max(1),
             None => kv_len.max(1),
         };
-        let scratch = self.alloc(blocks, stride)?;
+        let scratch = self.alloc(pairs, stride)?;
+        let part = self.alloc(pairs * ATT_SPLITS, 2 + v_dim)?;
+        let start_at = step.map_or(0, |a| a.positions);
+        // Up to ATT_COUNTERS pairs the last chunk block of each pair combines; past it (long
+        // prompts) a second launch does, with the same arithmetic.
+        let fused = pairs <= ATT_COUNTERS;
+        // No row sees more than `stride` keys, so no pair has more chunks than this: the grid
+        // leaves out blocks that would only find their chunk empty.
+        let splits = ATT_SPLITS.min(stride.div_ceil(ATT_CHUNK_MIN));
         let s = &self.stream;
         let args = [
             ptr(&q.buf, s),
             ptr(&k.buf, s),
             ptr(&v.buf, s),
-            ptr(&out.buf, s),
+            ptr(&part.buf, s),
             ptr(&scratch.buf, s),
             int(heads, "heads")?,
             int(kv_heads, "kv_heads")?,
@@ -191,10 +199,20 @@ impl CudaBackend {
             int(start, "start")?,
             int(window.unwrap_or(0), "window")?,
             int(stride, "kv_len")?,
-            step.map_or(0, |a| a.positions),
+            start_at,
+            if fused {
+                ptr(&self.attention_counters, s)
+            } else {
+                0
+            },
+            ptr(&out.buf, s),
+            int(splits, "splits")?,
         ];
-        let grid =
-            u32::try_from(blocks).map_err(|_| shape_err("attention", "too many rows".into()))?;
+        let too_many = || shape_err("attention", "too many rows".into());
+        let grid = pairs
+            .checked_mul(splits)
+            .and_then(|b| u32::try_from(b).ok())
+            .ok_or_else(too_many)?;
         self.launch(
             &self.k.attention,
             "attention",
@@ -202,6 +220,24 @@ impl CudaBackend {
             ATT_THREADS,
             &args,
         )?;
+        if !fused {
+            let args = [
+                ptr(&part.buf, s),
+                ptr(&out.buf, s),
+                int(heads, "heads")?,
+                int(v_dim, "v_dim")?,
+                int(start, "start")?,
+                int(window.unwrap_or(0), "window")?,
+                start_at,
+            ];
+            self.launch(
+                &self.k.attention_combine,
+                "attention combine",
+                (u32::try_from(pairs).map_err(|_| too_many())?, 1, 1),
+                ATT_COMBINE_THREADS,
+                &args,
+            )?;
+        }
         Ok(out)
     }
 }

@@ -83,6 +83,9 @@ pub struct CudaBackend {
     pub(super) fuse_shared_experts: bool,
     /// See [`CudaOptions::skip_launches`] (measurement only; empty in real runs).
     pub(super) skip_launches: Vec<SkipLaunch>,
+    /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
+    /// calls of at most `ATT_COUNTERS` (row, head) pairs combine in the same launch.
+    pub(super) attention_counters: CudaSlice<u32>,
 }
 
 impl CudaBackend {
@@ -126,6 +129,9 @@ impl CudaBackend {
         let params = guarded("cuda: cannot allocate the step buffer", || {
             stream.alloc_zeros::<u32>(graphs::PARAM_WORDS)
         })?;
+        let attention_counters = guarded("cuda: cannot allocate the attention counters", || {
+            stream.alloc_zeros::<u32>(ATT_COUNTERS)
+        })?;
         Ok(CudaBackend {
             dev,
             stream,
@@ -147,6 +153,7 @@ impl CudaBackend {
             overlap_launches,
             fuse_shared_experts: options.fuse_shared_experts,
             skip_launches: options.skip_launches.clone(),
+            attention_counters,
         })
     }
 

@@ -45,7 +45,10 @@ pub(super) struct Kernels {
     pub(super) moe_gate_up_1: GridStride,
     pub(super) moe_down_1: GridStride,
     pub(super) moe_down_shared_1: GridStride,
+    /// Split-key attention (kernels/attention.cu): each chunk's partial softmax, then the
+    /// combine of a (row, head)'s chunks.
     pub(super) attention: CudaFunction,
+    pub(super) attention_combine: CudaFunction,
 }
 
 impl Kernels {
@@ -88,6 +91,7 @@ impl Kernels {
             moe_down_1: GridStride::load(dev, gemv("moe_f16_down_1")?)?,
             moe_down_shared_1: GridStride::load(dev, gemv("moe_f16_down_shared_1")?)?,
             attention: dev.function("attention", "attention")?,
+            attention_combine: dev.function("attention", "attention_combine")?,
         })
     }
 }

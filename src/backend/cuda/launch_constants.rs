@@ -21,6 +21,22 @@ pub(crate) const GEMV_DOWN_FEATURES_ONE: usize = 4;
 /// `__launch_bounds__`).
 pub(crate) const ATT_THREADS: u32 = 256;
 
+/// Most key chunks of one (row, head) in `attention`, one block each: `ATT_SPLITS` in
+/// kernels/attention.cu (the rows of `part` each (row, head) owns).
+pub(crate) const ATT_SPLITS: usize = 8;
+
+/// The fewest keys of an `attention` chunk: `ATT_CHUNK_MIN` in kernels/attention.cu, there
+/// `ATT_WARPS * ATT_KEYS_PER_WARP` (eight warps of four keys).
+pub(crate) const ATT_CHUNK_MIN: usize = 32;
+
+/// Threads per block of `attention_combine`: `ATT_COMBINE_THREADS` in kernels/attention.cu.
+pub(crate) const ATT_COMBINE_THREADS: u32 = 128;
+
+/// (row, head) pairs up to which `attention` combines its chunks in the same launch (the
+/// backend's counters; decode and verification windows are far below it); larger calls, long
+/// prompts, launch `attention_combine`. A host choice: both give the same bits.
+pub(crate) const ATT_COUNTERS: usize = 8192;
+
 /// Threads per block of `mla_expand_kv` (one block per row and head). Mirrors no define: the
 /// kernel strides by `blockDim.x`, so any block size computes the same values.
 pub(crate) const MLA_THREADS: u32 = 128;
@@ -157,6 +173,16 @@ mod tests {
         assert_eq!(
             i64::from(ATT_THREADS),
             define(&att, "attention", "ATT_THREADS")
+        );
+        assert_eq!(ATT_SPLITS as i64, define(&att, "attention", "ATT_SPLITS"));
+        assert_eq!(
+            ATT_CHUNK_MIN as i64,
+            i64::from(ATT_THREADS / 32) * define(&att, "attention", "ATT_KEYS_PER_WARP"),
+            "ATT_CHUNK_MIN is ATT_WARPS * ATT_KEYS_PER_WARP"
+        );
+        assert_eq!(
+            i64::from(ATT_COMBINE_THREADS),
+            define(&att, "attention", "ATT_COMBINE_THREADS")
         );
     }
 

@@ -52,6 +52,7 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "add_sigmoid_gated",
     "argmax",
     "attention",
+    "attention combine",
     "clamp",
     "count routes",
     "embedding",
