@@ -33,7 +33,8 @@
 #             (kernel time and the gaps between kernels per step) and Nsight Compute (time and
 #             DRAM bytes per kernel); KMODE=draft for the draft's steps
 #   steps     the target's and the draft's one-row steps and 17- and 4-row verification windows
-#             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident;
+#             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident,
+#             with the target run's host time and device wait per token;
 #             with $OLD_CARRY, old and new binaries taking turns; with $NEW_ENV (variables for
 #             the new binaries, runs separated by ';', e.g. "SPECTER_CUDA_FUSE_SHARED=0;A=0 B=0"),
 #             also the new binaries under each (newenv0, newenv1, ...); with $BUILDS (directories
@@ -261,15 +262,19 @@ out, side, rep = sys.argv[1:4]
 s = json.load(open(f"{out}/step-{side}-{rep}.json"))
 t = json.load(open(f"{out}/gen-{side}-target-{rep}.json"))
 d = json.load(open(f"{out}/gen-{side}-draft-{rep}.json"))
+# The target run's host timing per synchronisation (one a token): host time between waits
+# (the logits' copy, sampling, the next step's issue) and the wait for the device.
+h = t["gpu"]["host_timing"]
+per = lambda k: round(h[k] / max(h["synchronisations"], 1) * 1e3, 4)
 print("\t".join(str(x) for x in [side, rep, round(s["target_step_ms"], 4), round(s["draft_step_ms"], 4),
       round(s["verify_17_rows_ms"], 4), round(s["verify_4_rows_ms"], 4), round(t["stats"]["tpot_ms"], 4),
       round(d["stats"]["tpot_ms"], 4), ",".join(map(str, t["tokens"][:4])) + ".." + ",".join(map(str, t["tokens"][-3:])),
-      ",".join(map(str, d["tokens"][-3:]))]))
+      ",".join(map(str, d["tokens"][-3:])), per("issue_seconds"), per("wait_seconds")]))
 EOF
         done
     done
     echo "== all resident, ${LAYERS:-27} layers (ms; tpot over 128 tokens)"
-    echo "side rep target_step draft_step verify17 verify4 tpot_target tpot_draft target_tokens draft_last"
+    echo "side rep target_step draft_step verify17 verify4 tpot_target tpot_draft target_tokens draft_last host_ms device_wait_ms"
     cat "$out/steps.tsv"
     steps_medians "$out/steps.tsv"
 }
@@ -281,11 +286,14 @@ steps_medians() {
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 names = ["target_step", "draft_step", "verify17", "verify4", "tpot_target", "tpot_draft"]
+# Columns 10 and 11 (host time and device wait per token of the target run), where recorded.
+cols = list(range(2, 8)) + ([10, 11] if all(len(r) >= 12 for r in rows) else [])
+names += ["host/token", "wait/token"][: len(cols) - len(names)]
 print("== medians (ms)")
 print("side".ljust(10) + "".join(n.rjust(13) for n in names) + "  rounds")
 for side in dict.fromkeys(r[0] for r in rows):
     mine = [r for r in rows if r[0] == side]
-    meds = [statistics.median(float(r[2 + i]) for r in mine) for i in range(len(names))]
+    meds = [statistics.median(float(r[c]) for r in mine) for c in cols]
     print(side.ljust(10) + "".join(f"{m:13.3f}" for m in meds) + f"  {len(mine)}")
 same = len({r[8] for r in rows}) == 1 and len({r[9] for r in rows}) == 1
 print("tokens: " + ("the same in every round of every side" if same else "DIFFER between rounds or sides"))
