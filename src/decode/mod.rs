@@ -12,7 +12,9 @@ mod depth;
 mod sampling;
 
 pub use depth::{candidate_depths, AutoDepth, AutoDepthReport};
-pub use sampling::{accept_or_resample, argmax, argmax_scan, distribution, sample, Sampling};
+pub use sampling::{
+    accept_or_resample, argmax, argmax_scan, distribution, distribution_by_sort, sample, Sampling,
+};
 
 use std::time::Instant;
 

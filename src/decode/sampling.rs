@@ -2,6 +2,7 @@
 //! speculative accept/reject step that keeps the output distribution equal to the target's.
 
 use rand::Rng;
+use rayon::prelude::*;
 
 /// How a token is chosen from a row of logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -55,22 +56,9 @@ pub fn argmax_scan(logits: &[f32]) -> u32 {
 /// independent lanes that each keep their value unless a strictly larger one comes (so NaN never
 /// enters), then the first index holding it. A greedy step takes this over the whole vocabulary
 /// (102,400 logits for DeepSeek-V2-Lite) on the host between two device steps
-/// (`examples/bench_argmax.rs` times both).
+/// (`examples/bench_sampling.rs` times both).
 pub fn argmax(logits: &[f32]) -> u32 {
-    const LANES: usize = 16;
-    let larger = |a: f32, x: f32| if x > a { x } else { a };
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = logits.chunks_exact(LANES);
-    let rest = chunks
-        .remainder()
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &x| larger(a, x));
-    for chunk in chunks {
-        for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane = larger(*lane, x);
-        }
-    }
-    let max = lanes.iter().fold(rest, |a, &x| larger(a, x));
+    let max = lane_fold(logits, |a, x| if x > a { x } else { a });
     if max == f32::NEG_INFINITY {
         return 0;
     }
@@ -90,7 +78,48 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// top-p nucleus and renormalised. Applied identically to the target's and the draft's rows, so
 /// speculative sampling reproduces sampling from the target's processed distribution.
 /// `temperature` must be > 0.
+///
+/// The nucleus is the first tokens of the order by probability (descending; ties by index) whose
+/// running sum, taken in that order, first reaches `top_p`. A sampled step runs this over the
+/// whole vocabulary on the host between two device steps, so the exponentials of a large
+/// vocabulary run on rayon's threads (each the same operation as alone) and the nucleus sorts
+/// only the tokens at or above a selected threshold (see [`nucleus`]): the same probabilities,
+/// bit for bit, as exponentiating in order and sorting the whole vocabulary.
 pub fn distribution(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
+    let inv_t = 1.0 / f64::from(temperature);
+    let max = finite_max(logits);
+    let weight = |v: f32| {
+        if v.is_finite() {
+            ((f64::from(v) - f64::from(max)) * inv_t).exp()
+        } else {
+            0.0
+        }
+    };
+    let mut probs = vec![0.0f64; logits.len()];
+    if logits.len() >= PARALLEL_LOGITS {
+        probs
+            .par_chunks_mut(PARALLEL_CHUNK)
+            .zip(logits.par_chunks(PARALLEL_CHUNK))
+            .for_each(|(p, l)| p.iter_mut().zip(l).for_each(|(p, &v)| *p = weight(v)));
+    } else {
+        probs
+            .iter_mut()
+            .zip(logits)
+            .for_each(|(p, &v)| *p = weight(v));
+    }
+    if !normalise(&mut probs, logits) {
+        return probs;
+    }
+    if top_p < 1.0 {
+        let keep = nucleus(&probs, f64::from(top_p));
+        restrict(&mut probs, &keep);
+    }
+    probs
+}
+
+/// [`distribution`] as defined: the exponentials in order, the nucleus by sorting every token.
+/// The same bits as `distribution`, which is faster on large vocabularies.
+pub fn distribution_by_sort(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
     let inv_t = 1.0 / f64::from(temperature);
     let max = logits
         .iter()
@@ -107,16 +136,9 @@ pub fn distribution(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
             }
         })
         .collect();
-    let total: f64 = probs.iter().sum();
-    if total <= 0.0 {
-        // No finite logit: fall back to the argmax rule's choice so sampling stays defined.
-        probs.iter_mut().for_each(|p| *p = 0.0);
-        if let Some(p) = probs.get_mut(argmax(logits) as usize) {
-            *p = 1.0;
-        }
+    if !normalise(&mut probs, logits) {
         return probs;
     }
-    probs.iter_mut().for_each(|p| *p /= total);
     if top_p < 1.0 {
         let mut order: Vec<usize> = (0..probs.len()).collect();
         // Stable sort: equal probabilities keep index order, so the nucleus is deterministic.
@@ -130,16 +152,110 @@ pub fn distribution(logits: &[f32], temperature: f32, top_p: f32) -> Vec<f64> {
                 break;
             }
         }
-        let mut total = 0.0;
-        for (p, keep) in probs.iter_mut().zip(keep) {
-            if !keep {
-                *p = 0.0;
-            }
-            total += *p;
-        }
-        probs.iter_mut().for_each(|p| *p /= total);
+        restrict(&mut probs, &keep);
     }
     probs
+}
+
+/// Divides the weights by their sum, taken in index order; when no logit was finite (sum 0),
+/// gives all the mass to the argmax rule's choice instead, so sampling stays defined, and says
+/// so (false).
+fn normalise(probs: &mut [f64], logits: &[f32]) -> bool {
+    let total: f64 = probs.iter().sum();
+    if total <= 0.0 {
+        probs.iter_mut().for_each(|p| *p = 0.0);
+        if let Some(p) = probs.get_mut(argmax(logits) as usize) {
+            *p = 1.0;
+        }
+        return false;
+    }
+    probs.iter_mut().for_each(|p| *p /= total);
+    true
+}
+
+/// Zeroes the tokens the nucleus leaves out and renormalises the rest (the sum in index order).
+fn restrict(probs: &mut [f64], keep: &[bool]) {
+    let mut total = 0.0;
+    for (p, &keep) in probs.iter_mut().zip(keep) {
+        if !keep {
+            *p = 0.0;
+        }
+        total += *p;
+    }
+    probs.iter_mut().for_each(|p| *p /= total);
+}
+
+/// Logits from which `distribution` computes its exponentials on rayon's threads, in chunks of
+/// `PARALLEL_CHUNK`: below it a thread hand-off costs more than it saves.
+const PARALLEL_LOGITS: usize = 16_384;
+const PARALLEL_CHUNK: usize = 4_096;
+
+/// The largest finite logit (-inf when there is none). A maximum of 0 may come out as -0 or +0,
+/// as `f32::max` may give either; `distribution` only subtracts it, where both give the same
+/// differences.
+fn finite_max(logits: &[f32]) -> f32 {
+    lane_fold(logits, |a, x| if x.is_finite() && x > a { x } else { a })
+}
+
+/// Lanes of the vectorisable folds below.
+const LANES: usize = 16;
+
+/// `pick` folded over `logits` from -inf in LANES independent lanes, which the compiler can
+/// vectorise, then over the lanes. `pick(a, x)` keeps `a` or takes `x`; for a maximum under a
+/// strict comparison the grouping changes nothing but which zero (-0 or +0) a zero maximum is.
+fn lane_fold(logits: &[f32], pick: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &x| pick(a, x));
+    for chunk in chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane = pick(*lane, x);
+        }
+    }
+    lanes.iter().fold(rest, |a, &x| pick(a, x))
+}
+
+/// Which tokens the top-p nucleus keeps (see [`distribution`]). A nucleus is usually far smaller
+/// than the vocabulary, so instead of sorting every token this takes the tokens whose
+/// probability is at least the k-th largest, which are exactly the first ones of the full order,
+/// sorts them (stably, from index order, so ties keep index order) and sums in that order; when
+/// they do not reach `top_p` it tries again with more, up to the whole vocabulary.
+fn nucleus(probs: &[f64], top_p: f64) -> Vec<bool> {
+    let n = probs.len();
+    let mut keep = vec![false; n];
+    let mut k = n.min(256);
+    loop {
+        let threshold = if k >= n {
+            f64::NEG_INFINITY
+        } else {
+            let mut scratch = probs.to_vec();
+            *scratch
+                .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a))
+                .1
+        };
+        let mut order: Vec<usize> = (0..n)
+            .filter(|&i| probs[i].total_cmp(&threshold).is_ge())
+            .collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let mut kept = 0.0;
+        for &index in &order {
+            keep[index] = true;
+            kept += probs[index];
+            if kept >= top_p {
+                return keep;
+            }
+        }
+        if k >= n {
+            return keep;
+        }
+        keep.iter_mut().for_each(|kept| *kept = false);
+        // Enough tokens for twice the mass still missing at the density seen so far.
+        let wanted = (order.len() as f64 * 2.0 * top_p / kept.max(f64::MIN_POSITIVE)).ceil();
+        k = n.min(8 * k).max(n.min(wanted.min(n as f64) as usize));
+    }
 }
 
 /// Draws an index from a normalised distribution.
@@ -226,6 +342,39 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(argmax(&logits), argmax_scan(&logits), "{logits:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn distribution_equals_its_definition_bit_for_bit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let bits = |p: &[f64]| p.iter().map(|v| v.to_bits()).collect::<Vec<u64>>();
+        // Flat rows (a nucleus of most tokens), peaked ones (a few tokens), Zipf-like ones (a
+        // nucleus found only after several tries), rows of repeated values (ties at the
+        // threshold), rows with non-finite logits, and rows with none.
+        let shapes = ["flat", "peaked", "zipf", "ties", "non-finite", "no finite"];
+        for len in [1usize, 2, 7, 255, 256, 257, 3000, 40_000] {
+            for shape in shapes {
+                let logits: Vec<f32> = (0..len)
+                    .map(|i| match shape {
+                        "flat" => rng.random_range(-0.5f32..0.5),
+                        "peaked" if i % 97 == 3 => rng.random_range(8.0f32..12.0),
+                        "peaked" => rng.random_range(-6.0f32..0.0),
+                        "zipf" => -((i % 7919 * 5 % len + 1) as f32).ln(),
+                        "ties" => [-1.0f32, 0.0, -0.0, 2.0, 2.0][rng.random_range(0..5)],
+                        "non-finite" => [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1.0, -3.0]
+                            [rng.random_range(0..5)],
+                        _ => [f32::NAN, f32::NEG_INFINITY][rng.random_range(0..2)],
+                    })
+                    .collect();
+                for (t, p) in [(1.0, 1.0), (0.8, 0.95), (0.8, 0.9), (1.5, 0.5), (0.3, 0.1)] {
+                    assert_eq!(
+                        bits(&distribution(&logits, t, p)),
+                        bits(&distribution_by_sort(&logits, t, p)),
+                        "{shape} row of {len}, temperature {t}, top-p {p}"
+                    );
+                }
             }
         }
     }
