@@ -5,8 +5,9 @@
 //!     cargo run --release --example bench_step -- BUNDLE [--backend cuda|cpu] [--steps N]
 //!         [--window R]... [--no-overlap] [--skip-launches LABEL[@BLOCKS],...] [--json OUT]
 //!
-//! Each figure is the median wall time of `--steps` passes (after as many untimed ones), logits
-//! copied back to the host as the decode loop receives them. A 16-token prompt is prefilled
+//! Each figure is the median wall time of `--steps` passes (after as many untimed ones), each
+//! pass's greedy choices back on the host as the greedy decode loop receives them
+//! (`LanguageModel::forward_greedy`: on the GPU, one id a row instead of its logits). A 16-token prompt is prefilled
 //! first; the one-row steps then run at positions 16, 17, ...; a window always starts at the
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
@@ -113,7 +114,7 @@ fn time_passes<M: LanguageModel>(
         let mut times = Vec::with_capacity(steps);
         for i in 0..2 * steps {
             let t = Instant::now();
-            m.forward(variant, &[token(i)], &mut kv, &mut NoHook)?;
+            m.forward_greedy(variant, &[token(i)], &mut kv, &mut NoHook)?;
             if i >= steps {
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
@@ -130,7 +131,7 @@ fn time_passes<M: LanguageModel>(
         let mut times = Vec::with_capacity(steps);
         for i in 0..2 * steps {
             let t = Instant::now();
-            m.forward(Variant::Target, &window, &mut kv, &mut NoHook)?;
+            m.forward_greedy(Variant::Target, &window, &mut kv, &mut NoHook)?;
             kv.truncate(prompt.len());
             if i >= steps {
                 times.push(t.elapsed().as_secs_f64() * 1e3);

@@ -376,36 +376,64 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, int inter, uns
     }
 }
 
-// Index of each row's maximum, the first on ties (NaN never wins). One block per row.
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, unsigned* __restrict__ out) {
+// The greedy choice of each row: the first index of its largest value, where NaN never wins and
+// -0 equals +0, and 0 when no value is above -inf (decode::argmax_scan on the host). A column's
+// key orders (value, -index): the largest key is the choice, and a maximum over keys does not
+// depend on the order blocks merge them in, so the result is the same for any grid. Block
+// (chunk, row) of (ceil(cols / ARGMAX_CHUNK), rows) merges its chunk's largest key into
+// keys[row] (atomicMax); the last block of the row (a ticket from counts[row]) writes out[row]
+// and leaves keys[row] and counts[row] zero for the next launch. A decode row of a large
+// vocabulary is read by many blocks at once instead of one.
+#define ARGMAX_CHUNK 4096
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int c) {
+    if (!(v > __int_as_float(0xff800000))) return 0ull;  // NaN and -inf: never chosen (key 0: none)
+    // -0 is +0 here, as in the scan's comparisons; then the bits are made to order as unsigned.
+    unsigned b = __float_as_uint(v == 0.0f ? 0.0f : v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (unsigned long long)(0xffffffffu - (unsigned)c);
+}
+
+__device__ __forceinline__ unsigned long long key_max(unsigned long long a, unsigned long long b) {
+    return a > b ? a : b;
+}
+
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) argmax_rows(
+    const float* __restrict__ x, int cols, unsigned long long* __restrict__ keys,
+    unsigned* __restrict__ counts, unsigned* __restrict__ out) {
     SPX_PROLOGUE();
-    __shared__ float best_v[ROW_THREADS];
-    __shared__ int best_i[ROW_THREADS];
-    const float* row = x + (size_t)blockIdx.x * cols;
-    float bv = row[0];
-    int bi = 0;
-    for (int c = threadIdx.x; c < cols; c += ROW_THREADS) {
-        const float v = row[c];
-        if (v > bv || (v == bv && c < bi)) {
-            bv = v;
-            bi = c;
+    const int row = blockIdx.y;
+    const float* r = x + (size_t)row * cols;
+    const int begin = blockIdx.x * ARGMAX_CHUNK, end = min(cols, begin + ARGMAX_CHUNK);
+    unsigned long long best = 0ull;
+    if ((cols & 3) == 0) {
+        // Rows and chunks start 16-byte aligned.
+        const float4* r4 = reinterpret_cast<const float4*>(r);
+        for (int c = begin + 4 * threadIdx.x; c < end; c += 4 * ROW_THREADS) {
+            const float4 v = r4[c >> 2];
+            best = key_max(best, argmax_key(v.x, c));
+            best = key_max(best, argmax_key(v.y, c + 1));
+            best = key_max(best, argmax_key(v.z, c + 2));
+            best = key_max(best, argmax_key(v.w, c + 3));
         }
+    } else {
+        for (int c = begin + threadIdx.x; c < end; c += ROW_THREADS) best = key_max(best, argmax_key(r[c], c));
     }
-    best_v[threadIdx.x] = bv;
-    best_i[threadIdx.x] = bi;
+    for (int offset = 16; offset > 0; offset >>= 1) best = key_max(best, __shfl_xor_sync(0xffffffffu, best, offset));
+    __shared__ unsigned long long warp_best[ROW_THREADS / 32];
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
     __syncthreads();
-    for (int stride = ROW_THREADS / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) {
-            const float v = best_v[threadIdx.x + stride];
-            const int i = best_i[threadIdx.x + stride];
-            if (v > best_v[threadIdx.x] || (v == best_v[threadIdx.x] && i < best_i[threadIdx.x])) {
-                best_v[threadIdx.x] = v;
-                best_i[threadIdx.x] = i;
-            }
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < ROW_THREADS / 32; ++w) best = key_max(best, warp_best[w]);
+        atomicMax(&keys[row], best);
+        // The merge is visible before the ticket that may let another block read it.
+        __threadfence();
+        if (atomicAdd(&counts[row], 1u) == gridDim.x - 1) {
+            const unsigned long long k = atomicExch(&keys[row], 0ull);
+            counts[row] = 0u;
+            out[row] = k == 0ull ? 0u : 0xffffffffu - (unsigned)(k & 0xffffffffull);
         }
-        __syncthreads();
     }
-    if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)best_i[0];
 }
 
 // The routed-expert combine: y[r] = sum over j < top_k of out[row_items[r * top_k + j]], items

@@ -125,4 +125,27 @@ pub trait LanguageModel {
         kv: &mut Self::Kv,
         hook: &mut dyn RouteHook,
     ) -> Result<Vec<f32>>;
+
+    /// [`LanguageModel::forward`] reduced to each row's greedy choice, the index
+    /// [`crate::decode::argmax`] gives over the row's logits. A greedy decode loop needs no
+    /// more, so a backend may choose on the device and return only the ids; this default
+    /// chooses on the host.
+    fn forward_greedy(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<u32>> {
+        let vocab = self.info().vocab_size;
+        let logits = self.forward(variant, tokens, kv, hook)?;
+        if vocab == 0 || logits.len() != tokens.len() * vocab {
+            return Err(crate::Error::Model(format!(
+                "forward returned {} logits for {} rows of vocabulary {vocab}",
+                logits.len(),
+                tokens.len()
+            )));
+        }
+        Ok(logits.chunks(vocab).map(crate::decode::argmax).collect())
+    }
 }

@@ -314,16 +314,83 @@ fn host_routing_and_argmax() {
             p.fail("route top6 of 64", format!("GPU error: {err}"));
         }
     }
-    let (lc, lg, _) = p.act(3, 102_400);
-    let want = Cpu.argmax(&lc).unwrap();
-    match p.gpu.argmax(&lg) {
-        Ok(got) => p.expect("argmax 3x102400", got == want, || {
-            format!("GPU {got:?}, CPU {want:?}")
-        }),
-        Err(err) => {
-            p.checks += 1;
-            p.fail("argmax 3x102400", format!("GPU error: {err}"));
+    // Greedy choice: the index decode::argmax_scan takes on the host, on random rows and on rows
+    // made of ties, signed zeros, infinities and NaN; one row and many (past the 64 rows one
+    // launch takes), vocabularies whose rows are and are not 16-byte multiples, chunk edges.
+    for (rows, cols) in [
+        (1, 102_400),
+        (3, 102_400),
+        (17, 32_000),
+        (70, 4_097),
+        (5, 4_096),
+        (9, 1_001),
+        (4, 3),
+    ] {
+        let mut data = p.values(rows * cols, 4.0);
+        for r in 0..rows {
+            let row = &mut data[r * cols..(r + 1) * cols];
+            let at = |i: usize| (i * 7919 + r * 104_729) % cols;
+            match r % 7 {
+                // A tie of the maximum: the first index must win, across chunks.
+                1 => {
+                    let (a, b) = (at(1).min(at(2)), at(1).max(at(2)));
+                    row[a] = 100.0;
+                    row[b] = 100.0;
+                }
+                // NaN first and elsewhere: never chosen.
+                2 => {
+                    row[0] = f32::NAN;
+                    row[at(3)] = f32::NAN;
+                }
+                // Every value -inf or NaN: index 0.
+                3 => row.iter_mut().enumerate().for_each(|(i, v)| {
+                    *v = if i % 3 == 0 {
+                        f32::NAN
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                }),
+                // Zeros of both signs as the maximum: the first of them, whatever its sign.
+                4 => row.iter_mut().enumerate().for_each(|(i, v)| {
+                    *v = if i % 5 == 4 {
+                        0.0
+                    } else if i % 5 == 2 {
+                        -0.0
+                    } else {
+                        -1.0
+                    }
+                }),
+                // +inf twice.
+                5 => {
+                    row[at(5)] = f32::INFINITY;
+                    row[at(6)] = f32::INFINITY;
+                }
+                _ => {}
+            }
         }
+        let want: Vec<u32> = data
+            .chunks(cols)
+            .map(specter::decode::argmax_scan)
+            .collect();
+        let case = format!("argmax {rows}x{cols}");
+        let got = p
+            .gpu
+            .upload(rows, cols, &data)
+            .and_then(|g| p.gpu.argmax(&g));
+        match got {
+            Ok(got) => p.expect(&case, got == want, || format!("GPU {got:?}, host {want:?}")),
+            Err(err) => {
+                p.checks += 1;
+                p.fail(&case, format!("GPU error: {err}"));
+            }
+        }
+        let cpu = Cpu
+            .upload(rows, cols, &data)
+            .and_then(|c| Cpu.argmax(&c))
+            .unwrap();
+        p.expect(&format!("{case} (CPU backend)"), cpu == want, || {
+            format!("CPU backend {cpu:?}, host {want:?}")
+        });
     }
     p.finish();
 }

@@ -772,6 +772,40 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         kv: &mut MoeKv<B>,
         hook: &mut dyn RouteHook,
     ) -> Result<Vec<f32>> {
+        let logits = self.run(variant, tokens, kv, hook)?;
+        self.backend.to_host(&logits)
+    }
+
+    /// The choice is made where the logits are (the backend's `argmax`): a GPU returns one id a
+    /// row instead of the whole row of logits.
+    fn forward_greedy(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<u32>> {
+        let logits = self.run(variant, tokens, kv, hook)?;
+        self.backend.argmax(&logits)
+    }
+}
+
+/// One step of a 64-bit hash (FNV-style multiply, then xor-shift), for keys.
+fn mix(h: u64, v: u64) -> u64 {
+    let h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+    h ^ (h >> 29)
+}
+
+impl<B: Backend> MoeModel<B> {
+    /// Runs `tokens` as [`LanguageModel::forward`] does and leaves the logits on the backend
+    /// (recorded and replayed where the hook does not look inside the pass).
+    fn run(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<B::Act> {
         if tokens.is_empty() {
             return Err(Error::Request("forward needs at least one token".into()));
         }
@@ -811,7 +845,7 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         {
             let logits = self.pass(variant, tokens, kv, hook, &positions, &scales)?;
             kv.len = end;
-            return be.to_host(&logits);
+            return Ok(logits);
         }
         // A pass the hook does not look inside may be recorded once and replayed.
         let step = StepRequest {
@@ -827,7 +861,7 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         loop {
             if let StepStart::Replayed(logits) = be.begin_step(&step)? {
                 kv.len = end;
-                return be.to_host(&logits);
+                return Ok(logits);
             }
             let logits = self.pass(variant, tokens, kv, hook, &positions, &scales);
             match be.end_step(logits.as_ref().ok())? {
@@ -835,20 +869,12 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
                 StepEnd::Done => {
                     let logits = logits?;
                     kv.len = end;
-                    return be.to_host(&logits);
+                    return Ok(logits);
                 }
             }
         }
     }
-}
 
-/// One step of a 64-bit hash (FNV-style multiply, then xor-shift), for keys.
-fn mix(h: u64, v: u64) -> u64 {
-    let h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
-    h ^ (h >> 29)
-}
-
-impl<B: Backend> MoeModel<B> {
     /// The layers and the head over `tokens` at `positions`: the logits, on the device.
     fn pass(
         &self,

@@ -412,7 +412,9 @@ pub trait Backend: Send + Sync {
         routing: &Routing,
         experts: &[GatedMlp<Self>],
     ) -> Result<Self::Act>;
-    /// Index of each row's maximum (the first one on ties).
+    /// Each row's greedy choice: the index [`crate::decode::argmax_scan`] gives (the first
+    /// maximum; NaN never wins, -0 equals +0; 0 when no value is above -inf). The decode loop's
+    /// greedy passes take their tokens from here, so every backend gives exactly that index.
     fn argmax(&self, x: &Self::Act) -> Result<Vec<u32>>;
 
     /// Starts a forward pass that a backend may record and replay (only passes whose caller

@@ -449,6 +449,54 @@ fn forward<M: LanguageModel>(
     model.forward(variant, tokens, kv, observer)
 }
 
+/// [`forward`] reduced to each row's greedy choice (the backend's argmax: a GPU returns the ids,
+/// not the logits rows).
+fn forward_greedy<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    tokens: &[u32],
+    kv: &mut M::Kv,
+    observer: &mut dyn DecodeObserver,
+) -> Result<Vec<u32>> {
+    if variant == Variant::Target {
+        observer.on_target_pass(tokens.len());
+    }
+    let ids = model.forward_greedy(variant, tokens, kv, observer)?;
+    if ids.len() != tokens.len() {
+        return Err(Error::Model(format!(
+            "a greedy forward returned {} ids for {} rows",
+            ids.len(),
+            tokens.len()
+        )));
+    }
+    Ok(ids)
+}
+
+/// Runs `tokens` and chooses the token after the last one: greedy from the backend's ids, sampled
+/// from the last logits row (its distribution kept in `dists` when given: the draft's, for the
+/// rejection test).
+fn forward_choose<M: LanguageModel>(
+    model: &M,
+    variant: Variant,
+    tokens: &[u32],
+    kv: &mut M::Kv,
+    observer: &mut dyn DecodeObserver,
+    chooser: &mut Chooser,
+    dists: Option<&mut Vec<Vec<f64>>>,
+) -> Result<u32> {
+    if chooser.sampling.is_greedy() {
+        let ids = forward_greedy(model, variant, tokens, kv, observer)?;
+        return Ok(ids[ids.len() - 1]);
+    }
+    let vocab = model.info().vocab_size;
+    let logits = forward(model, variant, tokens, kv, observer)?;
+    let row = logits_row(&logits, tokens.len(), vocab, tokens.len() - 1)?;
+    Ok(match dists {
+        Some(dists) => propose(chooser, row, dists),
+        None => chooser.choose(row),
+    })
+}
+
 /// One model variant alone: prefill, then one token per forward pass.
 fn decode_single<M: LanguageModel>(
     model: &M,
@@ -459,15 +507,12 @@ fn decode_single<M: LanguageModel>(
     commits: &mut Commits<'_>,
     counters: &mut Counters,
 ) -> Result<()> {
-    let vocab = model.info().vocab_size;
     let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
-    let logits = forward(model, variant, prompt, &mut kv, observer)?;
-    let mut token = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
+    let mut token = forward_choose(model, variant, prompt, &mut kv, observer, chooser, None)?;
     commits.push(token);
     observer.on_commit(0, 1);
     while !commits.finished {
-        let logits = forward(model, variant, &[token], &mut kv, observer)?;
-        token = chooser.choose(logits_row(&logits, 1, vocab, 0)?);
+        token = forward_choose(model, variant, &[token], &mut kv, observer, chooser, None)?;
         counters.rounds += 1;
         commits.push(token);
         observer.on_commit(0, 1);
@@ -488,10 +533,16 @@ fn decode_speculative<M: LanguageModel>(
     commits: &mut Commits<'_>,
     counters: &mut Counters,
 ) -> Result<()> {
-    let vocab = model.info().vocab_size;
     let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
-    let logits = forward(model, Variant::Target, prompt, &mut kv, observer)?;
-    let mut pending = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
+    let mut pending = forward_choose(
+        model,
+        Variant::Target,
+        prompt,
+        &mut kv,
+        observer,
+        chooser,
+        None,
+    )?;
     commits.push(pending);
     observer.on_commit(0, 1);
 
@@ -512,8 +563,15 @@ fn decode_speculative<M: LanguageModel>(
             observer.on_draft_window(k);
             let mut last = pending;
             for step in 0..k {
-                let logits = forward(model, Variant::Draft, &[last], &mut kv, observer)?;
-                let token = propose(chooser, logits_row(&logits, 1, vocab, 0)?, &mut draft_dists);
+                let token = forward_choose(
+                    model,
+                    Variant::Draft,
+                    &[last],
+                    &mut kv,
+                    observer,
+                    chooser,
+                    Some(&mut draft_dists),
+                )?;
                 drafts.push(token);
                 last = token;
                 observer.on_draft_step(step);
@@ -525,8 +583,15 @@ fn decode_speculative<M: LanguageModel>(
         verify_tokens.clear();
         verify_tokens.push(pending);
         verify_tokens.extend_from_slice(&drafts);
-        let logits = forward(model, Variant::Target, &verify_tokens, &mut kv, observer)?;
-        let (accepted, next) = verify(chooser, &logits, vocab, &drafts, &draft_dists)?;
+        let (accepted, next) = verify_pass(
+            model,
+            &verify_tokens,
+            &mut kv,
+            observer,
+            chooser,
+            &drafts,
+            &draft_dists,
+        )?;
         // Valid target KV: the committed prefix, the pending token and the accepted drafts.
         kv.truncate(committed_len + 1 + accepted);
         counters.rounds += 1;
@@ -552,11 +617,41 @@ fn propose(chooser: &mut Chooser, row: &[f32], dists: &mut Vec<Vec<f64>>) -> u32
     }
 }
 
+/// Runs the verify pass over `verify_tokens` (the pending token, then every draft) and checks
+/// `drafts` against it: returns how many the target accepted and the target's own next token.
+fn verify_pass<M: LanguageModel>(
+    model: &M,
+    verify_tokens: &[u32],
+    kv: &mut M::Kv,
+    observer: &mut dyn DecodeObserver,
+    chooser: &mut Chooser,
+    drafts: &[u32],
+    dists: &[Vec<f64>],
+) -> Result<(usize, u32)> {
+    if chooser.sampling.is_greedy() {
+        let ids = forward_greedy(model, Variant::Target, verify_tokens, kv, observer)?;
+        return Ok(verify_greedy(&ids, drafts));
+    }
+    let vocab = model.info().vocab_size;
+    let logits = forward(model, Variant::Target, verify_tokens, kv, observer)?;
+    verify_sampled(chooser, &logits, vocab, drafts, dists)
+}
+
+/// Greedy verification over the target's choices `ids` (one per verify row): the drafts up to
+/// the first the target disagrees with are accepted, and the target's choice there (or after
+/// the last row, the bonus token) comes next.
+fn verify_greedy(ids: &[u32], drafts: &[u32]) -> (usize, u32) {
+    match drafts.iter().zip(ids).position(|(draft, id)| draft != id) {
+        Some(i) => (i, ids[i]),
+        None => (drafts.len(), ids[drafts.len()]),
+    }
+}
+
 /// Checks `drafts` against the verify pass's logits (rows: the pending token, then every draft)
-/// and returns how many the target accepted and the target's own next token: at the first
-/// rejection (greedy: the target's argmax; sampled: a resample), or the bonus token after the
-/// last row when all were accepted.
-fn verify(
+/// by rejection sampling and returns how many the target accepted and the target's own next
+/// token: a resample at the first rejection, or the bonus token after the last row when all
+/// were accepted.
+fn verify_sampled(
     chooser: &mut Chooser,
     logits: &[f32],
     vocab: usize,
@@ -565,15 +660,8 @@ fn verify(
 ) -> Result<(usize, u32)> {
     let rows = drafts.len() + 1;
     for (i, &draft) in drafts.iter().enumerate() {
-        let row = logits_row(logits, rows, vocab, i)?;
-        let outcome = if chooser.sampling.is_greedy() {
-            let target = argmax(row);
-            (target != draft).then_some(target)
-        } else {
-            let p = chooser.distribution(row);
-            accept_or_resample(&p, &dists[i], draft, &mut chooser.rng)
-        };
-        if let Some(token) = outcome {
+        let p = chooser.distribution(logits_row(logits, rows, vocab, i)?);
+        if let Some(token) = accept_or_resample(&p, &dists[i], draft, &mut chooser.rng) {
             return Ok((i, token));
         }
     }
@@ -609,18 +697,24 @@ fn decode_separate_draft<M: LanguageModel>(
     commits: &mut Commits<'_>,
     counters: &mut Counters,
 ) -> Result<()> {
-    let vocab = model.info().vocab_size;
     let capacity = prompt.len() + commits.max_new;
     let mut kv = model.new_kv(capacity)?;
     // The draft's own cache. A round leaves at most `committed + depth - 1` positions in it, and
     // drafting stops short of max_new_tokens, so the same capacity holds.
     let mut draft_kv = model.new_kv(capacity)?;
-    let logits = forward(model, Variant::Target, prompt, &mut kv, observer)?;
-    let first = chooser.choose(logits_row(&logits, prompt.len(), vocab, prompt.len() - 1)?);
+    let first = forward_choose(
+        model,
+        Variant::Target,
+        prompt,
+        &mut kv,
+        observer,
+        chooser,
+        None,
+    )?;
     // The draft's own prefill, before the first commit: like the target's, it is part of the time
     // to the first token, not of the per-token time. Its logits are not needed (the first token is
-    // the target's).
-    forward(model, Variant::Draft, prompt, &mut draft_kv, observer)?;
+    // the target's), so it returns ids alone.
+    forward_greedy(model, Variant::Draft, prompt, &mut draft_kv, observer)?;
     // Everything committed so far, the prompt included: what the draft KV must be a prefix of.
     let mut sequence: Vec<u32> = Vec::with_capacity(capacity);
     sequence.extend_from_slice(prompt);
@@ -653,15 +747,22 @@ fn decode_separate_draft<M: LanguageModel>(
             }
             // Step 0: the committed tokens the draft has not run yet (`pending` at least).
             let catch_up = &sequence[unseen..];
-            let logits = forward(model, Variant::Draft, catch_up, &mut draft_kv, observer)?;
-            let row = logits_row(&logits, catch_up.len(), vocab, catch_up.len() - 1)?;
-            drafts.push(propose(chooser, row, &mut draft_dists));
-            observer.on_draft_step(0);
-            for step in 1..k {
-                let last = drafts[step - 1];
-                let logits = forward(model, Variant::Draft, &[last], &mut draft_kv, observer)?;
-                let row = logits_row(&logits, 1, vocab, 0)?;
-                drafts.push(propose(chooser, row, &mut draft_dists));
+            for step in 0..k {
+                let tokens = if step == 0 {
+                    catch_up
+                } else {
+                    &drafts[step - 1..step]
+                };
+                let token = forward_choose(
+                    model,
+                    Variant::Draft,
+                    tokens,
+                    &mut draft_kv,
+                    observer,
+                    chooser,
+                    Some(&mut draft_dists),
+                )?;
+                drafts.push(token);
                 observer.on_draft_step(step);
             }
         }
@@ -669,8 +770,15 @@ fn decode_separate_draft<M: LanguageModel>(
         verify_tokens.clear();
         verify_tokens.push(pending);
         verify_tokens.extend_from_slice(&drafts);
-        let logits = forward(model, Variant::Target, &verify_tokens, &mut kv, observer)?;
-        let (accepted, next) = verify(chooser, &logits, vocab, &drafts, &draft_dists)?;
+        let (accepted, next) = verify_pass(
+            model,
+            &verify_tokens,
+            &mut kv,
+            observer,
+            chooser,
+            &drafts,
+            &draft_dists,
+        )?;
         kv.truncate(committed_len + 1 + accepted);
         if k > 0 {
             // The draft ran `pending` and drafts 1..k-1: keep what the target accepted of them.

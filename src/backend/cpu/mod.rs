@@ -807,16 +807,7 @@ impl Backend for Cpu {
 
     fn argmax(&self, x: &Mat) -> Result<Vec<u32>> {
         Ok((0..x.rows)
-            .map(|r| {
-                let row = x.row(r);
-                let mut best = 0;
-                for (i, &v) in row.iter().enumerate() {
-                    if v > row[best] {
-                        best = i;
-                    }
-                }
-                best as u32
-            })
+            .map(|r| crate::decode::argmax(x.row(r)))
             .collect())
     }
 }

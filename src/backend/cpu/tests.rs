@@ -249,3 +249,31 @@ fn rope_styles_rotate_the_right_pairs() {
         .zip(want)
         .for_each(|(a, b)| assert!((a - b).abs() < 1e-5));
 }
+
+#[test]
+fn argmax_is_the_greedy_choice_of_the_decode_loop() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut m = random(&mut rng, 6, 37);
+    // Row 1: NaN first; row 2: a tie; row 3: only -inf and NaN; row 4: zeros of both signs.
+    m.data[37] = f32::NAN;
+    m.data[2 * 37 + 5] = 9.0;
+    m.data[2 * 37 + 30] = 9.0;
+    for (i, v) in m.data[3 * 37..4 * 37].iter_mut().enumerate() {
+        *v = if i % 2 == 0 {
+            f32::NEG_INFINITY
+        } else {
+            f32::NAN
+        };
+    }
+    for (i, v) in m.data[4 * 37..5 * 37].iter_mut().enumerate() {
+        *v = match i % 4 {
+            1 => -0.0,
+            3 => 0.0,
+            _ => -2.0,
+        };
+    }
+    let want: Vec<u32> = m.data.chunks(37).map(crate::decode::argmax_scan).collect();
+    assert_eq!(Cpu.argmax(&m).unwrap(), want);
+    assert_ne!(want[1], 0, "NaN never wins");
+    assert_eq!(want[2..5], [5, 0, 1]);
+}

@@ -86,6 +86,10 @@ pub struct CudaBackend {
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
     /// calls of at most `ATT_COUNTERS` (row, head) pairs combine in the same launch.
     pub(super) attention_counters: CudaSlice<u32>,
+    /// `argmax_rows`' per-row merge keys and tickets (`ARGMAX_ROWS` of each), zero between
+    /// launches (kernels/ops.cu).
+    pub(super) argmax_keys: CudaSlice<u64>,
+    pub(super) argmax_counts: CudaSlice<u32>,
 }
 
 impl CudaBackend {
@@ -132,6 +136,13 @@ impl CudaBackend {
         let attention_counters = guarded("cuda: cannot allocate the attention counters", || {
             stream.alloc_zeros::<u32>(ATT_COUNTERS)
         })?;
+        let (argmax_keys, argmax_counts) =
+            guarded("cuda: cannot allocate the argmax scratch", || {
+                Ok((
+                    stream.alloc_zeros::<u64>(ARGMAX_ROWS)?,
+                    stream.alloc_zeros::<u32>(ARGMAX_ROWS)?,
+                ))
+            })?;
         Ok(CudaBackend {
             dev,
             stream,
@@ -154,6 +165,8 @@ impl CudaBackend {
             fuse_shared_experts: options.fuse_shared_experts,
             skip_launches: options.skip_launches.clone(),
             attention_counters,
+            argmax_keys,
+            argmax_counts,
         })
     }
 

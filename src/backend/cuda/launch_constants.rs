@@ -6,6 +6,13 @@
 /// Threads of the row-wise kernels: `ROW_THREADS` in kernels/ops.cu.
 pub(crate) const ROW_THREADS: u32 = 256;
 
+/// Columns of a row one `argmax_rows` block reads: `ARGMAX_CHUNK` in kernels/ops.cu.
+pub(crate) const ARGMAX_CHUNK: usize = 4096;
+
+/// Rows one `argmax_rows` launch takes: the backend's zeroed merge keys and tickets, one each per
+/// row (larger calls launch again for the next rows). A host choice, so it mirrors no define.
+pub(crate) const ARGMAX_ROWS: usize = 64;
+
 /// Warps per block of the FP16 matrix kernels: `WARPS` in kernels/gemv_f16.cu.
 pub(crate) const GEMV_WARPS: usize = 4;
 
@@ -154,6 +161,7 @@ mod tests {
     fn row_kernels_match_ops_cu() {
         let ops = integer_defines("ops");
         assert_eq!(i64::from(ROW_THREADS), define(&ops, "ops", "ROW_THREADS"));
+        assert_eq!(ARGMAX_CHUNK as i64, define(&ops, "ops", "ARGMAX_CHUNK"));
     }
 
     #[test]
