@@ -11,7 +11,10 @@
 //! first; the one-row steps then run at positions 16, 17, ...; a window always starts at the
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
-//! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops, as in specter-run.
+//! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops, and
+//! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, as in specter-run. The
+//! chained figures time greedy steps run back to back (`LanguageModel::forward_greedy_chain`):
+//! the time between two choices reaching the host.
 //!
 //! `--skip-launches` (a measurement, not a run: the outputs are meaningless) leaves the named
 //! kernels' launches out of every pass (`CudaOptions::skip_launches`; the labels are
@@ -82,9 +85,13 @@ fn main() -> anyhow::Result<()> {
         "--skip-launches needs --backend cuda"
     );
     opts.cuda.skip_launches = skip;
-    // One of the switches specter-run reads from the environment, for A/B runs of one binary.
-    if std::env::var("SPECTER_CUDA_FUSE_SHARED").is_ok_and(|v| v.trim() == "0") {
+    // Switches specter-run reads from the environment, for A/B runs of one binary.
+    let off = |name: &str| std::env::var(name).is_ok_and(|v| v.trim() == "0");
+    if off("SPECTER_CUDA_FUSE_SHARED") {
         opts.cuda.fuse_shared_experts = false;
+    }
+    if off("SPECTER_CUDA_CHAIN") {
+        opts.cuda.chain_greedy = false;
     }
     let session = Session::open_with(std::path::Path::new(&bundle), &opts)?;
     let prompt: Vec<u32> = (5..21).collect();
@@ -119,6 +126,35 @@ fn time_passes<M: LanguageModel>(
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
         }
+        let ms = median(times);
+        println!("{name:>24} {ms:9.4} ms");
+        out.insert(name.into(), ms.into());
+    }
+    // Chained greedy steps (as a greedy decode loop runs them): the time between choices
+    // reaching the host, median of the last `steps` of a chain of 2 * steps.
+    for (name, variant) in [
+        ("target_chain_step_ms", Variant::Target),
+        ("draft_chain_step_ms", Variant::Draft),
+    ] {
+        let mut kv = m.new_kv(prompt.len() + 2 * steps + 1)?;
+        m.forward_greedy(variant, prompt, &mut kv, &mut NoHook)?;
+        let mut arrivals = Vec::with_capacity(2 * steps);
+        let mut accept = |_: u32| {
+            arrivals.push(Instant::now());
+            true
+        };
+        m.forward_greedy_chain(
+            variant,
+            token(0),
+            &mut kv,
+            &mut NoHook,
+            2 * steps,
+            &mut accept,
+        )?;
+        let times = arrivals[steps - 1..]
+            .windows(2)
+            .map(|w| w[1].duration_since(w[0]).as_secs_f64() * 1e3)
+            .collect();
         let ms = median(times);
         println!("{name:>24} {ms:9.4} ms");
         out.insert(name.into(), ms.into());

@@ -251,9 +251,9 @@ steps() {
             env "${envs[@]}" "$bin/bench_step" "$dir/dsv2.specter" --window 17 --window 4 \
                 --json "$out/step-$side-$rep.json" \
                 > /dev/null 2> "$out/step-$side-$rep.err" || { tail -3 "$out/step-$side-$rep.err"; return 1; }
-            for mode in target draft; do
+            for mode in target draft specter; do
                 env "${envs[@]}" "$bin/specter-run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" \
-                    --max-new-tokens 128 \
+                    --max-new-tokens 128 --depth "${STEPS_DEPTH:-4}" \
                     --ignore-eos --json --backend cuda --mode "$mode" > "$out/gen-$side-$mode-$rep.json"
             done
             python3 - "$out" "$side" "$rep" >> "$out/steps.tsv" <<'EOF'
@@ -262,6 +262,9 @@ out, side, rep = sys.argv[1:4]
 s = json.load(open(f"{out}/step-{side}-{rep}.json"))
 t = json.load(open(f"{out}/gen-{side}-target-{rep}.json"))
 d = json.load(open(f"{out}/gen-{side}-draft-{rep}.json"))
+p = json.load(open(f"{out}/gen-{side}-specter-{rep}.json"))
+# Chained greedy steps (bench_step; nan for builds whose bench_step has none).
+chain = lambda k: round(s.get(k, float("nan")), 4)
 # The target run's host timing per synchronisation (one a token): host time between waits
 # (the logits' copy, sampling, the next step's issue) and the wait for the device.
 h = t["gpu"]["host_timing"]
@@ -269,12 +272,14 @@ per = lambda k: round(h[k] / max(h["synchronisations"], 1) * 1e3, 4)
 print("\t".join(str(x) for x in [side, rep, round(s["target_step_ms"], 4), round(s["draft_step_ms"], 4),
       round(s["verify_17_rows_ms"], 4), round(s["verify_4_rows_ms"], 4), round(t["stats"]["tpot_ms"], 4),
       round(d["stats"]["tpot_ms"], 4), ",".join(map(str, t["tokens"][:4])) + ".." + ",".join(map(str, t["tokens"][-3:])),
-      ",".join(map(str, d["tokens"][-3:])), per("issue_seconds"), per("wait_seconds")]))
+      ",".join(map(str, d["tokens"][-3:])), per("issue_seconds"), per("wait_seconds"),
+      chain("target_chain_step_ms"), chain("draft_chain_step_ms"), round(p["stats"]["tpot_ms"], 4),
+      round(p["stats"]["acceptance_rate"], 3), "same" if p["tokens"] == t["tokens"] else "DIFFER"]))
 EOF
         done
     done
     echo "== all resident, ${LAYERS:-27} layers (ms; tpot over 128 tokens)"
-    echo "side rep target_step draft_step verify17 verify4 tpot_target tpot_draft target_tokens draft_last host_ms device_wait_ms"
+    echo "side rep target_step draft_step verify17 verify4 tpot_target tpot_draft target_tokens draft_last host_ms device_wait_ms target_chain draft_chain tpot_specter acceptance specter_tokens"
     cat "$out/steps.tsv"
     steps_medians "$out/steps.tsv"
 }
@@ -286,9 +291,11 @@ steps_medians() {
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 names = ["target_step", "draft_step", "verify17", "verify4", "tpot_target", "tpot_draft"]
-# Columns 10 and 11 (host time and device wait per token of the target run), where recorded.
+# Columns 10 and 11 (host time and device wait per token of the target run), and 12-15 (chained
+# steps, --mode specter's TPOT and acceptance), where recorded.
 cols = list(range(2, 8)) + ([10, 11] if all(len(r) >= 12 for r in rows) else [])
-names += ["host/token", "wait/token"][: len(cols) - len(names)]
+cols += [12, 13, 14, 15] if all(len(r) >= 17 for r in rows) else []
+names += ["host/token", "wait/token", "chain_tgt", "chain_draft", "tpot_spec", "accept"][: len(cols) - len(names)]
 print("== medians (ms)")
 print("side".ljust(10) + "".join(n.rjust(13) for n in names) + "  rounds")
 for side in dict.fromkeys(r[0] for r in rows):
@@ -296,7 +303,8 @@ for side in dict.fromkeys(r[0] for r in rows):
     meds = [statistics.median(float(r[c]) for r in mine) for c in cols]
     print(side.ljust(10) + "".join(f"{m:13.3f}" for m in meds) + f"  {len(mine)}")
 same = len({r[8] for r in rows}) == 1 and len({r[9] for r in rows}) == 1
-print("tokens: " + ("the same in every round of every side" if same else "DIFFER between rounds or sides"))
+same = same and all(r[16] == "same" for r in rows if len(r) >= 17)
+print("tokens: " + ("the same in every round of every side (specter's equal target's)" if same else "DIFFER between rounds or sides"))
 EOF
 }
 

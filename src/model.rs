@@ -148,4 +148,40 @@ pub trait LanguageModel {
         }
         Ok(logits.chunks(vocab).map(crate::decode::argmax).collect())
     }
+
+    /// Greedy one-row passes, each over the choice of the pass before: from `token`, at most
+    /// `steps` passes, `accept` given each choice in order and returning whether to go on. The
+    /// KV then holds the positions of exactly the passes whose choices `accept` was given, and
+    /// the choices are [`LanguageModel::forward_greedy`]'s. A backend that records passes may
+    /// queue each pass before the choice it runs from has reached the host; this default runs
+    /// them one at a time.
+    fn forward_greedy_chain(
+        &self,
+        variant: Variant,
+        token: u32,
+        kv: &mut Self::Kv,
+        hook: &mut dyn RouteHook,
+        steps: usize,
+        accept: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<()> {
+        let mut token = token;
+        for _ in 0..steps {
+            token = one_choice(self.forward_greedy(variant, &[token], kv, hook)?)?;
+            if !accept(token) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The choice of a one-row greedy pass.
+pub(crate) fn one_choice(ids: Vec<u32>) -> Result<u32> {
+    match ids[..] {
+        [id] => Ok(id),
+        _ => Err(crate::Error::Model(format!(
+            "a one-row greedy forward returned {} ids",
+            ids.len()
+        ))),
+    }
 }

@@ -19,7 +19,7 @@ use specter::backend::cuda::{
     OffloadConfig,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
-use specter::model::{LanguageModel, NoHook, Variant};
+use specter::model::{KvCache, LanguageModel, NoHook, Variant};
 use specter::offload::Policy;
 
 fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
@@ -286,6 +286,73 @@ fn gpu_logits_do_not_depend_on_fusing_the_shared_experts() {
             }
         }
         eprintln!("{name}: the same logits with the shared experts fused");
+    }
+}
+
+/// Greedy passes chained on the device (each queued before the host has the choice it runs
+/// from) give the CPU's choices, one pass at a time, for both variants; a chain stopped early
+/// drops the pass it ran ahead (the KV holds exactly the accepted passes), and decoding goes on
+/// from there with the same tokens.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn gpu_chained_greedy_passes_equal_the_cpu_one_at_a_time() {
+    let device = Arc::new(common::gpu::device());
+    for name in FIXTURES {
+        let fixture = Fixture::load(name);
+        let (_dir, bundle) = fixture.bundle();
+        let prompt = fixture.prompts()[0].clone();
+        let cpu = MoeModel::load(fixture.cfg.clone(), &bundle, Cpu).unwrap();
+        let backend = CudaBackend::with_device(device.clone(), None, &CudaOptions::default())
+            .expect("backend");
+        let gpu = MoeModel::load(fixture.cfg.clone(), &bundle, backend).unwrap();
+        const STEPS: usize = 12;
+        const STOP: usize = 5;
+        for variant in [Variant::Target, Variant::Draft] {
+            let mut kv = cpu.new_kv(prompt.len() + STEPS + 1).unwrap();
+            let ids = cpu.forward_greedy(variant, &prompt, &mut kv, &mut NoHook);
+            let first = *ids.unwrap().last().unwrap();
+            let mut want = vec![first];
+            for _ in 0..STEPS {
+                let last = *want.last().unwrap();
+                let id = cpu.forward_greedy(variant, &[last], &mut kv, &mut NoHook);
+                want.push(id.unwrap()[0]);
+            }
+
+            let mut kv = gpu.new_kv(prompt.len() + STEPS + 1).unwrap();
+            let ids = gpu.forward_greedy(variant, &prompt, &mut kv, &mut NoHook);
+            let mut got = vec![*ids.unwrap().last().unwrap()];
+            // Stop after STOP choices (the chain has run one pass ahead by then), then go on.
+            let mut accept = |id: u32| {
+                got.push(id);
+                got.len() <= STOP
+            };
+            gpu.forward_greedy_chain(variant, first, &mut kv, &mut NoHook, STEPS, &mut accept)
+                .expect("chain");
+            assert_eq!(
+                kv.len(),
+                prompt.len() + STOP,
+                "{name} {variant:?}: the KV after a chain stopped at {STOP} choices"
+            );
+            let last = *got.last().unwrap();
+            let rest = STEPS - STOP;
+            let mut more = |id: u32| {
+                got.push(id);
+                true
+            };
+            gpu.forward_greedy_chain(variant, last, &mut kv, &mut NoHook, rest, &mut more)
+                .expect("chain");
+            assert_eq!(kv.len(), prompt.len() + STEPS);
+            assert_eq!(
+                got, want,
+                "{name} {variant:?}: chained GPU choices differ from the CPU's"
+            );
+        }
+        let graphs = gpu.backend().step_graph_stats().unwrap();
+        assert!(
+            graphs.replays > 0,
+            "{name}: no chained pass was replayed: {graphs:?}"
+        );
+        eprintln!("{name}: chained greedy passes equal the CPU's ({graphs:?})");
     }
 }
 

@@ -308,3 +308,49 @@ fn specmoeoff_is_lossless_and_its_draft_kv_matches_a_fresh_draft_on_every_fixtur
     assert!(accepted > 0, "the INT4 draft never agreed with the target");
     assert!(accepted < drafted, "no rejection was exercised");
 }
+
+/// A greedy chain on the CPU backend (which feeds no choices on a device, so it runs the passes
+/// one at a time) gives forward_greedy's choices, stops where `accept` says, and leaves the KV
+/// holding exactly the passes whose choices were accepted.
+#[test]
+fn greedy_chain_stops_where_told_and_equals_single_passes() {
+    let (fixture, model) = load(FIXTURES[0]);
+    let prompt = fixture.prompts()[0].clone();
+    for variant in [Variant::Target, Variant::Draft] {
+        let mut kv = model.new_kv(prompt.len() + 10).unwrap();
+        let ids = model.forward_greedy(variant, &prompt, &mut kv, &mut NoHook);
+        let first = *ids.unwrap().last().unwrap();
+        let mut want = Vec::new();
+        let mut last = first;
+        for _ in 0..9 {
+            last = model
+                .forward_greedy(variant, &[last], &mut kv, &mut NoHook)
+                .unwrap()[0];
+            want.push(last);
+        }
+
+        let mut kv = model.new_kv(prompt.len() + 10).unwrap();
+        model
+            .forward_greedy(variant, &prompt, &mut kv, &mut NoHook)
+            .unwrap();
+        let mut got = Vec::new();
+        let mut accept = |id: u32| {
+            got.push(id);
+            got.len() < 4
+        };
+        model
+            .forward_greedy_chain(variant, first, &mut kv, &mut NoHook, 9, &mut accept)
+            .unwrap();
+        assert_eq!(kv.len(), prompt.len() + 4, "{variant:?}: stopped after 4");
+        let last = got[3];
+        let mut more = |id: u32| {
+            got.push(id);
+            true
+        };
+        model
+            .forward_greedy_chain(variant, last, &mut kv, &mut NoHook, 5, &mut more)
+            .unwrap();
+        assert_eq!(kv.len(), prompt.len() + 9);
+        assert_eq!(got, want, "{variant:?}");
+    }
+}

@@ -379,6 +379,7 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 /// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns
 /// recorded passes off, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
 /// it has finished, `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
+/// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
 /// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
 pub fn cuda_options_from_env() -> Result<CudaOptions> {
     cuda_options_from(|name| std::env::var(name).ok())
@@ -394,6 +395,9 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     }
     if let Some(value) = var("SPECTER_CUDA_FUSE_SHARED") {
         opts.fuse_shared_experts = value.trim() != "0";
+    }
+    if let Some(value) = var("SPECTER_CUDA_CHAIN") {
+        opts.chain_greedy = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_LOAD_THREADS") {
         match value.trim().parse::<usize>() {
@@ -424,8 +428,10 @@ mod tests {
             ("SPECTER_LOAD_THREADS", "3"),
             ("SPECTER_CUDA_OVERLAP", "0"),
             ("SPECTER_CUDA_FUSE_SHARED", "0"),
+            ("SPECTER_CUDA_CHAIN", "0"),
         ])
         .unwrap();
+        assert!(!opts.chain_greedy);
         assert!(!opts.graphs);
         assert!(!opts.overlap_launches);
         assert!(!opts.fuse_shared_experts);

@@ -788,6 +788,56 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         let logits = self.run(variant, tokens, kv, hook)?;
         self.backend.argmax(&logits)
     }
+
+    /// Where the backend feeds greedy choices on the device ([`Backend::feed_choice`]) and a
+    /// pass is recorded, the next pass is queued before the host has the choice it runs from:
+    /// the device goes from one pass to the next without waiting for the host. The choices are
+    /// the backend's argmax either way.
+    fn forward_greedy_chain(
+        &self,
+        variant: Variant,
+        token: u32,
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+        steps: usize,
+        accept: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<()> {
+        if steps == 0 {
+            return Ok(());
+        }
+        let be = &self.backend;
+        let logits = self.run(variant, &[token], kv, hook)?;
+        if !be.feed_choice(&logits)? {
+            let mut id = crate::model::one_choice(be.argmax(&logits)?)?;
+            for taken in 1..=steps {
+                if !accept(id) || taken == steps {
+                    break;
+                }
+                id = crate::model::one_choice(self.forward_greedy(variant, &[id], kv, hook)?)?;
+            }
+            return Ok(());
+        }
+        let chained = self.chain_fed(variant, kv, hook, steps, accept);
+        if chained.is_err() {
+            // The error is the one to report; the queue is only cleared for the next chain.
+            let _ = be.drop_fed_choices();
+        }
+        chained
+    }
+}
+
+/// Whether a pass under `hook` may be recorded and replayed: the hook looks inside no pass of
+/// `variant` on the host.
+fn recordable(variant: Variant, hook: &dyn RouteHook) -> bool {
+    !((hook.wants_routes() && !hook.counts_routes_on_device(variant)) || hook.wants_moe_input())
+}
+
+/// What a recorded pass is valid for: the KV cache's storage, the row count and the variant.
+fn step_key<B: Backend>(kv: &MoeKv<B>, rows: usize, variant: Variant) -> u64 {
+    mix(
+        mix(kv.storage, rows as u64),
+        (variant == Variant::Draft) as u64,
+    )
 }
 
 /// One step of a 64-bit hash (FNV-style multiply, then xor-shift), for keys.
@@ -841,22 +891,19 @@ impl<B: Backend> MoeModel<B> {
         let positions: Vec<usize> = (start..end).collect();
         let scales: Vec<f32> = positions.iter().map(|&p| self.rope.scale_at(p)).collect();
         let be = &self.backend;
-        if (hook.wants_routes() && !hook.counts_routes_on_device(variant)) || hook.wants_moe_input()
-        {
+        if !recordable(variant, hook) {
             let logits = self.pass(variant, tokens, kv, hook, &positions, &scales)?;
             kv.len = end;
             return Ok(logits);
         }
         // A pass the hook does not look inside may be recorded once and replayed.
         let step = StepRequest {
-            key: mix(
-                mix(kv.storage, tokens.len() as u64),
-                (variant == Variant::Draft) as u64,
-            ),
+            key: step_key(kv, tokens.len(), variant),
             tokens,
             start,
             inv_freq: &self.rope.inv_freq,
             scales: &scales,
+            fed: false,
         };
         loop {
             if let StepStart::Replayed(logits) = be.begin_step(&step)? {
@@ -872,6 +919,86 @@ impl<B: Backend> MoeModel<B> {
                     return Ok(logits);
                 }
             }
+        }
+    }
+
+    /// The rest of [`LanguageModel::forward_greedy_chain`] once the first pass's choice is fed:
+    /// `steps` choices in all, each taken after the next pass (where it is recorded) is queued.
+    fn chain_fed(
+        &self,
+        variant: Variant,
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+        steps: usize,
+        accept: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<()> {
+        let be = &self.backend;
+        // Passes whose choices are fed and not taken yet: 1, or 2 while one runs ahead.
+        let mut queued = 1;
+        let mut taken = 0;
+        loop {
+            if queued == 1 && taken + 1 < steps {
+                if let Some(logits) = self.run_fed(variant, kv, hook)? {
+                    if !be.feed_choice(&logits)? {
+                        return Err(Error::Backend(
+                            "a fed pass's choice could not be fed".into(),
+                        ));
+                    }
+                    queued = 2;
+                }
+            }
+            let id = be.take_fed_choice()?;
+            queued -= 1;
+            taken += 1;
+            if !accept(id) || taken == steps {
+                if queued > 0 {
+                    // The pass run ahead is not wanted: its choice and its position go.
+                    be.drop_fed_choices()?;
+                    kv.len -= queued;
+                }
+                return Ok(());
+            }
+            if queued == 0 {
+                // Not recorded yet: run the next pass from the host's copy of the choice.
+                let logits = self.run(variant, &[id], kv, hook)?;
+                if !be.feed_choice(&logits)? {
+                    return Err(Error::Backend("a pass's choice could not be fed".into()));
+                }
+                queued = 1;
+            }
+        }
+    }
+
+    /// Replays the one-row pass whose token is the last choice fed on the device, when it is
+    /// recorded (`None`: it is not, or the hook looks inside passes, or the KV is full).
+    fn run_fed(
+        &self,
+        variant: Variant,
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Option<B::Act>> {
+        let start = kv.len;
+        if !recordable(variant, hook) || start + 1 > kv.capacity {
+            return Ok(None);
+        }
+        let scales = [self.rope.scale_at(start)];
+        let step = StepRequest {
+            key: step_key(kv, 1, variant),
+            tokens: &[0],
+            start,
+            inv_freq: &self.rope.inv_freq,
+            scales: &scales,
+            fed: true,
+        };
+        match self.backend.begin_step(&step)? {
+            StepStart::Replayed(logits) => {
+                kv.len = start + 1;
+                Ok(Some(logits))
+            }
+            StepStart::Unrecorded => Ok(None),
+            StepStart::Run => Err(Error::Backend(
+                "the backend asked to run a fed pass op by op".into(),
+            )),
         }
     }
 

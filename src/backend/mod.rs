@@ -88,6 +88,10 @@ pub struct StepRequest<'a> {
     /// The model's rope frequencies and each row's cos/sin scale, as [`Backend::rope`] gets them.
     pub inv_freq: &'a [f32],
     pub scales: &'a [f32],
+    /// The pass's one token is the last greedy choice fed on the device
+    /// ([`Backend::feed_choice`]), not `tokens` (which then gives only the row count): the
+    /// backend replays a recording of the pass, or answers [`StepStart::Unrecorded`].
+    pub fed: bool,
 }
 
 /// What the caller of [`Backend::begin_step`] does next.
@@ -96,6 +100,9 @@ pub enum StepStart<A> {
     Run,
     /// The pass was replayed: these are its logits.
     Replayed(A),
+    /// A fed pass ([`StepRequest::fed`]) has no recording: nothing ran. The caller takes the
+    /// fed choice to the host and runs the pass from it.
+    Unrecorded,
 }
 
 /// What the caller of [`Backend::end_step`] does next.
@@ -420,8 +427,11 @@ pub trait Backend: Send + Sync {
     /// Starts a forward pass that a backend may record and replay (only passes whose caller
     /// needs no routing on the host come here). The default runs every pass op by op.
     fn begin_step(&self, step: &StepRequest) -> Result<StepStart<Self::Act>> {
-        let _ = step;
-        Ok(StepStart::Run)
+        Ok(if step.fed {
+            StepStart::Unrecorded
+        } else {
+            StepStart::Run
+        })
     }
 
     /// Ends the pass [`Self::begin_step`] started; `logits` is its output, or `None` when an op
@@ -429,6 +439,29 @@ pub trait Backend: Send + Sync {
     fn end_step(&self, logits: Option<&Self::Act>) -> Result<StepEnd> {
         let _ = logits;
         Ok(StepEnd::Done)
+    }
+
+    /// Greedy passes fed on the device, for a backend that records passes: chooses the greedy
+    /// token of `logits`' one row ([`Backend::argmax`]'s) where the next fed pass
+    /// ([`StepRequest::fed`]) reads its token, and starts copying it to the host, where
+    /// [`Backend::take_fed_choice`] returns it. The next pass can then be queued before the
+    /// choice reaches the host. Returns false, doing nothing, where the backend cannot (the
+    /// default) or `logits` is not one row.
+    fn feed_choice(&self, logits: &Self::Act) -> Result<bool> {
+        let _ = logits;
+        Ok(false)
+    }
+
+    /// The oldest choice [`Backend::feed_choice`] fed and no one took yet, once on the host.
+    fn take_fed_choice(&self) -> Result<u32> {
+        Err(crate::Error::Backend(
+            "this backend feeds no greedy choices".into(),
+        ))
+    }
+
+    /// Forgets every fed choice not taken (their passes' results are discarded).
+    fn drop_fed_choices(&self) -> Result<()> {
+        Ok(())
     }
 
     /// A number naming an activation's storage, equal for two activations only when they share

@@ -117,6 +117,12 @@ pub trait DecodeObserver: RouteHook {
     fn next_depth(&mut self, configured: usize) -> usize {
         configured
     }
+    /// Whether the methods above do anything: when not, the decode loop may run greedy passes
+    /// back to back on the device ([`LanguageModel::forward_greedy_chain`]) and tell this
+    /// observer nothing of them, as the default methods ignore it all.
+    fn follows_passes(&self) -> bool {
+        true
+    }
 }
 
 /// Wraps a plain route hook as an observer that ignores phase boundaries.
@@ -151,9 +157,17 @@ impl RouteHook for HookOnly<'_> {
     }
 }
 
-impl DecodeObserver for HookOnly<'_> {}
+impl DecodeObserver for HookOnly<'_> {
+    fn follows_passes(&self) -> bool {
+        false
+    }
+}
 
-impl DecodeObserver for crate::model::NoHook {}
+impl DecodeObserver for crate::model::NoHook {
+    fn follows_passes(&self) -> bool {
+        false
+    }
+}
 
 /// Validates the prompt (non-empty, ids < vocab, prompt + max_new_tokens <= max_context) and the
 /// options with [`Error::Request`] naming the problem, then decodes. `on_token` is called for
@@ -497,6 +511,12 @@ fn forward_choose<M: LanguageModel>(
     })
 }
 
+/// Whether greedy one-row passes may run as a chain: greedy choices, and an observer that is
+/// told nothing of each pass.
+fn chains(chooser: &Chooser, observer: &dyn DecodeObserver) -> bool {
+    chooser.sampling.is_greedy() && !observer.follows_passes()
+}
+
 /// One model variant alone: prefill, then one token per forward pass.
 fn decode_single<M: LanguageModel>(
     model: &M,
@@ -511,6 +531,15 @@ fn decode_single<M: LanguageModel>(
     let mut token = forward_choose(model, variant, prompt, &mut kv, observer, chooser, None)?;
     commits.push(token);
     observer.on_commit(0, 1);
+    if chains(chooser, observer) && !commits.finished {
+        // Greedy, and no observer to tell about each pass: passes may run back to back.
+        let steps = commits.remaining();
+        return model.forward_greedy_chain(variant, token, &mut kv, observer, steps, &mut |id| {
+            counters.rounds += 1;
+            commits.push(id);
+            !commits.finished
+        });
+    }
     while !commits.finished {
         token = forward_choose(model, variant, &[token], &mut kv, observer, chooser, None)?;
         counters.rounds += 1;
@@ -561,20 +590,40 @@ fn decode_speculative<M: LanguageModel>(
         draft_dists.clear();
         if k > 0 {
             observer.on_draft_window(k);
-            let mut last = pending;
-            for step in 0..k {
-                let token = forward_choose(
-                    model,
+            if chains(chooser, observer) {
+                model.forward_greedy_chain(
                     Variant::Draft,
-                    &[last],
+                    pending,
                     &mut kv,
                     observer,
-                    chooser,
-                    Some(&mut draft_dists),
+                    k,
+                    &mut |id| {
+                        drafts.push(id);
+                        true
+                    },
                 )?;
-                drafts.push(token);
-                last = token;
-                observer.on_draft_step(step);
+                if drafts.len() != k {
+                    return Err(Error::Model(format!(
+                        "a draft window of {k} steps proposed {} tokens",
+                        drafts.len()
+                    )));
+                }
+            } else {
+                let mut last = pending;
+                for step in 0..k {
+                    let token = forward_choose(
+                        model,
+                        Variant::Draft,
+                        &[last],
+                        &mut kv,
+                        observer,
+                        chooser,
+                        Some(&mut draft_dists),
+                    )?;
+                    drafts.push(token);
+                    last = token;
+                    observer.on_draft_step(step);
+                }
             }
             // Drop the draft's scratch positions: the target recomputes them.
             kv.truncate(committed_len);

@@ -81,6 +81,8 @@ pub struct CudaBackend {
     pub(super) overlap_launches: bool,
     /// See [`CudaOptions::fuse_shared_experts`].
     pub(super) fuse_shared_experts: bool,
+    /// See [`CudaOptions::chain_greedy`].
+    pub(super) chain_greedy: bool,
     /// See [`CudaOptions::skip_launches`] (measurement only; empty in real runs).
     pub(super) skip_launches: Vec<SkipLaunch>,
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
@@ -163,6 +165,7 @@ impl CudaBackend {
             load_report: Mutex::new(None),
             overlap_launches,
             fuse_shared_experts: options.fuse_shared_experts,
+            chain_greedy: options.chain_greedy,
             skip_launches: options.skip_launches.clone(),
             attention_counters,
             argmax_keys,
@@ -342,8 +345,17 @@ impl CudaBackend {
     /// Waits for all work issued so far.
     pub fn synchronize(&self) -> Result<()> {
         self.note_host_sync()?;
+        self.wait_timed(|| self.stream.synchronize())
+    }
+
+    /// Runs `wait` (a wait for the device) and counts its time as the host's wait, the time
+    /// since the last wait as the host's issue time.
+    pub(super) fn wait_timed(
+        &self,
+        wait: impl FnOnce() -> std::result::Result<(), cudarc::driver::DriverError>,
+    ) -> Result<()> {
         let issued = std::time::Instant::now();
-        guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        guarded("cuStreamSynchronize", wait)?;
         let done = std::time::Instant::now();
         let mut t = self.lock(&self.timing)?;
         if let Some(last) = t.1 {

@@ -17,10 +17,10 @@
 //! With an expert cache, the draft's passes (resident INT4 experts, routing counted on the
 //! device) are recorded and the target's are not.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaGraph, CudaSlice};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PinnedHostSlice};
 
 use super::act::GpuAct;
 use super::pool::PooledBuf;
@@ -35,6 +35,11 @@ pub(super) const MAX_HALF: usize = 256;
 pub(super) const PARAM_WORDS: usize = 2 * MAX_ROWS + 2 * MAX_ROWS * MAX_HALF;
 /// Recordings kept at most (least recently used dropped first).
 pub(super) const MAX_RECORDED: usize = 8;
+/// Slots of each fed-choice ring: choices on their way to the host, and fed passes' step words
+/// staged for upload (see [`FedChoices`]). A chain has at most two choices in flight.
+pub(super) const FED_SLOTS: usize = 4;
+/// Step words of a fed pass (one row), after its id: position, cos and sin.
+pub(super) const FED_WORDS: usize = 1 + 2 * MAX_HALF;
 
 /// Counters of the recorded-pass machinery, for reports.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
@@ -98,6 +103,26 @@ pub(super) struct StepGraphs {
     pub(super) clock: u64,
     pub active: Option<ActiveStep>,
     pub(super) stats: StepGraphStats,
+    /// Greedy choices fed on the device (made on first use).
+    pub(super) fed: Option<FedChoices>,
+}
+
+/// Greedy choices fed on the device to the next recorded one-row pass
+/// ([`crate::backend::Backend::feed_choice`]): each is written into the step buffer's id word,
+/// where a fed pass's embedding reads it, and copied into a pinned host slot. A fed pass's other
+/// step words go up from pinned staging too, so queuing it never waits for the device.
+pub(super) struct FedChoices {
+    /// `FED_SLOTS` choice words, then `FED_SLOTS` staging areas of `FED_WORDS` words.
+    pub(super) host: PinnedHostSlice<u32>,
+    /// Recorded after each choice's copy to the host.
+    pub(super) choice_copied: Vec<Arc<CudaEvent>>,
+    /// Recorded after each staging area's upload: the host waits on it before writing the area
+    /// again (an event never recorded is complete).
+    pub(super) staged_sent: Vec<CudaEvent>,
+    /// Choice slots fed and not taken, oldest first.
+    pub(super) queue: VecDeque<usize>,
+    pub(super) next_choice: usize,
+    pub(super) next_staged: usize,
 }
 
 impl StepGraphs {
@@ -114,6 +139,7 @@ impl StepGraphs {
                 enabled,
                 ..Default::default()
             },
+            fed: None,
         }
     }
 }

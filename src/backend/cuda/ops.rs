@@ -750,6 +750,18 @@ impl Backend for CudaBackend {
         self.end_step_impl(logits)
     }
 
+    fn feed_choice(&self, logits: &GpuAct) -> Result<bool> {
+        self.feed_choice_impl(logits)
+    }
+
+    fn take_fed_choice(&self) -> Result<u32> {
+        self.take_fed_choice_impl()
+    }
+
+    fn drop_fed_choices(&self) -> Result<()> {
+        self.drop_fed_choices_impl()
+    }
+
     fn storage_id(&self, x: &GpuAct) -> u64 {
         ptr(&x.buf, &self.stream)
     }

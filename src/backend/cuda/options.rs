@@ -1,6 +1,6 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
-//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED` and
-//! `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
+//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED`,
+//! `SPECTER_CUDA_CHAIN` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
 //! measurement-only `skip_launches`).
 
 use super::{HostExpertsConfig, HostPath, LoadIo};
@@ -35,6 +35,10 @@ pub struct CudaOptions {
     /// ops. The same bits either way; what it saves is two launches per layer and the routing's
     /// latency.
     pub fuse_shared_experts: bool,
+    /// Feed greedy choices to the next recorded pass on the device, so a chain of greedy
+    /// one-row passes (decode steps, a draft window) runs without waiting for the host between
+    /// passes (`Backend::feed_choice`). The same tokens either way.
+    pub chain_greedy: bool,
     /// Measurement only: launches to leave out of every pass. A pass that skips a launch
     /// computes meaningless outputs (and where the skipped kernel feeds the routing, the
     /// experts it then picks are arbitrary); `examples/bench_step.rs` uses this to measure what
@@ -148,6 +152,7 @@ impl Default for CudaOptions {
             link_pace_bytes_per_s: None,
             overlap_launches: true,
             fuse_shared_experts: true,
+            chain_greedy: true,
             skip_launches: Vec::new(),
         }
     }

@@ -10,7 +10,7 @@ use super::act::GpuAct;
 use super::backend::CudaBackend;
 use super::driver::guarded;
 use super::graphs::*;
-use super::kernels::ptr;
+use super::kernels::{int, ptr, ARGMAX_CHUNK, ROW_THREADS};
 use super::pool::PooledBuf;
 use crate::backend::{StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
@@ -105,6 +105,22 @@ impl CudaBackend {
         let mut g = self.lock(&self.steps)?;
         g.active = None;
         let rows = step.tokens.len();
+        let recorded = g.recorded.iter().position(|r| r.key == step.key);
+        if step.fed {
+            if !g.enabled
+                || rows != 1
+                || step.inv_freq.len() > MAX_HALF
+                || step.scales.len() != 1
+                || g.fed.is_none()
+            {
+                return Ok(StepStart::Unrecorded);
+            }
+            let Some(i) = recorded else {
+                return Ok(StepStart::Unrecorded);
+            };
+            self.upload_fed_words(&mut g, step)?;
+            return self.replay(&mut g, i);
+        }
         if !g.enabled
             || rows == 0
             || rows > MAX_ROWS
@@ -122,17 +138,10 @@ impl CudaBackend {
                 cudarc::driver::result::memcpy_htod_async(dst, &words, self.stream.cu_stream())
             }
         })?;
-        g.clock += 1;
-        let clock = g.clock;
-        if let Some(i) = g.recorded.iter().position(|r| r.key == step.key) {
-            g.recorded[i].used = clock;
-            guarded("cuda: graph launch failed", || {
-                g.recorded[i].graph.0.launch()
-            })?;
-            g.stats.replays += 1;
-            let logits = g.recorded[i].logits.share();
-            return Ok(StepStart::Replayed(logits));
+        if let Some(i) = recorded {
+            return self.replay(&mut g, i);
         }
+        g.clock += 1;
         let mut capturing = g.warmed.contains(&step.key) && !g.failed.contains(&step.key);
         if capturing {
             let begun = self
@@ -157,6 +166,162 @@ impl CudaBackend {
             keep: Vec::new(),
         });
         Ok(StepStart::Run)
+    }
+
+    /// Replays recording `i` (its step words are uploaded).
+    fn replay(&self, g: &mut StepGraphs, i: usize) -> Result<StepStart<GpuAct>> {
+        g.clock += 1;
+        g.recorded[i].used = g.clock;
+        guarded("cuda: graph launch failed", || {
+            g.recorded[i].graph.0.launch()
+        })?;
+        g.stats.replays += 1;
+        Ok(StepStart::Replayed(g.recorded[i].logits.share()))
+    }
+
+    /// Uploads a fed one-row pass's step words but its id (the fed choice, already in the step
+    /// buffer) from pinned staging, so the host does not wait for the device's queue.
+    fn upload_fed_words(&self, g: &mut StepGraphs, step: &StepRequest) -> Result<()> {
+        let words = param_words(step);
+        let words = &words[1..];
+        let dst = ptr(&g.params, &self.stream) + 4;
+        let Some(fed) = g.fed.as_mut() else {
+            return Err(Error::Backend(
+                "cuda: a fed pass without fed choices".into(),
+            ));
+        };
+        let slot = fed.next_staged;
+        fed.next_staged = (slot + 1) % FED_SLOTS;
+        // The area's last upload must be done before the host writes it again.
+        guarded("cuda: waiting for a staged upload", || {
+            fed.staged_sent[slot].synchronize()
+        })?;
+        let area = guarded("cuda: pinned staging", || fed.host.as_mut_slice())?;
+        let at = FED_SLOTS + slot * FED_WORDS;
+        let area = &mut area[at..at + words.len()];
+        area.copy_from_slice(words);
+        guarded("cuda: step buffer upload failed", || {
+            // SAFETY: `area` is pinned memory of `words.len()` <= FED_WORDS u32, which fits the
+            // step buffer after its first word; the host writes it again only once the event
+            // recorded below has completed.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, area, self.stream.cu_stream()) }
+        })?;
+        guarded("cuda: recording a staged upload", || {
+            fed.staged_sent[slot].record(&self.stream)
+        })?;
+        Ok(())
+    }
+
+    /// Chooses `logits`' greedy token into the step buffer's id word (a fed pass's input) and
+    /// starts its copy to a pinned host slot.
+    pub(super) fn feed_choice_impl(&self, logits: &GpuAct) -> Result<bool> {
+        if !self.chain_greedy || logits.rows != 1 || logits.cols == 0 {
+            return Ok(false);
+        }
+        let mut g = self.lock(&self.steps)?;
+        if !g.enabled || g.active.is_some() {
+            return Ok(false);
+        }
+        if g.fed.is_none() {
+            g.fed = Some(self.new_fed_choices()?);
+        }
+        let s = &self.stream;
+        let id_word = ptr(&g.params, s);
+        let args = [
+            ptr(&logits.buf, s),
+            int(logits.cols, "cols")?,
+            ptr(&self.argmax_keys, s),
+            ptr(&self.argmax_counts, s),
+            id_word,
+        ];
+        let Some(fed) = g.fed.as_mut() else {
+            return Ok(false);
+        };
+        if fed.queue.len() >= FED_SLOTS {
+            return Err(Error::Backend(format!(
+                "cuda: more than {FED_SLOTS} greedy choices fed and not taken"
+            )));
+        }
+        self.launch(
+            &self.k.argmax,
+            "argmax",
+            (logits.cols.div_ceil(ARGMAX_CHUNK) as u32, 1, 1),
+            ROW_THREADS,
+            &args,
+        )?;
+        let slot = fed.next_choice;
+        fed.next_choice = (slot + 1) % FED_SLOTS;
+        let host = guarded("cuda: pinned choices", || fed.host.as_mut_slice())?;
+        guarded("cuda: copying a choice to the host", || {
+            // SAFETY: one u32 from the step buffer's first word into pinned memory that lives as
+            // long as the backend (which synchronises its stream before it is dropped); the host
+            // reads it only after the event recorded below.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut host[slot..slot + 1],
+                    id_word,
+                    s.cu_stream(),
+                )
+            }
+        })?;
+        guarded("cuda: recording a choice's copy", || {
+            fed.choice_copied[slot].record(s)
+        })?;
+        fed.queue.push_back(slot);
+        Ok(true)
+    }
+
+    pub(super) fn take_fed_choice_impl(&self) -> Result<u32> {
+        let (slot, copied) = {
+            let mut g = self.lock(&self.steps)?;
+            let fed = g.fed.as_mut();
+            match fed.and_then(|f| f.queue.pop_front().map(|s| (s, f.choice_copied[s].clone()))) {
+                Some(taken) => taken,
+                None => return Err(Error::Backend("cuda: no greedy choice was fed".into())),
+            }
+        };
+        self.wait_timed(|| copied.synchronize())?;
+        let g = self.lock(&self.steps)?;
+        let Some(fed) = g.fed.as_ref() else {
+            return Err(Error::Backend("cuda: the fed choices are gone".into()));
+        };
+        let host = guarded("cuda: pinned choices", || fed.host.as_slice())?;
+        Ok(host[slot])
+    }
+
+    pub(super) fn drop_fed_choices_impl(&self) -> Result<()> {
+        if let Some(fed) = self.lock(&self.steps)?.fed.as_mut() {
+            fed.queue.clear();
+        }
+        Ok(())
+    }
+
+    fn new_fed_choices(&self) -> Result<FedChoices> {
+        let ctx = self.stream.context();
+        let event = || {
+            guarded("cuEventCreate", || {
+                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            })
+        };
+        let mut host = guarded(
+            "cuda: cannot allocate pinned memory for fed choices",
+            || {
+                // SAFETY: plain (not write-combined: the host reads the choices) page-locked
+                // memory; it is zeroed below before any use.
+                unsafe { ctx.alloc_pinned_with_flags::<u32>(FED_SLOTS * (1 + FED_WORDS), 0) }
+            },
+        )?;
+        guarded("cuda: pinned choices", || host.as_mut_slice())?.fill(0);
+        Ok(FedChoices {
+            host,
+            choice_copied: (0..FED_SLOTS)
+                .map(|_| event().map(Arc::new))
+                .collect::<Result<_>>()?,
+            staged_sent: (0..FED_SLOTS).map(|_| event()).collect::<Result<_>>()?,
+            queue: std::collections::VecDeque::new(),
+            next_choice: 0,
+            next_staged: 0,
+        })
     }
 
     pub(super) fn end_step_impl(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {
