@@ -3,7 +3,8 @@
 //! several rows (the target over a drafted window, the KV cropped back after each).
 //!
 //!     cargo run --release --example bench_step -- BUNDLE [--backend cuda|cpu] [--steps N]
-//!         [--window R]... [--no-overlap] [--skip-launches LABEL[@BLOCKS],...] [--json OUT]
+//!         [--window R]... [--windows-only] [--no-overlap] [--skip-launches LABEL[@BLOCKS],...]
+//!         [--json OUT]
 //!
 //! Each figure is the median wall time of `--steps` passes (after as many untimed ones), each
 //! pass's greedy choices back on the host as the greedy decode loop receives them
@@ -11,6 +12,7 @@
 //! first; the one-row steps then run at positions 16, 17, ...; a window always starts at the
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
+//! `--windows-only` times the verification windows alone (for a profiler's view of them).
 //! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops, and
 //! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, as in specter-run. The
 //! chained figures time greedy steps run back to back (`LanguageModel::forward_greedy_chain`):
@@ -47,6 +49,7 @@ fn main() -> anyhow::Result<()> {
     let mut windows = Vec::new();
     let mut json = None;
     let mut overlap = true;
+    let mut windows_only = false;
     let mut skip = Vec::new();
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
@@ -65,6 +68,7 @@ fn main() -> anyhow::Result<()> {
             "--window" => windows.push(count(&value("--window")?, "--window")?),
             "--json" => json = Some(value("--json")?),
             "--no-overlap" => overlap = false,
+            "--windows-only" => windows_only = true,
             "--skip-launches" => {
                 skip = specter::backend::cuda::SkipLaunch::parse_list(&value("--skip-launches")?)
                     .map_err(|e| anyhow::anyhow!("--skip-launches: {e}"))?
@@ -95,7 +99,13 @@ fn main() -> anyhow::Result<()> {
     }
     let session = Session::open_with(std::path::Path::new(&bundle), &opts)?;
     let prompt: Vec<u32> = (5..21).collect();
-    let report = with_session_model!(session, |m| time_passes(m, &prompt, steps, &windows))?;
+    let report = with_session_model!(session, |m| time_passes(
+        m,
+        &prompt,
+        steps,
+        &windows,
+        windows_only
+    ))?;
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
     }
@@ -108,14 +118,20 @@ fn time_passes<M: LanguageModel>(
     prompt: &[u32],
     steps: usize,
     windows: &[usize],
+    windows_only: bool,
 ) -> anyhow::Result<serde_json::Value> {
     let vocab = m.info().vocab_size as u32;
     let token = |i: usize| (7 + 31 * i as u32) % vocab;
     let mut out = serde_json::Map::new();
-    for (name, variant) in [
-        ("target_step_ms", Variant::Target),
-        ("draft_step_ms", Variant::Draft),
-    ] {
+    let singles: &[(&str, Variant)] = if windows_only {
+        &[]
+    } else {
+        &[
+            ("target_step_ms", Variant::Target),
+            ("draft_step_ms", Variant::Draft),
+        ]
+    };
+    for &(name, variant) in singles {
         let mut kv = m.new_kv(prompt.len() + 2 * steps + 1)?;
         m.forward(variant, prompt, &mut kv, &mut NoHook)?;
         let mut times = Vec::with_capacity(steps);
@@ -132,10 +148,15 @@ fn time_passes<M: LanguageModel>(
     }
     // Chained greedy steps (as a greedy decode loop runs them): the time between choices
     // reaching the host, median of the last `steps` of a chain of 2 * steps.
-    for (name, variant) in [
-        ("target_chain_step_ms", Variant::Target),
-        ("draft_chain_step_ms", Variant::Draft),
-    ] {
+    let chains: &[(&str, Variant)] = if windows_only {
+        &[]
+    } else {
+        &[
+            ("target_chain_step_ms", Variant::Target),
+            ("draft_chain_step_ms", Variant::Draft),
+        ]
+    };
+    for &(name, variant) in chains {
         let mut kv = m.new_kv(prompt.len() + 2 * steps + 1)?;
         m.forward_greedy(variant, prompt, &mut kv, &mut NoHook)?;
         let mut arrivals = Vec::with_capacity(2 * steps);

@@ -13,7 +13,8 @@
 #   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; the same
 #             logits with the shared experts fused into the routed launches as without; and every
 #             load I/O method gives the per-tensor upload's weights (tests/cuda_load.rs)
-#   lossless  every fixture model: speculative decoding on the GPU equals target-only
+#   lossless  every fixture model: speculative decoding on the GPU equals target-only, and greedy
+#             passes chained on the device give the CPU's choices
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   compare   old against new binaries ($OLD_CARRY): TPOT all resident and lru16 on the bench model
@@ -32,6 +33,9 @@
 #   kprofile  per-kernel GPU time of all-resident decode steps on the bench model: Nsight Systems
 #             (kernel time and the gaps between kernels per step) and Nsight Compute (time and
 #             DRAM bytes per kernel); KMODE=draft for the draft's steps
+#   wprofile  per-kernel GPU time and DRAM bytes of a verification window of $WROWS rows (17 by
+#             default), all resident, on the bench model: Nsight Compute over bench_step
+#             --windows-only (launches serialised: each kernel's time alone, its bandwidth)
 #   steps     the target's and the draft's one-row steps and 17- and 4-row verification windows
 #             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident,
 #             with the target run's host time and device wait per token;
@@ -224,6 +228,20 @@ kprofile() {
         --launch-skip "${KSKIP:-3000}" --launch-count "${KCOUNT:-3000}" "$run" "${gen[@]}" --max-new-tokens 40 \
         > "$out/ncu.csv" 2> "$out/ncu.err" || { tail -5 "$out/ncu.err"; return 1; }
     python3 "$ROOT/scripts/kprofile.py" ncu "$out/ncu.csv"
+}
+
+# Per-kernel time and DRAM bytes of a recorded verification window ($WROWS rows): two windows
+# after the prefill, the window's first run, its capture and one replay (KSKIP, KCOUNT launches).
+wprofile() {
+    local dir=$1 out=$2 rows=${WROWS:-17}
+    bench_model "$dir" "$out"
+    ncu --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
+        --launch-skip "${KSKIP:-1392}" --launch-count "${KCOUNT:-696}" \
+        "$CARRY/bench_step" "$dir/dsv2.specter" --windows-only --window "$rows" --steps 4 \
+        > "$out/wncu-$rows.csv" 2> "$out/wncu-$rows.err" || { tail -5 "$out/wncu-$rows.err"; return 1; }
+    echo "== verification window of $rows rows"
+    python3 "$ROOT/scripts/kprofile.py" ncu "$out/wncu-$rows.csv"
 }
 
 # Step times: the target's one-row step, the draft's, and verification windows of 17 and 4 rows
@@ -622,7 +640,8 @@ run() {
             fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1
                 run_test cuda_fixtures "$out/fused.log" gpu_logits || status=1
                 run_test cuda_load "$out/load.log" || status=1 ;;
-            lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1 ;;
+            lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1
+                run_test cuda_fixtures "$out/chained.log" gpu_chained || status=1 ;;
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;
             bench) bench "$dir" "$out" || status=1 ;;
             compare) compare "$dir" "$out" 2>&1 | tee "$out/compare.log" || status=1 ;;
@@ -631,6 +650,7 @@ run() {
             pace) run_test cuda_pace "$out/pace.log" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
+            wprofile) wprofile "$dir" "$out" 2>&1 | tee "$out/wprofile-${WROWS:-17}.log" || status=1 ;;
             incost) incost "$dir" "$out" 2>&1 | tee "$out/incost.log" || status=1 ;;
             steps) steps "$dir" "$out" 2>&1 | tee "$out/steps.log" || status=1 ;;
             cases) cases "$dir" "$out" 2>&1 | tee "$out/cases.log" || status=1 ;;
