@@ -4,13 +4,15 @@
 //
 // One warp owns two output features (two weight rows; four in the one-item routed down kernels,
 // whose rows are short): its lanes stream the rows in 16-byte pieces (8 halves), several pieces
-// of each row in flight per lane, and each activation value loaded serves every feature. Each lane accumulates, for up to MR activation rows at once, in f32
+// of each row in flight per lane, and each activation value loaded serves every feature. Each
+// lane accumulates, for up to MR activation rows at once, in f32
 // with one fixed order (its pieces in ascending order, 8 fused multiply-adds each); the 32 partial
 // sums are then combined by a fixed shuffle tree. The arithmetic of one (row, feature) is the same
 // whatever the number of rows in the launch, the row's place in its group of MR, or which of the
 // warp's two slots the feature sits in (the backend's exactness contract), and each weight byte
-// is read once per group of MR rows. Groups of 1, 2 or 4 rows run narrower code (fewer
-// accumulators live), with the same per-row arithmetic. The routed-expert kernels keep eight
+// is read from DRAM about once per launch (the groups of a feature block run side by side).
+// Groups of 1 or 2 rows run narrower code (fewer accumulators live), with the same per-row
+// arithmetic. The routed-expert kernels keep eight
 // partials per lane instead of one, so the host can compute the same bits (`lane_dot2_split`).
 
 #include <cuda_fp16.h>
@@ -23,7 +25,12 @@
 // Output features per warp of linear_f16 and moe_f16_down (the rows w0 and w1 below); the host
 // sizes their grids by it.
 #define FEATURES 2
-#define MR 8
+// Most rows one warp of the several-row dense kernels (linear_f16, linear2_f16, gate_up_silu_f16
+// and the shared experts' products) takes: a work block is (a block of features, a group of at
+// most WORK_ROWS rows; see work_rows), so a verification window's rows run in parallel warps that
+// read the same weights (DRAM once, L2 after) instead of one after another in each warp.
+#define WORK_ROWS 4
+#define MR WORK_ROWS
 // 16-byte pieces of each weight row in flight per lane. (Narrower groups could take more, but
 // registers are allocated for the widest group's code: 4 keeps every kernel at <= 168 registers,
 // three 128-thread blocks per SM.)
@@ -130,11 +137,21 @@ __device__ __forceinline__ void group_dot2(const __half* __restrict__ w0, const 
         lane_dot2<1>(w0, w1, xr, mr, k, lane, a0, a1);
     } else if (mr == 2) {
         lane_dot2<2>(w0, w1, xr, mr, k, lane, a0, a1);
-    } else if (mr <= 4) {
-        lane_dot2<4>(w0, w1, xr, mr, k, lane, a0, a1);
     } else {
         lane_dot2<MR>(w0, w1, xr, mr, k, lane, a0, a1);
     }
+}
+
+// Rows a work block of the several-row dense kernels takes: all of them up to 2, pairs up to 4,
+// then WORK_ROWS. Parallelism only: a (row, feature)'s arithmetic does not depend on its group.
+// The host sizes grids by the same rule (src/backend/cuda/kernels.rs, `work_rows`).
+__device__ __forceinline__ int work_rows(int rows) {
+    return rows <= 2 ? max(rows, 1) : (rows <= 4 ? 2 : WORK_ROWS);
+}
+
+__device__ __forceinline__ int row_groups(int rows) {
+    const int g = work_rows(rows);
+    return (rows + g - 1) / g;
 }
 
 // The routed experts' dot products keep eight partials per lane instead of one: partial e of lane
@@ -299,15 +316,18 @@ __device__ __forceinline__ float split_sum(const float p[8], int lane) {
     return s;
 }
 
-// Block `block` of y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]): warp w owns features
-// FEATURES * (block * WARPS + w) and the next. ONE: rows one at a time (lane_dot2<1>, as
-// group_dot2 runs a group of one), with more pieces in flight.
+// Work block `work` of y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]): feature block
+// b = work / row_groups(rows), whose warp w owns features FEATURES * (b * WARPS + w) and the next,
+// over row group work % row_groups(rows). ONE: every row, one at a time (lane_dot2<1>, as
+// group_dot2 runs a group of one), with more pieces in flight; its work blocks are feature blocks.
 template <bool ONE>
 __device__ __forceinline__ void linear_block(const float* __restrict__ x, int rows, int k,
                                              const __half* __restrict__ w, int n,
                                              const __half* __restrict__ bias, float* __restrict__ y,
-                                             int block) {
+                                             int work) {
     const int lane = threadIdx.x & 31;
+    const int groups = ONE ? 1 : row_groups(rows);
+    const int block = work / groups;
     const int col = FEATURES * (block * WARPS + (threadIdx.x >> 5));
     if (col >= n) return;
     const bool second = col + 1 < n;
@@ -320,8 +340,11 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
     const float b0 = bias ? __half2float(bias[col]) : 0.0f;
     const float b1 = bias && second ? __half2float(bias[col + 1]) : 0.0f;
     constexpr int M = ONE ? 1 : MR;
-    for (int r0 = 0; r0 < rows; r0 += M) {
-        const int mr = min(M, rows - r0);
+    const int per = ONE ? 1 : work_rows(rows);
+    const int first = ONE ? 0 : (work % groups) * per;
+    const int last = ONE ? rows : min(rows, first + per);
+    for (int r0 = first; r0 < last; r0 += M) {
+        const int mr = min(M, last - r0);
         const float* xr[M];
         float a0[M], a1[M];
 #pragma unroll
@@ -348,8 +371,18 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
     }
 }
 
-// Asks L2 for the weight rows warp `threadIdx.x >> 5` reads in block `block` of a linear product.
-__device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, int n, int k, int block) {
+// Work blocks of a linear product: feature blocks times row groups (ONE: feature blocks).
+template <bool ONE>
+__device__ __forceinline__ int linear_work(int rows, int n) {
+    return (n + FEATURES * WARPS - 1) / (FEATURES * WARPS) * (ONE ? 1 : row_groups(rows));
+}
+
+// Asks L2 for the weight rows warp `threadIdx.x >> 5` reads in work block `work` of a linear
+// product.
+template <bool ONE>
+__device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, int rows, int n, int k,
+                                                int work) {
+    const int block = work / (ONE ? 1 : row_groups(rows));
     const int col = FEATURES * (block * WARPS + (threadIdx.x >> 5));
     if (col < n) {
         spx_prefetch_l2(w + (size_t)col * k, (size_t)(col + 1 < n ? 2 : 1) * k * sizeof(__half), threadIdx.x & 31);
@@ -363,20 +396,21 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
 // work block (src/backend/cuda/kernels.rs, `GridStride::grid`). Which block computes a feature
 // changes no bit.
 
-// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]), over ceil(n / (FEATURES * WARPS)) work
-// blocks; block: 32 * WARPS. linear_f16_1: the same for one row.
+// y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]), over ceil(n / (FEATURES * WARPS)) feature
+// blocks times row_groups(rows) work blocks; block: 32 * WARPS. linear_f16_1: the same for one
+// row.
 //
 // linear2_f16: two products of the same input in one launch, each as linear_f16 computes it:
-// work blocks below `blocks_a` compute ya = x @ wa^T (+ ba), the others yb = x @ wb^T (+ bb);
-// blocks_a = ceil(na / (FEATURES * WARPS)).
+// work blocks below `blocks_a` row groups' worth compute ya = x @ wa^T (+ ba), the others
+// yb = x @ wb^T (+ bb); blocks_a = ceil(na / (FEATURES * WARPS)), the feature blocks of ya.
 #define LINEAR_KERNELS(SUFFIX, ONE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16##SUFFIX(                      \
         const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,            \
         const __half* __restrict__ bias, float* __restrict__ y) {                                     \
         spx_launch_dependents();                                                                      \
-        const int blocks = (n + FEATURES * WARPS - 1) / (FEATURES * WARPS);                           \
+        const int blocks = linear_work<ONE>(rows, n);                                                 \
         for (int b = blockIdx.x; b < blocks; b += gridDim.x) {                                        \
-            if (b + (int)gridDim.x < blocks) linear_prefetch(w, n, k, b + gridDim.x);                 \
+            if (b + (int)gridDim.x < blocks) linear_prefetch<ONE>(w, rows, n, k, b + gridDim.x);      \
             linear_block<ONE>(x, rows, k, w, n, bias, y, b);                                          \
         }                                                                                             \
     }                                                                                                 \
@@ -385,18 +419,19 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
         const __half* __restrict__ ba, float* __restrict__ ya, const __half* __restrict__ wb, int nb, \
         const __half* __restrict__ bb, float* __restrict__ yb, int blocks_a) {                        \
         spx_launch_dependents();                                                                      \
-        const int blocks = blocks_a + (nb + FEATURES * WARPS - 1) / (FEATURES * WARPS);               \
+        const int work_a = blocks_a * (ONE ? 1 : row_groups(rows));                                   \
+        const int blocks = work_a + linear_work<ONE>(rows, nb);                                       \
         for (int b = blockIdx.x; b < blocks; b += gridDim.x) {                                        \
             const int next = b + gridDim.x;                                                           \
-            if (next < blocks_a) {                                                                    \
-                linear_prefetch(wa, na, k, next);                                                     \
+            if (next < work_a) {                                                                      \
+                linear_prefetch<ONE>(wa, rows, na, k, next);                                          \
             } else if (next < blocks) {                                                               \
-                linear_prefetch(wb, nb, k, next - blocks_a);                                          \
+                linear_prefetch<ONE>(wb, rows, nb, k, next - work_a);                                 \
             }                                                                                         \
-            if (b < blocks_a) {                                                                       \
+            if (b < work_a) {                                                                         \
                 linear_block<ONE>(x, rows, k, wa, na, ba, ya, b);                                     \
             } else {                                                                                  \
-                linear_block<ONE>(x, rows, k, wb, nb, bb, yb, b - blocks_a);                          \
+                linear_block<ONE>(x, rows, k, wb, nb, bb, yb, b - work_a);                            \
             }                                                                                         \
         }                                                                                             \
     }
@@ -410,9 +445,10 @@ LINEAR_KERNELS(_1, true)
 // followed by silu_mul bit for bit. One warp. (A one-row form with more pieces in flight measured
 // slower on the H200 for DeepSeek's shared experts.) ONE: one row, by the code group_dot2 runs
 // for a group of one row (the same bits), without the registers of wider groups.
+// Rows first .. last of x (ONE: the one row).
 template <bool ONE = false>
-__device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x, int rows, int k,
-                                                     const __half* __restrict__ w, int inter,
+__device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x, int first, int last,
+                                                     int k, const __half* __restrict__ w, int inter,
                                                      float* __restrict__ h, int j) {
     const int lane = threadIdx.x & 31;
     if (j >= inter) return;
@@ -430,8 +466,8 @@ __device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x
         if (lane == 0) h[j] = ga / (1.0f + expf(-ga)) * ub;
         return;
     }
-    for (int r0 = 0; r0 < rows; r0 += MR) {
-        const int mr = min(MR, rows - r0);
+    for (int r0 = first; r0 < last; r0 += MR) {
+        const int mr = min(MR, last - r0);
         const float* xr[MR];
         float a[MR], b[MR];
 #pragma unroll
@@ -581,17 +617,21 @@ __device__ __forceinline__ void gate_up_prefetch(const __half* __restrict__ w, i
     }
 }
 
-// Work blocks first, first + stride, ... below ceil(inter / WARPS) of gate_up_silu_feature, warp
-// w of work block b computing feature b * WARPS + w.
+// Work blocks first, first + stride, ... below ceil(inter / WARPS) feature blocks times
+// row_groups(rows) (ONE: feature blocks) of gate_up_silu_feature: warp w of work block v computes
+// feature (v / groups) * WARPS + w over row group v % groups.
 template <bool ONE = false>
 __device__ __forceinline__ void gate_up_silu_blocks(const float* __restrict__ x, int rows, int k,
                                                     const __half* __restrict__ w, int inter,
                                                     float* __restrict__ h, int first, int stride) {
     const int warp = threadIdx.x >> 5;
-    const int blocks = (inter + WARPS - 1) / WARPS;
-    for (int b = first; b < blocks; b += stride) {
-        gate_up_prefetch(w, k, inter, (b + stride) * WARPS + warp);
-        gate_up_silu_feature<ONE>(x, rows, k, w, inter, h, b * WARPS + warp);
+    const int groups = ONE ? 1 : row_groups(rows);
+    const int per = ONE ? rows : work_rows(rows);
+    const int blocks = (inter + WARPS - 1) / WARPS * groups;
+    for (int v = first; v < blocks; v += stride) {
+        gate_up_prefetch(w, k, inter, (v + stride) / groups * WARPS + warp);
+        const int r0 = ONE ? 0 : (v % groups) * per;
+        gate_up_silu_feature<ONE>(x, r0, min(rows, r0 + per), k, w, inter, h, v / groups * WARPS + warp);
     }
 }
 
@@ -635,10 +675,10 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 // grid-stride loops (without the next block's prefetch: the host gives the one-item forms a
 // block per work block, and the others' weights serve several items). The _1 kernels take
 // groups' items one at a time (decode: every group holds one item). Block: 32 * WARPS; any grid.
-// moe_f16_down_shared: moe_f16_down over work rows by < groups, and in row by = groups the shared
+// moe_f16_down_shared: moe_f16_down over the routed work blocks (gx per group), then the shared
 // experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16 computes it
-// (the _1 form one row at a time, the same bits), whose weights L2 fetches before the wait for
-// the gate/up launch. The one-item down kernels follow the macros.
+// (its work blocks; the _1 form one row at a time, the same bits), whose weights L2 fetches
+// before the wait for the gate/up launch. The one-item down kernels follow the macros.
 #define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
         const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
@@ -667,14 +707,14 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
         float* __restrict__ y_shared) {                                                                 \
         spx_launch_dependents();                                                                        \
         const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);                            \
-        const int blocks = gx * (num_groups + 1);                                                       \
+        const int routed = gx * num_groups, blocks = routed + linear_work<false>(rows, hidden);         \
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
-            if (v / gx < num_groups) {                                                                  \
+            if (v < routed) {                                                                           \
                 spx_grid_wait();                                                                        \
                 moe_down_block<MS>(h, hidden, inter, groups, item_weight, out, v % gx, v / gx);         \
             } else {                                                                                    \
                 linear_block<false>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared,    \
-                                    v % gx);                                                            \
+                                    v - routed);                                                        \
             }                                                                                           \
         }                                                                                               \
     }

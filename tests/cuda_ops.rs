@@ -29,7 +29,8 @@ fn linear() {
         (17, 136, 40),
         (3, 100, 33),
         (9, 2048, 4096),
-        // Decode and window rows through each row-group width of linear_f16 (1, 2, 4, 8), odd
+        // Decode and window rows through each row grouping of linear_f16 (all up to 2, pairs up
+        // to 4, then fours), odd
         // feature counts (a warp with one feature), and more rows than one group.
         (1, 2048, 577),
         (2, 512, 4096),

@@ -99,7 +99,10 @@ impl CudaBackend {
                 &f.f,
                 "linear_pair",
                 (
-                    f.grid(blocks_a + grid_for(nb, per_block), x.rows == 1),
+                    f.grid(
+                        (blocks_a + grid_for(nb, per_block)) * gemv_row_groups(x.rows),
+                        x.rows == 1,
+                    ),
                     1,
                     1,
                 ),

@@ -16,6 +16,24 @@ pub(crate) const ARGMAX_ROWS: usize = 64;
 /// Warps per block of the FP16 matrix kernels: `WARPS` in kernels/gemv_f16.cu.
 pub(crate) const GEMV_WARPS: usize = 4;
 
+/// Most rows a work block of the several-row dense kernels takes: `WORK_ROWS` in
+/// kernels/gemv_f16.cu.
+pub(crate) const GEMV_WORK_ROWS: usize = 4;
+
+/// Row groups a several-row dense kernel (`linear_f16`, `linear2_f16`, `gate_up_silu_f16`, the
+/// shared experts' products) splits `rows` into, each feature block's groups in their own work
+/// blocks: `row_groups` in kernels/gemv_f16.cu (all rows up to 2, pairs up to 4, then
+/// `GEMV_WORK_ROWS`). The host sizes grids by it; the kernels' loops cover every work block
+/// whatever the grid.
+pub(crate) fn gemv_row_groups(rows: usize) -> u32 {
+    let per = match rows {
+        0..=2 => rows.max(1),
+        3..=4 => 2,
+        _ => GEMV_WORK_ROWS,
+    };
+    u32::try_from(rows.div_ceil(per)).unwrap_or(u32::MAX).max(1)
+}
+
 /// Output features per warp of `linear_f16` and `moe_f16_down`: `FEATURES` in
 /// kernels/gemv_f16.cu.
 pub(crate) const GEMV_FEATURES: usize = 2;
@@ -162,6 +180,16 @@ mod tests {
         let ops = integer_defines("ops");
         assert_eq!(i64::from(ROW_THREADS), define(&ops, "ops", "ROW_THREADS"));
         assert_eq!(ARGMAX_CHUNK as i64, define(&ops, "ops", "ARGMAX_CHUNK"));
+        let gemv = integer_defines("gemv_f16");
+        assert_eq!(
+            GEMV_WORK_ROWS as i64,
+            define(&gemv, "gemv_f16", "WORK_ROWS")
+        );
+        let groups: Vec<u32> = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
+            .into_iter()
+            .map(gemv_row_groups)
+            .collect();
+        assert_eq!(groups, [1, 1, 2, 2, 2, 2, 3, 4, 5, 8]);
     }
 
     #[test]

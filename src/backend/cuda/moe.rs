@@ -340,8 +340,14 @@ impl CudaBackend {
                 } else {
                     &self.k.moe_down_shared
                 };
-                // The shared experts' down product: a last row of gx work blocks.
-                (k, routed.saturating_add(gx))
+                // The shared experts' down product: gx work blocks (the one-item form) or gx
+                // per row group after the routed ones.
+                let shared_blocks = if one {
+                    gx
+                } else {
+                    gx.saturating_mul(gemv_row_groups(sd.rows))
+                };
+                (k, routed.saturating_add(shared_blocks))
             }
         };
         self.launch(

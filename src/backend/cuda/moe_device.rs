@@ -292,7 +292,10 @@ impl CudaBackend {
                     };
                     // Block 0 and the shared gate/up's work blocks.
                     let blocks = f
-                        .grid(1 + grid_for(sh.inter, GEMV_WARPS as u32), rows == 1)
+                        .grid(
+                            1 + grid_for(sh.inter, GEMV_WARPS as u32) * gemv_row_groups(rows),
+                            rows == 1,
+                        )
                         .max(2);
                     self.launch(
                         &f.f,

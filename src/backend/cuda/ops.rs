@@ -355,7 +355,8 @@ impl Backend for CudaBackend {
                 "linear",
                 (
                     f.grid(
-                        grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32),
+                        grid_for(out, (GEMV_WARPS * GEMV_FEATURES) as u32)
+                            * gemv_row_groups(x.rows),
                         x.rows == 1,
                     ),
                     1,
@@ -682,7 +683,10 @@ impl Backend for CudaBackend {
                 &f.f,
                 "gate/up silu",
                 (
-                    f.grid(grid_for(inter, GEMV_WARPS as u32), x.rows == 1),
+                    f.grid(
+                        grid_for(inter, GEMV_WARPS as u32) * gemv_row_groups(x.rows),
+                        x.rows == 1,
+                    ),
                     1,
                     1,
                 ),
