@@ -30,8 +30,8 @@ fn linear() {
         (3, 100, 33),
         (9, 2048, 4096),
         // Decode and window rows through each row grouping of linear_f16 (all up to 2, pairs up
-        // to 4, then fours), odd
-        // feature counts (a warp with one feature), and more rows than one group.
+        // to 4, then fours), odd feature counts (a warp with one feature), and more rows than
+        // one group.
         (1, 2048, 577),
         (2, 512, 4096),
         (4, 136, 41),
