@@ -127,7 +127,7 @@ pub trait LanguageModel {
     ) -> Result<Vec<f32>>;
 
     /// [`LanguageModel::forward`] reduced to each row's greedy choice, the index
-    /// [`crate::decode::argmax`] gives over the row's logits. A greedy decode loop needs no
+    /// `decode::argmax` gives over the row's logits. A greedy decode loop needs no
     /// more, so a backend may choose on the device and return only the ids; this default
     /// chooses on the host.
     fn forward_greedy(
@@ -146,7 +146,10 @@ pub trait LanguageModel {
                 tokens.len()
             )));
         }
-        Ok(logits.chunks(vocab).map(crate::decode::argmax).collect())
+        Ok(logits
+            .chunks(vocab)
+            .map(crate::decode::sampling::argmax)
+            .collect())
     }
 
     /// Greedy one-row passes, each over the choice of the pass before: from `token`, at most

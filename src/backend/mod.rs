@@ -419,7 +419,7 @@ pub trait Backend: Send + Sync {
         routing: &Routing,
         experts: &[GatedMlp<Self>],
     ) -> Result<Self::Act>;
-    /// Each row's greedy choice: the index [`crate::decode::argmax_scan`] gives (the first
+    /// Each row's greedy choice: the index `decode::argmax_scan` gives (the first
     /// maximum; NaN never wins, -0 equals +0; 0 when no value is above -inf). The decode loop's
     /// greedy passes take their tokens from here, so every backend gives exactly that index.
     fn argmax(&self, x: &Self::Act) -> Result<Vec<u32>>;

@@ -9,7 +9,8 @@
 //! fixed depth, as a separate draft model would.
 
 mod depth;
-mod sampling;
+// Named by path where a module the decode loop imports needs a greedy choice (no import cycle).
+pub(crate) mod sampling;
 
 pub use depth::{candidate_depths, AutoDepth, AutoDepthReport};
 pub use sampling::{

@@ -807,7 +807,7 @@ impl Backend for Cpu {
 
     fn argmax(&self, x: &Mat) -> Result<Vec<u32>> {
         Ok((0..x.rows)
-            .map(|r| crate::decode::argmax(x.row(r)))
+            .map(|r| crate::decode::sampling::argmax(x.row(r)))
             .collect())
     }
 }

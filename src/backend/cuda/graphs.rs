@@ -3,6 +3,11 @@
 //! before each replay. A decode step is about 27 launches per layer; replaying them as one graph
 //! removes the host's per-launch cost and the gaps between kernels on the device.
 //!
+//! Greedy one-row passes may be chained on the device (`Backend::feed_choice`): a pass's choice
+//! is written into the step buffer's id word, where the next replay's embedding reads it, and
+//! copied to pinned memory; the next pass's other words go up from pinned staging, so it is
+//! queued before the host has the choice it runs from ([`FedChoices`]).
+//!
 //! A pass can be replayed only if nothing in its launches depends on the position or tokens
 //! except through that buffer: while a step is active, the embedding reads its ids there, rope
 //! its cos/sin, the KV-cache append and attention their start position; attention's score scratch
