@@ -367,6 +367,32 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Launches `argmax_rows` over `x`, each row's index into the u32 at `out` + 4 * row (a
+    /// device address). The merge keys and tickets hold ARGMAX_ROWS rows: larger calls go in
+    /// batches.
+    pub(super) fn launch_argmax(&self, x: &GpuAct, out: u64) -> Result<()> {
+        let s = &self.stream;
+        let chunks = x.cols.div_ceil(ARGMAX_CHUNK) as u32;
+        for first in (0..x.rows).step_by(ARGMAX_ROWS) {
+            let rows = (x.rows - first).min(ARGMAX_ROWS);
+            let args = [
+                ptr(&x.buf, s) + (4 * first * x.cols) as u64,
+                int(x.cols, "cols")?,
+                ptr(&self.argmax_keys, s),
+                ptr(&self.argmax_counts, s),
+                out + (4 * first) as u64,
+            ];
+            self.launch(
+                &self.k.argmax,
+                "argmax",
+                (chunks, rows as u32, 1),
+                ROW_THREADS,
+                &args,
+            )?;
+        }
+        Ok(())
+    }
+
     pub(super) fn lock<'a, T>(&self, m: &'a Mutex<T>) -> Result<std::sync::MutexGuard<'a, T>> {
         m.lock()
             .map_err(|_| Error::Backend("cuda: a lock was poisoned by an earlier panic".into()))

@@ -716,26 +716,7 @@ impl Backend for CudaBackend {
         let out = guarded("cuda argmax: allocation failed", || {
             self.stream.alloc_zeros::<u32>(x.rows)
         })?;
-        let s = &self.stream;
-        let chunks = x.cols.div_ceil(ARGMAX_CHUNK) as u32;
-        // The merge keys and tickets hold ARGMAX_ROWS rows: larger calls go in batches.
-        for first in (0..x.rows).step_by(ARGMAX_ROWS) {
-            let rows = (x.rows - first).min(ARGMAX_ROWS);
-            let args = [
-                ptr(&x.buf, s) + (4 * first * x.cols) as u64,
-                int(x.cols, "cols")?,
-                ptr(&self.argmax_keys, s),
-                ptr(&self.argmax_counts, s),
-                ptr(&out, s) + (4 * first) as u64,
-            ];
-            self.launch(
-                &self.k.argmax,
-                "argmax",
-                (chunks, rows as u32, 1),
-                ROW_THREADS,
-                &args,
-            )?;
-        }
+        self.launch_argmax(x, ptr(&out, &self.stream))?;
         // Wait first, as `to_host` does, so the host timing counts the device's time as a wait.
         self.synchronize()?;
         let mut host = vec![0u32; x.rows];

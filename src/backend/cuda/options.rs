@@ -184,6 +184,7 @@ mod tests {
     fn launch_labels_are_the_backends() {
         let sources = [
             include_str!("attention.rs"),
+            include_str!("backend.rs"),
             include_str!("fused.rs"),
             include_str!("moe.rs"),
             include_str!("moe_device.rs"),

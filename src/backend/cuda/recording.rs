@@ -10,7 +10,7 @@ use super::act::GpuAct;
 use super::backend::CudaBackend;
 use super::driver::guarded;
 use super::graphs::*;
-use super::kernels::{int, ptr, ARGMAX_CHUNK, ROW_THREADS};
+use super::kernels::ptr;
 use super::pool::PooledBuf;
 use crate::backend::{StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
@@ -227,13 +227,6 @@ impl CudaBackend {
         }
         let s = &self.stream;
         let id_word = ptr(&g.params, s);
-        let args = [
-            ptr(&logits.buf, s),
-            int(logits.cols, "cols")?,
-            ptr(&self.argmax_keys, s),
-            ptr(&self.argmax_counts, s),
-            id_word,
-        ];
         let Some(fed) = g.fed.as_mut() else {
             return Ok(false);
         };
@@ -242,13 +235,7 @@ impl CudaBackend {
                 "cuda: more than {FED_SLOTS} greedy choices fed and not taken"
             )));
         }
-        self.launch(
-            &self.k.argmax,
-            "argmax",
-            (logits.cols.div_ceil(ARGMAX_CHUNK) as u32, 1, 1),
-            ROW_THREADS,
-            &args,
-        )?;
+        self.launch_argmax(logits, id_word)?;
         let slot = fed.next_choice;
         fed.next_choice = (slot + 1) % FED_SLOTS;
         let host = guarded("cuda: pinned choices", || fed.host.as_mut_slice())?;
