@@ -507,7 +507,13 @@ fn forward_choose<M: LanguageModel>(
     let logits = forward(model, variant, tokens, kv, observer)?;
     let row = logits_row(&logits, tokens.len(), vocab, tokens.len() - 1)?;
     Ok(match dists {
-        Some(dists) => propose(chooser, row, dists),
+        // The draft's proposal: its distribution is kept for the rejection test.
+        Some(dists) => {
+            let q = chooser.distribution(row);
+            let token = sample(&q, &mut chooser.rng);
+            dists.push(q);
+            token
+        }
         None => chooser.choose(row),
     })
 }
@@ -652,19 +658,6 @@ fn decode_speculative<M: LanguageModel>(
         pending = next;
     }
     Ok(())
-}
-
-/// The draft's token from its logits row: the argmax when greedy, else a sample, whose
-/// distribution is kept in `dists` for the rejection test.
-fn propose(chooser: &mut Chooser, row: &[f32], dists: &mut Vec<Vec<f64>>) -> u32 {
-    if chooser.sampling.is_greedy() {
-        argmax(row)
-    } else {
-        let q = chooser.distribution(row);
-        let token = sample(&q, &mut chooser.rng);
-        dists.push(q);
-        token
-    }
 }
 
 /// Runs the verify pass over `verify_tokens` (the pending token, then every draft) and checks
