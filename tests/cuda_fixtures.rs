@@ -16,7 +16,7 @@ use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
     CudaBackend, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostExpertsConfig, HostPath,
-    OffloadConfig,
+    OffloadConfig, SplitExperts,
 };
 use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
 use specter::model::{KvCache, LanguageModel, NoHook, Variant};
@@ -77,9 +77,15 @@ fn every_fixture_every_residency(speculative: bool) {
             threads: 2,
             link_bytes_per_s: 50e9,
             host_bytes_per_s: 50e9,
+            split: SplitExperts::Measured,
         };
         let all = HostExpertsConfig {
             link_bytes_per_s: 50.0,
+            ..half
+        };
+        // Every layer with a miss splits one (gate and up on the host, its down copied).
+        let split = HostExpertsConfig {
+            split: SplitExperts::Always,
             ..half
         };
         for (policy, slots, host_path, host_experts) in [
@@ -88,8 +94,12 @@ fn every_fixture_every_residency(speculative: bool) {
             (Policy::Lru, 3, HostPath::PinnedStaging, None),
             (Policy::Lru, 2, HostPath::Auto, Some(half)),
             (Policy::Lru, 1, HostPath::Auto, Some(all)),
+            (Policy::Lru, 2, HostPath::Auto, Some(split)),
         ] {
             let hybrid = match host_experts {
+                Some(h) if h.split == SplitExperts::Always => {
+                    ", a miss a layer split with the host"
+                }
                 Some(h) if h.link_bytes_per_s < 1e3 => ", every miss on the host",
                 Some(_) => ", misses split with the host",
                 None => "",
@@ -191,10 +201,12 @@ fn every_fixture_every_residency(speculative: bool) {
                     "{name} {label}: {} experts on the host, {} hits, {} copied",
                     stats.host_experts, stats.hits, stats.misses
                 );
-                assert!(
-                    stats.host_experts > 0,
-                    "{name} ({label}): no expert ran on the host"
-                );
+                let on_host = if label.contains("a miss a layer split") {
+                    stats.split_experts
+                } else {
+                    stats.host_experts
+                };
+                assert!(on_host > 0, "{name} ({label}): no expert ran on the host");
             }
             let graphs = gpu.backend().step_graph_stats().unwrap();
             eprintln!("{name} {label}: {graphs:?}");

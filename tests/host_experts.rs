@@ -214,3 +214,90 @@ fn a_batch_of_experts_gives_each_experts_own_output() {
         .experts(&jobs[..2], &mut [short.as_mut_slice()])
         .is_err());
 }
+
+#[test]
+fn split_experts_get_the_activations_the_whole_kernel_reduces() {
+    // A split expert's gate and up run on the host and its down elsewhere: the activations the
+    // host hands over must be the ones its whole-expert computation feeds to down, so that down
+    // applied to them (in the same lane order) gives the whole expert's bits.
+    use specter::host_experts::{activation, lanes};
+    let kernel = HostExperts::new(2, None).expect("kernel");
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for (hidden, inter) in [(128, 48), (2048, 1408), (100, 52)] {
+        let experts: Vec<(Vec<f16>, Vec<f16>)> = (0..3)
+            .map(|_| random_expert(&mut rng, hidden, inter))
+            .collect();
+        let rows = [2usize, 1, 3];
+        let xs: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|&r| {
+                (0..r * hidden)
+                    .map(|_| rng.random_range(-3.0..3.0))
+                    .collect()
+            })
+            .collect();
+        let ws: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|&r| (0..r).map(|_| rng.random_range(0.1..1.0)).collect())
+            .collect();
+        let weights = |e: usize| ExpertWeights {
+            gate: &experts[e].0[..inter * hidden],
+            up: &experts[e].0[inter * hidden..],
+            down: &experts[e].1,
+            hidden,
+            inter,
+        };
+        let job = |e: usize| ExpertJob {
+            weights: weights(e),
+            x: &xs[e],
+            row_weights: &ws[e],
+        };
+        // Expert 0 whole; experts 1 and 2 split.
+        let mut out = vec![f32::NAN; rows[0] * hidden];
+        let mut h1 = vec![f32::NAN; rows[1] * inter];
+        let mut h2 = vec![f32::NAN; rows[2] * inter];
+        kernel
+            .experts_and_gate_ups(
+                &[job(0)],
+                &mut [out.as_mut_slice()],
+                &[job(1), job(2)],
+                &mut [h1.as_mut_slice(), h2.as_mut_slice()],
+            )
+            .expect("split call");
+        let alone = run(&kernel, &weights(0), &xs[0], &ws[0]);
+        assert!(
+            alone
+                .iter()
+                .zip(&out)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "({hidden}, {inter}): the whole expert changed beside split ones"
+        );
+        for (e, h) in [(1, &h1), (2, &h2)] {
+            let w = weights(e);
+            let whole = run(&kernel, &w, &xs[e], &ws[e]);
+            for r in 0..rows[e] {
+                let x = &xs[e][r * hidden..(r + 1) * hidden];
+                let hr = &h[r * inter..(r + 1) * inter];
+                for (j, h_j) in hr.iter().enumerate() {
+                    let g = lanes::dot(&w.gate[j * hidden..(j + 1) * hidden], x);
+                    let u = lanes::dot(&w.up[j * hidden..(j + 1) * hidden], x);
+                    let want = activation::silu(g) * u;
+                    assert_eq!(h_j.to_bits(), want.to_bits(), "expert {e} row {r} h[{j}]");
+                }
+                for c in 0..hidden {
+                    let v = ws[e][r] * lanes::dot(&w.down[c * inter..(c + 1) * inter], hr);
+                    assert_eq!(
+                        v.to_bits(),
+                        whole[r * hidden + c].to_bits(),
+                        "({hidden}, {inter}) expert {e} row {r} output {c}: down of the handed-over activations"
+                    );
+                }
+            }
+        }
+        // Mismatched activation lengths are refused.
+        let mut short = vec![0.0f32; 1];
+        assert!(kernel
+            .experts_and_gate_ups(&[], &mut [], &[job(1)], &mut [short.as_mut_slice()])
+            .is_err());
+    }
+}

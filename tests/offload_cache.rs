@@ -4,8 +4,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::offload::{
-    Evicted, ExpertCache, InitialResidency, Planner, Policy, ResidencyConfig, SimulatedTransfers,
-    TransferEngine,
+    Evicted, ExpertCache, HostShare, InitialResidency, Planner, Policy, ResidencyConfig,
+    SimulatedTransfers, TransferEngine,
 };
 use specter::Error;
 
@@ -479,4 +479,67 @@ fn misses_left_elsewhere_are_those_fewest_rows_use_and_take_no_slot() {
     let rounds = cache.serve_split(0, &experts, &rows, 10).expect("serve");
     assert_eq!(rounds[0].elsewhere.len(), 2, "only 3 and 7 miss now");
     assert!(rounds.iter().all(|r| r.loads.is_empty()));
+}
+
+#[test]
+fn a_split_miss_follows_the_whole_host_ones_and_takes_no_slot() {
+    let mut cache = ExpertCache::new(
+        config(Policy::Lru, 1, 8, 4),
+        &InitialResidency::PerLayer(vec![vec![0, 1]]),
+    )
+    .expect("cache");
+    // Misses 2, 3, 5 and 7 are used by 4, 1, 3 and 1 rows: 3 and 7 go to the host whole (one
+    // row each), then 5 (three rows) is split, and 2 is copied.
+    let experts = [0, 1, 2, 3, 5, 7];
+    let rows = [2, 2, 4, 1, 3, 1];
+    let share = HostShare {
+        full: 2,
+        gate_up: 1,
+    };
+    let rounds = cache
+        .serve_placed(0, &experts, &rows, share)
+        .expect("serve");
+    let away: Vec<u32> = rounds[0].elsewhere.iter().map(|e| e.expert).collect();
+    let split: Vec<u32> = rounds[0]
+        .gate_up_elsewhere
+        .iter()
+        .map(|e| e.expert)
+        .collect();
+    assert_eq!((away, split), (vec![3, 7], vec![5]));
+    assert_eq!(experts[rounds[0].gate_up_elsewhere[0].index], 5);
+    let loads: Vec<u32> = rounds
+        .iter()
+        .flat_map(|r| r.loads.iter().map(|l| l.expert))
+        .collect();
+    assert_eq!(loads, vec![2]);
+    assert!(!cache.is_resident(0, 5), "a split expert took a slot");
+    let stats = cache.stats();
+    assert_eq!(
+        (stats.misses, stats.host_experts, stats.split_experts),
+        (1, 2, 1)
+    );
+    // Two whole experts and two thirds of one on the host; one whole and a third copied.
+    assert_eq!(stats.host_bytes, 2 * 4096 + 2 * (4096 / 3));
+    assert_eq!(stats.bytes_copied, 4096 + 4096 / 3);
+    // A share larger than the misses takes them all, whole first.
+    let rounds = cache
+        .serve_placed(
+            0,
+            &[2, 5],
+            &[1, 1],
+            HostShare {
+                full: 1,
+                gate_up: 1,
+            },
+        )
+        .expect("serve");
+    assert_eq!(
+        rounds[0].elsewhere.len() + rounds[0].gate_up_elsewhere.len(),
+        1
+    );
+    assert_eq!(
+        rounds[0].elsewhere.len(),
+        1,
+        "2 is resident now; 5 goes whole"
+    );
 }

@@ -380,6 +380,7 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 /// recorded passes off, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
 /// it has finished, `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 /// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
+/// `SPECTER_HOST_SPLIT=0` keeps the host path to whole experts,
 /// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
 pub fn cuda_options_from_env() -> Result<CudaOptions> {
     cuda_options_from(|name| std::env::var(name).ok())
@@ -398,6 +399,9 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     }
     if let Some(value) = var("SPECTER_CUDA_CHAIN") {
         opts.chain_greedy = value.trim() != "0";
+    }
+    if let Some(value) = var("SPECTER_HOST_SPLIT") {
+        opts.split_experts = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_LOAD_THREADS") {
         match value.trim().parse::<usize>() {
@@ -429,9 +433,11 @@ mod tests {
             ("SPECTER_CUDA_OVERLAP", "0"),
             ("SPECTER_CUDA_FUSE_SHARED", "0"),
             ("SPECTER_CUDA_CHAIN", "0"),
+            ("SPECTER_HOST_SPLIT", "0"),
         ])
         .unwrap();
         assert!(!opts.chain_greedy);
+        assert!(!opts.split_experts);
         assert!(!opts.graphs);
         assert!(!opts.overlap_launches);
         assert!(!opts.fuse_shared_experts);

@@ -189,24 +189,48 @@ impl HostExperts {
     /// Every job's output (`rows x hidden`) into the matching `outs` entry, the features of all
     /// jobs shared among the threads: one parallel pass for gate and up, one for down.
     pub fn experts(&self, jobs: &[ExpertJob<'_>], outs: &mut [&mut [f32]]) -> Result<()> {
-        if jobs.len() != outs.len() {
-            return Err(Error::Request(format!(
-                "host expert: {} jobs and {} outputs",
-                jobs.len(),
-                outs.len()
-            )));
-        }
-        for (job, out) in jobs.iter().zip(outs.iter()) {
-            job.check()?;
-            if out.len() != job.rows() * job.weights.hidden {
+        self.experts_and_gate_ups(jobs, outs, &[], &mut [])
+    }
+
+    /// As [`Self::experts`], and for each of `halves` only the activations the down projection
+    /// reads, `h[r][j] = silu(gate_j . x[r]) * (up_j . x[r])` (`rows x inter`, the GPU's bits),
+    /// into the matching `hs` entry: those experts' down products run elsewhere. The halves'
+    /// gate and up share the first parallel pass with the whole experts'.
+    pub fn experts_and_gate_ups(
+        &self,
+        jobs: &[ExpertJob<'_>],
+        outs: &mut [&mut [f32]],
+        halves: &[ExpertJob<'_>],
+        hs_out: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let hidden_of: fn(&ExpertWeights<'_>) -> usize = |w| w.hidden;
+        let inter_of: fn(&ExpertWeights<'_>) -> usize = |w| w.inter;
+        for (what, jobs, outs, width) in [
+            ("outputs", jobs, &*outs, hidden_of),
+            ("activations", halves, &*hs_out, inter_of),
+        ] {
+            if jobs.len() != outs.len() {
                 return Err(Error::Request(format!(
-                    "host expert: {} outputs for {} rows of {}",
-                    out.len(),
-                    job.rows(),
-                    job.weights.hidden
+                    "host expert: {} jobs and {} {what}",
+                    jobs.len(),
+                    outs.len()
                 )));
             }
+            for (job, out) in jobs.iter().zip(outs.iter()) {
+                job.check()?;
+                if out.len() != job.rows() * width(&job.weights) {
+                    return Err(Error::Request(format!(
+                        "host expert: {} {what} for {} rows of {}",
+                        out.len(),
+                        job.rows(),
+                        width(&job.weights)
+                    )));
+                }
+            }
         }
+        let whole = jobs.len();
+        let all: Vec<ExpertJob<'_>> = jobs.iter().chain(halves).copied().collect();
+        let jobs = &all[..];
         let path = self.path;
         // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
         let inputs: Vec<Vec<&[f32]>> = jobs
@@ -253,7 +277,11 @@ impl HostExperts {
                 &mut hs[job],
             );
         }
-        // Down: out[r][c] = weight[r] * (h[r] . down_c).
+        for (h, out) in hs[whole..].iter().zip(hs_out.iter_mut()) {
+            out.copy_from_slice(h);
+        }
+        // Down: out[r][c] = weight[r] * (h[r] . down_c), for the whole experts.
+        let jobs = &all[..whole];
         let h_rows: Vec<Vec<&[f32]>> = jobs
             .iter()
             .zip(&hs)

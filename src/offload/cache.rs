@@ -7,6 +7,7 @@
 //! the CUDA backend copies into slot memory and launches kernels, the simulator advances a clock.
 //! Hits, misses, prefetch use and waste are counted here, once, for both.
 
+use super::placement::HostShare;
 use super::stats::OffloadStats;
 use super::transfer::TransferId;
 use crate::model::ModelInfo;
@@ -112,12 +113,14 @@ pub struct Elsewhere {
 
 /// One round of a pass's layer: experts served from their slots, then experts to copy in first.
 /// A pass needing more experts than the layer has slots runs in several rounds; the slots a round
-/// uses are not reused within it. The first round also lists the misses served elsewhere.
+/// uses are not reused within it. The first round also lists the misses served elsewhere, whole
+/// or split (gate and up elsewhere, the down matrix copied outside the slots).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Round {
     pub hits: Vec<Hit>,
     pub loads: Vec<Load>,
     pub elsewhere: Vec<Elsewhere>,
+    pub gate_up_elsewhere: Vec<Elsewhere>,
 }
 
 /// Per MoE layer: which expert each slot holds and the slot's marks.
@@ -348,6 +351,25 @@ impl ExpertCache {
         rows: &[u32],
         elsewhere: usize,
     ) -> Result<Vec<Round>> {
+        let share = HostShare {
+            full: elsewhere,
+            gate_up: 0,
+        };
+        self.serve_placed(layer, experts, rows, share)
+    }
+
+    /// As [`Self::serve_split`] with `share.full` misses left elsewhere whole and, after them in
+    /// the same order, `share.gate_up` more split: their gate and up computed elsewhere and their
+    /// down matrix copied outside the slots (counted as `split_experts`, two thirds of their
+    /// bytes as the host's, one third as copied).
+    pub fn serve_placed(
+        &mut self,
+        layer: usize,
+        experts: &[u32],
+        rows: &[u32],
+        share: HostShare,
+    ) -> Result<Vec<Round>> {
+        let elsewhere = share.full + share.gate_up;
         let num_experts = self.config.num_experts;
         if let Some(&bad) = experts.iter().find(|&&e| e as usize >= num_experts) {
             return Err(Error::Request(format!(
@@ -365,7 +387,7 @@ impl ExpertCache {
         }
         let mut rounds = Vec::new();
         let mut pending: Vec<usize> = (0..experts.len()).collect();
-        let mut away = Vec::new();
+        let (mut away, mut split) = (Vec::new(), Vec::new());
         if elsewhere > 0 {
             let mut misses: Vec<usize> = pending
                 .iter()
@@ -374,15 +396,16 @@ impl ExpertCache {
                 .collect();
             misses.sort_by_key(|&i| (rows.get(i).copied().unwrap_or(1), std::cmp::Reverse(i)));
             misses.truncate(elsewhere);
+            let split_off = misses.split_off(misses.len().min(share.full));
             misses.sort_unstable();
-            pending.retain(|i| misses.binary_search(i).is_err());
-            away = misses
-                .into_iter()
-                .map(|index| Elsewhere {
-                    index,
-                    expert: experts[index],
-                })
-                .collect();
+            pending.retain(|i| misses.binary_search(i).is_err() && !split_off.contains(i));
+            let at = |index: usize| Elsewhere {
+                index,
+                expert: experts[index],
+            };
+            away = misses.into_iter().map(at).collect();
+            split = split_off.into_iter().map(at).collect();
+            split.sort_unstable_by_key(|e| e.index);
         }
         let (mut used_prefetches, mut planned_hits, mut wasted) = (0u64, 0u64, 0u64);
         while !pending.is_empty() {
@@ -433,19 +456,24 @@ impl ExpertCache {
             pending = deferred;
             rounds.push(round);
         }
-        if !away.is_empty() {
+        let split_count = split.len() as u64;
+        if !away.is_empty() || !split.is_empty() {
             if rounds.is_empty() {
                 rounds.push(Round::default());
             }
             rounds[0].elsewhere = away;
+            rounds[0].gate_up_elsewhere = split;
         }
         self.tick = tick;
         let hits: u64 = rounds.iter().map(|r| r.hits.len() as u64).sum();
         let misses: u64 = rounds.iter().map(|r| r.loads.len() as u64).sum();
         let host = rounds.first().map_or(0, |r| r.elsewhere.len() as u64);
         let s = &mut self.stats;
+        let third = self.config.expert_bytes as u64 / 3;
         s.host_experts += host;
-        s.host_bytes += host * self.config.expert_bytes as u64;
+        s.host_bytes += host * self.config.expert_bytes as u64 + split_count * 2 * third;
+        s.split_experts += split_count;
+        s.bytes_copied += split_count * third;
         s.lookups += experts.len() as u64;
         s.hits += hits;
         s.misses += misses;

@@ -14,7 +14,7 @@ mod transfer;
 pub use cache::{
     Elsewhere, Evicted, ExpertCache, Hit, InitialResidency, Load, Policy, ResidencyConfig, Round,
 };
-pub use placement::HostSplit;
+pub use placement::{HostShare, HostSplit};
 pub use planner::{frequency_top_m, Plan, Planner, FREQUENCY_STEPS};
 pub use simulator::{ComputeModel, OffloadSimulator, SimulatorConfig};
 pub use stats::{OffloadStats, PathFigures, PathTelemetry};

@@ -2,6 +2,24 @@
 //! place by the host expert kernel. The two paths run at once, so the split that finishes both
 //! together is the one whose shares are proportional to their rates; the rates are measured as the
 //! run goes (the host's per expert call, the link's from the copies' device timings).
+//!
+//! Whole experts split a layer's few misses coarsely (three misses at equal rates give one path
+//! twice the other's bytes), so one miss may also be split between the paths: the host computes
+//! its gate and up (two thirds of its bytes) and the link copies its down matrix, which the GPU
+//! applies to the host's activations. Shares then move in thirds of an expert.
+
+/// How a layer's misses are divided: `full` experts computed on the host, and `gate_up` (0 or 1)
+/// more whose gate and up the host computes while the link copies their down matrix; the rest
+/// are copied whole.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostShare {
+    pub full: usize,
+    pub gate_up: usize,
+}
+
+/// What splitting an expert costs beyond its bytes: the down product's launch after the host's
+/// activations arrive, and their copy up (seconds).
+const SPLIT_OVERHEAD_S: f64 = 10e-6;
 
 /// The measured rates of both paths and the split they give.
 #[derive(Clone, Debug)]
@@ -27,6 +45,38 @@ impl HostSplit {
     pub fn host_share(&self, misses: usize) -> usize {
         let share = self.host_bytes_per_s / (self.host_bytes_per_s + self.link_bytes_per_s);
         ((misses as f64 * share).round() as usize).min(misses)
+    }
+
+    /// Of `misses` experts of `expert_bytes` each, the division that finishes both paths soonest
+    /// at the current rates, shares moving in thirds of an expert when `may_split`.
+    pub fn host_share_split(
+        &self,
+        misses: usize,
+        expert_bytes: usize,
+        may_split: bool,
+    ) -> HostShare {
+        let e = expert_bytes as f64;
+        let time = |host_thirds: usize| {
+            let host = host_thirds as f64 * e / 3.0;
+            let link = misses as f64 * e - host;
+            (host / self.host_bytes_per_s).max(link / self.link_bytes_per_s)
+        };
+        let mut best = (HostShare::default(), time(0));
+        for full in 0..=misses {
+            let whole = (HostShare { full, gate_up: 0 }, time(3 * full));
+            let split = (full < misses && may_split).then(|| {
+                (
+                    HostShare { full, gate_up: 1 },
+                    time(3 * full + 2) + SPLIT_OVERHEAD_S,
+                )
+            });
+            for (share, t) in std::iter::once(whole).chain(split) {
+                if t < best.1 {
+                    best = (share, t);
+                }
+            }
+        }
+        best.0
     }
 
     /// The host computed `bytes` of expert weights in `seconds`.
@@ -74,5 +124,39 @@ mod tests {
         let slow = HostSplit::new(100e9, 5e9);
         assert_eq!(slow.host_share(6), 0);
         assert_eq!(slow.host_share(30), 1);
+    }
+
+    #[test]
+    fn one_expert_splits_where_whole_experts_divide_unevenly() {
+        let mb = 17_301_504; // a DeepSeek-V2-Lite expert
+        let even = HostSplit::new(50e9, 50e9);
+        let share = |full, gate_up| HostShare { full, gate_up };
+        // Three misses at equal rates: 1.5 each is ideal; 1 + 2/3 on the host beats 1 or 2.
+        assert_eq!(even.host_share_split(3, mb, true), share(1, 1));
+        assert_eq!(even.host_share_split(3, mb, false), share(1, 0));
+        // Even counts divide whole.
+        assert_eq!(even.host_share_split(4, mb, true), share(2, 0));
+        assert_eq!(even.host_share_split(0, mb, true), share(0, 0));
+        // One miss: 2/3 on the host and 1/3 over the link beat either path alone.
+        assert_eq!(even.host_share_split(1, mb, true), share(0, 1));
+        // A tiny expert is not worth the split's fixed cost.
+        assert_eq!(even.host_share_split(1, 3_000, true), share(0, 0));
+        // A host four times slower than the link takes nothing of one miss, a third of six.
+        let slow = HostSplit::new(100e9, 25e9);
+        assert_eq!(slow.host_share_split(1, mb, true), share(0, 0));
+        assert_eq!(slow.host_share_split(6, mb, true), share(1, 0));
+        // Both paths' time never exceeds the whole-expert choice's.
+        for misses in 0..12 {
+            for (link, host) in [(54e9, 60e9), (25e9, 70e9), (54e9, 20e9)] {
+                let s = HostSplit::new(link, host);
+                let t = |h: HostShare| {
+                    let host_b = (3 * h.full + 2 * h.gate_up) as f64 * mb as f64 / 3.0;
+                    (host_b / host).max((misses as f64 * mb as f64 - host_b) / link)
+                };
+                let split = s.host_share_split(misses, mb, true);
+                assert!(split.full + split.gate_up <= misses);
+                assert!(t(split) <= t(s.host_share_split(misses, mb, false)) + 1e-12);
+            }
+        }
     }
 }

@@ -63,11 +63,18 @@ pub struct OffloadStats {
     /// the expert bytes the host read for them.
     pub host_experts: u64,
     pub host_bytes: u64,
+    /// Needed experts split between the paths: their gate and up computed on the host, their
+    /// down matrix copied (two thirds of their bytes are in `host_bytes`, one third in
+    /// `bytes_copied`).
+    pub split_experts: u64,
     /// Seconds the host expert kernel ran (its own wall time, per layer summed).
     pub host_seconds: f64,
     /// Wall-clock seconds the decode thread waited for host expert work after it had issued all
     /// of the layer's GPU work; 0 in the simulator.
     pub host_stall_seconds: f64,
+    /// Wall-clock seconds the decode thread waited for MoE layers' routing to reach the host
+    /// (the device's work before each layer's router included); 0 in the simulator.
+    pub route_wait_seconds: f64,
     /// Target-pass hits and misses per MoE layer.
     pub layer_hits: Vec<u64>,
     pub layer_misses: Vec<u64>,

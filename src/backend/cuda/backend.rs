@@ -18,6 +18,7 @@ use super::act::{GpuAct, GpuWeight};
 use super::driver::guarded;
 use super::experts::ExpertGroup;
 use super::graphs;
+use super::host::PinnedBuffer;
 use super::kernels::*;
 use super::load::{LoadIo, LoadReport, PendingLoad};
 use super::moe_int4::MoeInt4Kernels;
@@ -92,6 +93,11 @@ pub struct CudaBackend {
     /// launches (kernels/ops.cu).
     pub(super) argmax_keys: CudaSlice<u64>,
     pub(super) argmax_counts: CudaSlice<u32>,
+    /// Page-locked landing space for reads to the host (src/backend/cuda/moe.rs `read_back`):
+    /// several activations arrive with one wait for the device.
+    pub(super) readback: Mutex<Option<PinnedBuffer>>,
+    /// Page-locked outputs of the host expert kernel, copied up asynchronously.
+    pub(super) host_outputs: Mutex<Option<PinnedBuffer>>,
 }
 
 impl CudaBackend {
@@ -170,6 +176,8 @@ impl CudaBackend {
             attention_counters,
             argmax_keys,
             argmax_counts,
+            readback: Mutex::new(None),
+            host_outputs: Mutex::new(None),
         })
     }
 

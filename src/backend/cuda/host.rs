@@ -242,6 +242,16 @@ impl PinnedBuffer {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
 
+    /// The buffer as f32 values for writing (its whole 4-byte words); waits first for copies
+    /// that still read it.
+    pub fn as_mut_f32(&mut self) -> Result<&mut [f32]> {
+        guarded("cuEventSynchronize", || self.last_use.synchronize())?;
+        // SAFETY: cuMemHostAlloc returns page-aligned memory, so `ptr` is aligned for f32; the
+        // `len / 4` words lie inside the allocation and were initialised (zeroed) at allocation;
+        // `&mut self` makes this the only access, and no copy is in flight (waited above).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut f32, self.len / 4) })
+    }
+
     /// Asynchronously copies `range` of the buffer into the start of `dst` on `stream`.
     pub fn copy_to_device<D: DevicePtrMut<u8>>(
         &self,

@@ -29,6 +29,7 @@ mod options;
 mod pace;
 mod pool;
 mod prefetch;
+mod readback;
 mod recording;
 mod rope;
 mod slots;
@@ -46,7 +47,7 @@ pub use nvrtc::{
 };
 pub use options::{CudaOptions, SkipLaunch, LAUNCH_LABELS};
 pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
-pub use slots::{HostExpertsConfig, HostPath, OffloadConfig};
+pub use slots::{HostExpertsConfig, HostPath, OffloadConfig, SplitExperts};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

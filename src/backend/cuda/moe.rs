@@ -7,13 +7,13 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::act::{GpuAct, GpuWeight};
 use super::backend::CudaBackend;
-use super::driver::guarded;
 use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
 use super::kernels::*;
 use super::slots::{ExpertOffload, InPlaceExpert};
 use crate::backend::cpu::{Cpu, Mat};
 use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
 use crate::host_experts::{ExpertJob, HostExperts};
+use crate::offload::Elsewhere;
 use crate::{Error, Result};
 
 /// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
@@ -136,17 +136,49 @@ pub(super) fn expert_pointers(
 
 impl CudaBackend {
     pub(super) fn route_op(&self, logits: &GpuAct, spec: RouteSpec) -> Result<Routing> {
-        // The routing decides which experts are copied, so the host needs it anyway; computing
-        // it with the CPU reference's code keeps top-k ties and SparseMixer identical.
-        let data = self.to_host(logits)?;
-        Cpu.route(
+        Ok(self.route_on_host(logits, spec, None)?.0)
+    }
+
+    /// The routing of `logits` computed on the host, with `input` read back in the same wait
+    /// when given. The routing decides which experts are copied, so the host needs it anyway;
+    /// computing it with the CPU reference's code keeps top-k ties and SparseMixer identical.
+    fn route_on_host(
+        &self,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        input: Option<&GpuAct>,
+    ) -> Result<(Routing, Option<Vec<f32>>)> {
+        let waiting = std::time::Instant::now();
+        let mut parts = match input {
+            Some(x) => self.read_back(&[logits, x])?,
+            None => self.read_back(&[logits])?,
+        };
+        let xh = input.and_then(|_| parts.pop());
+        let data = parts.pop().unwrap_or_default();
+        if let Some(o) = &self.offload {
+            self.lock(o)?
+                .record_route_wait(waiting.elapsed().as_secs_f64());
+        }
+        let routing = Cpu.route(
             &Mat {
                 rows: logits.rows,
                 cols: logits.cols,
                 data,
             },
             spec,
-        )
+        )?;
+        Ok((routing, xh))
+    }
+
+    /// Whether `experts` are offloaded and the host expert kernel may compute some of them.
+    fn host_path_serves(&self, experts: &[GatedMlp<Self>]) -> Result<bool> {
+        let offloaded = experts
+            .first()
+            .is_some_and(|m| matches!(m.gate_up, GpuWeight::Offloaded { .. }));
+        Ok(match (&self.offload, offloaded) {
+            (Some(o), true) => self.lock(o)?.host_kernel().is_some(),
+            _ => false,
+        })
     }
 
     pub(super) fn routed_moe_op(
@@ -164,13 +196,35 @@ impl CudaBackend {
                 None,
             ));
         }
-        let routing = self.route(logits, spec)?;
+        let (out, routing, _) =
+            self.routed_moe_on_host(x, logits, spec, experts, count_as, None)?;
+        Ok((out, Some(routing)))
+    }
+
+    /// Routing on the host, then the routed experts; with `shared`, also the shared experts'
+    /// MLP, issued on the device while host threads compute experts (offloaded layers) or after
+    /// the routed ones. With the host path, the layer input comes back with the logits.
+    pub(super) fn routed_moe_on_host(
+        &self,
+        x: &GpuAct,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        experts: &[GatedMlp<Self>],
+        count_as: Option<usize>,
+        shared: Option<&GatedMlp<Self>>,
+    ) -> Result<(GpuAct, Routing, Option<GpuAct>)> {
+        let input = self.host_path_serves(experts)?.then_some(x);
+        let (routing, xh) = self.route_on_host(logits, spec, input)?;
         if let Some(layer) = count_as {
             let ids = self.upload_u32(&routing.ids)?;
             self.count_routes(ptr(&ids, &self.stream), routing.ids.len(), layer)?;
         }
-        let out = self.moe_experts(x, &routing, experts)?;
-        Ok((out, Some(routing)))
+        let (out, shared_out) = self.moe_experts_placed(x, &routing, experts, xh, shared)?;
+        let shared_out = match (shared, shared_out) {
+            (Some(mlp), None) => Some(self.gated_mlp(x, mlp)?),
+            (_, s) => s,
+        };
+        Ok((out, routing, shared_out))
     }
 
     pub(super) fn moe_experts_op(
@@ -179,6 +233,20 @@ impl CudaBackend {
         routing: &Routing,
         experts: &[GatedMlp<Self>],
     ) -> Result<GpuAct> {
+        Ok(self.moe_experts_placed(x, routing, experts, None, None)?.0)
+    }
+
+    /// The routed experts of `routing` over `x`. For an offloaded layer, `xh` is `x` already on
+    /// the host (read back with the routing) and `shared` an MLP to issue on the device while
+    /// host threads compute experts; its output is returned (`None` when not issued here).
+    fn moe_experts_placed(
+        &self,
+        x: &GpuAct,
+        routing: &Routing,
+        experts: &[GatedMlp<Self>],
+        xh: Option<Vec<f32>>,
+        shared: Option<&GatedMlp<Self>>,
+    ) -> Result<(GpuAct, Option<GpuAct>)> {
         let k = routing.top_k;
         if k == 0 || routing.ids.len() != x.rows * k || routing.weights.len() != x.rows * k {
             return Err(shape_err(
@@ -199,7 +267,7 @@ impl CudaBackend {
         let hidden = x.cols;
         let y = self.alloc(x.rows, hidden)?;
         if x.rows == 0 {
-            return Ok(y);
+            return Ok((y, None));
         }
         let plan = MoePlan::new(routing, experts.len());
         let first = &experts[plan.hit[0] as usize];
@@ -240,9 +308,10 @@ impl CudaBackend {
             h: ptr(&h.buf, s),
             out: ptr(&out.buf, s),
         };
+        let mut shared_out = None;
         match &first.gate_up {
             GpuWeight::Offloaded { layer, .. } => {
-                self.run_offloaded(*layer, &plan, x, &mut launch)?;
+                shared_out = self.run_offloaded(*layer, &plan, x, &mut launch, xh, shared)?;
             }
             _ => {
                 let mut groups = Vec::with_capacity(plan.hit.len());
@@ -289,7 +358,7 @@ impl CudaBackend {
         drop(d_items);
         drop(h);
         drop(out);
-        Ok(y)
+        Ok((y, shared_out))
     }
 
     /// Launches the grouped FP16 expert kernels (gate/up then down) for one work list.
@@ -315,6 +384,16 @@ impl CudaBackend {
             32 * GEMV_WARPS as u32,
             &[l.x, h, i, l.groups, groups, l.item_row, l.h],
         )?;
+        self.launch_moe_f16_down(l, shared)
+    }
+
+    /// The down half of [`Self::launch_moe_f16`]: `out[item] = weight[item] * (h[item] . down)`
+    /// from the activations already in `l.h`.
+    fn launch_moe_f16_down(&self, l: &MoeLaunch, shared: Option<&SharedDown>) -> Result<()> {
+        let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
+        let groups = int(l.num_groups, "groups")?;
+        let blocks = |per_group: u32, rows: usize| per_group.saturating_mul(rows as u32);
+        let one = l.max_count <= 1;
         // Work blocks of a group's down product: the one-item forms give a warp more features.
         let gx = grid_for(l.hidden, (GEMV_WARPS * GEMV_FEATURES) as u32);
         let gx_routed = if one {
@@ -386,16 +465,20 @@ impl CudaBackend {
 
     /// Runs the routed experts of one offloaded layer as the cache policy decides: each round's
     /// resident experts from their slots, then the experts copied in for it; and, with the host
-    /// path, the misses it leaves to the host, computed by the host kernel from `x` while the GPU
-    /// works, their outputs copied into `out`'s items before the combine. The host kernel has the
-    /// GPU kernel's bits, so the placement changes no output.
+    /// path, the misses it leaves to the host, computed by the host kernel from `x` (`xh` when
+    /// already on the host) while the GPU works, their outputs copied into `out`'s items before
+    /// the combine. The host kernel has the GPU kernel's bits, so the placement changes no
+    /// output. `shared` is issued on the device after the layer's GPU share; its output is
+    /// returned.
     fn run_offloaded(
         &self,
         layer: usize,
         plan: &MoePlan,
         x: &GpuAct,
         launch: &mut MoeLaunch,
-    ) -> Result<()> {
+        xh: Option<Vec<f32>>,
+        shared: Option<&GatedMlp<Self>>,
+    ) -> Result<Option<GpuAct>> {
         let o = self
             .offload
             .as_ref()
@@ -405,26 +488,18 @@ impl CudaBackend {
         let down_offset = 2 * slots.matrix_bytes() as u64;
         let rows: Vec<u32> = (0..plan.hit.len()).map(|g| plan.range(g).1).collect();
         let rounds = slots.serve(layer, &plan.hit, &rows)?;
-        let elsewhere = rounds
+        let (elsewhere, split) = rounds
             .first()
-            .map(|r| r.elsewhere.clone())
+            .map(|r| (r.elsewhere.clone(), r.gate_up_elsewhere.clone()))
             .unwrap_or_default();
-        let host_job = match (elsewhere.is_empty(), slots.host_kernel()) {
-            (true, _) => None,
-            (false, None) => {
-                return Err(Error::Backend(
-                    "the cache left experts to the host, but no host kernel runs".into(),
-                ))
-            }
-            (false, Some(kernel)) => {
-                let experts = elsewhere
-                    .iter()
-                    .map(|e| Ok((e.index, slots.in_place(layer, e.expert)?)))
-                    .collect::<Result<Vec<_>>>()?;
-                Some((kernel, experts, self.to_host(x)?))
-            }
-        };
+        if split.len() > 1 {
+            return Err(Error::Backend(format!(
+                "offload: {} split experts in one layer; the down stage holds one",
+                split.len()
+            )));
+        }
         let (hidden, inter) = (launch.hidden, launch.inter);
+        let mut shared_out = None;
         let mut enqueue_gpu = |slots: &mut ExpertOffload| -> Result<()> {
             for round in &rounds {
                 if !round.hits.is_empty() {
@@ -439,58 +514,116 @@ impl CudaBackend {
                 }
                 slots.release(&stream)?;
             }
+            // Last on the link: the split expert's down is read only once the host is done.
+            for e in &split {
+                slots.load_down_stage(layer, e.expert)?;
+            }
+            if let Some(mlp) = shared {
+                shared_out = Some(self.gated_mlp(x, mlp)?);
+            }
             Ok(())
         };
-        let Some((kernel, experts, xh)) = host_job else {
-            return enqueue_gpu(&mut slots);
+        if elsewhere.is_empty() && split.is_empty() {
+            enqueue_gpu(&mut slots)?;
+            return Ok(shared_out);
+        }
+        let Some(kernel) = slots.host_kernel() else {
+            return Err(Error::Backend(
+                "the cache left experts to the host, but no host kernel runs".into(),
+            ));
         };
+        let in_place = |slots: &mut ExpertOffload, list: &[Elsewhere]| {
+            list.iter()
+                .map(|e| Ok((e.index, slots.in_place(layer, e.expert)?)))
+                .collect::<Result<Vec<_>>>()
+        };
+        let experts = in_place(&mut slots, &elsewhere)?;
+        let halves = in_place(&mut slots, &split)?;
+        let xh = match xh {
+            Some(xh) => xh,
+            None => self.to_host(x)?,
+        };
+        // The host's outputs land in page-locked memory, each expert's items where they sit in
+        // `out` (then the split experts' activations, where they sit in `h`), and go up
+        // asynchronously once the host is done.
+        let out_values = plan.items() * hidden;
+        let mut staging = self.host_output_staging(out_values + plan.items() * inter)?;
+        let staged = staging
+            .as_mut()
+            .ok_or_else(|| Error::Backend("cuda: no host output staging".into()))?;
+        let (out_stage, h_stage) = staged.as_mut_f32()?.split_at_mut(out_values);
+        let mut outs = item_slices(out_stage, plan, &experts, hidden)?;
+        let mut hs = item_slices(h_stage, plan, &halves, inter)?;
         // The host experts run on the kernel's pool while this thread enqueues the GPU's share
-        // (hits and copies, all asynchronous); then it waits for the host, whose outputs go up
-        // in one small copy per expert before the combine reads them.
+        // (hits and copies, all asynchronous); then it waits for the host.
         let mut host_result = None;
         let mut gpu_result = Ok(());
         let mut waited = std::time::Instant::now();
         kernel.pool().in_place_scope(|scope| {
             let host_result = &mut host_result;
-            let (kernel, experts, xh) = (&kernel, &experts, &xh);
+            let (kernel, experts, halves, xh) = (&kernel, &experts, &halves, &xh);
+            let (outs, hs) = (&mut outs, &mut hs);
             scope.spawn(move |_| {
                 let computing = std::time::Instant::now();
                 // A panic in the pool would otherwise unwind through this thread; it becomes an
                 // error, as the per-layer thread's join made it before.
-                let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    host_expert_outputs(kernel, plan, experts, xh, hidden, inter)
+                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut work = HostWork::gather(plan, xh, hidden, experts, halves)?;
+                    work.run(kernel, (hidden, inter), outs, hs)
                 }))
                 .unwrap_or_else(|_| Err(Error::Backend("a host expert task panicked".into())));
-                *host_result = Some((outputs, computing.elapsed().as_secs_f64()));
+                *host_result = Some((done, computing.elapsed().as_secs_f64()));
             });
             gpu_result = enqueue_gpu(&mut slots);
             waited = std::time::Instant::now();
         });
         let stall = waited.elapsed().as_secs_f64();
+        drop((outs, hs));
         gpu_result?;
-        let (outputs, compute_seconds) =
+        let (done, compute_seconds) =
             host_result.ok_or_else(|| Error::Backend("the host expert job did not run".into()))?;
-        let outputs = outputs?;
-        for (first_item, out) in &outputs {
-            let dst = launch.out + (first_item * hidden * 4) as u64;
-            guarded("cuMemcpyHtoDAsync (host expert outputs)", || {
-                // SAFETY: `dst` lies inside `out`'s allocation (items `first_item..` of a group
-                // of this plan, `hidden` f32 each), made on this stream; the source is pageable,
-                // which the driver stages before returning.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        dst,
-                        out.as_slice(),
-                        stream.cu_stream(),
-                    )
-                }
-            })?;
+        done?;
+        for (g, _) in &experts {
+            let (first, count) = plan.range(*g);
+            let bytes = first as usize * hidden * 4..(first + count) as usize * hidden * 4;
+            let dst = launch.out + bytes.start as u64;
+            // SAFETY: `dst` lies inside `out`'s allocation (items `first..first + count` of
+            // this plan, `hidden` f32 each), made on this stream and alive until the combine
+            // that follows on it has run.
+            unsafe { staged.copy_to_device_ptr(bytes, dst, &stream)? };
+        }
+        for (g, _) in &halves {
+            let (first, count) = plan.range(*g);
+            let at = out_values * 4;
+            let bytes = first as usize * inter * 4..(first + count) as usize * inter * 4;
+            let dst = launch.h + bytes.start as u64;
+            // SAFETY: `dst` lies inside `h`'s allocation (items `first..first + count`, `inter`
+            // f32 each), made on this stream and alive until the down launch below has run.
+            unsafe { staged.copy_to_device_ptr(at + bytes.start..at + bytes.end, dst, &stream)? };
+            let group = ExpertGroup {
+                gate_up: 0,
+                gate_up_scales: 0,
+                down: slots.down_stage_ptr(&stream)?,
+                down_scales: 0,
+                first,
+                count,
+            };
+            let d_group = self.upload_groups(&[group])?;
+            let down = MoeLaunch {
+                groups: d_group.device_ptr(&self.stream).0,
+                num_groups: 1,
+                max_count: count as usize,
+                ..*launch
+            };
+            self.launch_moe_f16_down(&down, None)?;
+            slots.release_down_stage(&stream)?;
+            self.defer_free(d_group);
         }
         // The split learns the kernel's own time (under whatever the link's copies cost it in
         // memory bandwidth), not the wall time, which also holds the GPU share's enqueueing.
-        slots.record_host(outputs.len(), compute_seconds);
+        slots.record_host(experts.len(), halves.len(), compute_seconds);
         slots.record_host_stall(stall);
-        Ok(())
+        Ok(shared_out)
     }
 
     /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights
@@ -528,50 +661,100 @@ impl CudaBackend {
     }
 }
 
-/// The host's share of a layer: every expert's rows gathered from `xh` (the layer input on the
-/// host, `rows x hidden`), all experts in one call of the host kernel. Returns each expert's
-/// first item and its items' outputs (`items x hidden`).
-fn host_expert_outputs(
-    kernel: &HostExperts,
+/// The staging slices of the host's experts: `experts[i]`'s items (`first..first + count` of
+/// `plan`'s group) as `count x hidden` values of `staged`, where they sit in the layer's output.
+fn item_slices<'a>(
+    staged: &'a mut [f32],
     plan: &MoePlan,
     experts: &[(usize, InPlaceExpert)],
-    xh: &[f32],
     hidden: usize,
-    inter: usize,
-) -> Result<Vec<(usize, Vec<f32>)>> {
-    let mut inputs = Vec::with_capacity(experts.len());
+) -> Result<Vec<&'a mut [f32]>> {
+    let mut rest = staged;
+    let mut at = 0;
+    let mut outs = Vec::with_capacity(experts.len());
     for (g, _) in experts {
         let (first, count) = plan.range(*g);
-        let items = first as usize..(first + count) as usize;
-        let mut xs = Vec::with_capacity(items.len() * hidden);
-        for &row in &plan.item_row[items.clone()] {
-            let row = row as usize;
-            xs.extend_from_slice(&xh[row * hidden..(row + 1) * hidden]);
+        let (first, count) = (first as usize * hidden, count as usize * hidden);
+        if first < at || first + count > at + rest.len() {
+            return Err(Error::Backend(format!(
+                "host experts: items {first}.. out of order or past the staging of {} values",
+                at + rest.len()
+            )));
         }
-        inputs.push((items, xs));
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(first - at);
+        let (mine, tail) = tail.split_at_mut(count);
+        outs.push(mine);
+        rest = tail;
+        at = first + count;
     }
-    let jobs = experts
-        .iter()
-        .zip(&inputs)
-        .map(|((_, expert), (items, xs))| {
-            Ok(ExpertJob {
-                weights: expert.weights(hidden, inter)?,
-                x: xs,
-                row_weights: &plan.item_weight[items.clone()],
-            })
+    Ok(outs)
+}
+
+/// The host's share of a layer: each expert's rows gathered from `xh` (the layer input on the
+/// host, `rows x hidden`): whole experts and split ones (their gate and up only).
+struct HostWork<'a> {
+    experts: &'a [(usize, InPlaceExpert)],
+    halves: &'a [(usize, InPlaceExpert)],
+    plan: &'a MoePlan,
+    /// Per expert (whole ones first), its items and their rows' inputs.
+    inputs: Vec<(std::ops::Range<usize>, Vec<f32>)>,
+}
+
+impl<'a> HostWork<'a> {
+    fn gather(
+        plan: &'a MoePlan,
+        xh: &[f32],
+        hidden: usize,
+        experts: &'a [(usize, InPlaceExpert)],
+        halves: &'a [(usize, InPlaceExpert)],
+    ) -> Result<Self> {
+        let mut inputs = Vec::with_capacity(experts.len() + halves.len());
+        for (g, _) in experts.iter().chain(halves) {
+            let (first, count) = plan.range(*g);
+            let items = first as usize..(first + count) as usize;
+            let mut xs = Vec::with_capacity(items.len() * hidden);
+            for &row in &plan.item_row[items.clone()] {
+                let row = row as usize;
+                let x = xh
+                    .get(row * hidden..(row + 1) * hidden)
+                    .ok_or_else(|| Error::Backend(format!("host experts: no input row {row}")))?;
+                xs.extend_from_slice(x);
+            }
+            inputs.push((items, xs));
+        }
+        Ok(HostWork {
+            experts,
+            halves,
+            plan,
+            inputs,
         })
-        .collect::<Result<Vec<_>>>()?;
-    let mut outs: Vec<Vec<f32>> = inputs
-        .iter()
-        .map(|(items, _)| vec![0.0f32; items.len() * hidden])
-        .collect();
-    let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-    kernel.experts(&jobs, &mut refs)?;
-    Ok(inputs
-        .into_iter()
-        .map(|(items, _)| items.start)
-        .zip(outs)
-        .collect())
+    }
+
+    /// All of it in one call of the host kernel: whole experts' item outputs (`items x
+    /// hidden`) into `outs`, split experts' activations (`items x inter`) into `hs`.
+    fn run(
+        &mut self,
+        kernel: &HostExperts,
+        (hidden, inter): (usize, usize),
+        outs: &mut [&mut [f32]],
+        hs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let jobs = self
+            .experts
+            .iter()
+            .chain(self.halves)
+            .zip(&self.inputs)
+            .map(|((_, expert), (items, xs))| {
+                Ok(ExpertJob {
+                    weights: expert.weights(hidden, inter)?,
+                    x: xs,
+                    row_weights: &self.plan.item_weight[items.clone()],
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (whole, halves) = jobs.split_at(self.experts.len());
+        kernel.experts_and_gate_ups(whole, outs, halves, hs)
+    }
 }
 
 #[cfg(test)]

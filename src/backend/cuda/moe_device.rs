@@ -94,6 +94,18 @@ impl CudaBackend {
                 );
             }
         }
+        if self
+            .device_routing_fits(x, logits, spec, experts, false)
+            .is_none()
+        {
+            // Routing on the host: the shared MLP is issued after the routing is read back, so
+            // that wait does not hold it, and (offloaded layers) while host threads compute.
+            let (mut out, _, s) =
+                self.routed_moe_on_host(x, logits, spec, experts, count_as, Some(shared))?;
+            let s = s.ok_or_else(|| Error::Backend("the shared experts did not run".into()))?;
+            self.add_assign(&mut out, &s)?;
+            return Ok(out);
+        }
         let s = self.gated_mlp(x, shared)?;
         self.routed_moe_plus_op(x, logits, spec, experts, count_as, &s)
     }

@@ -203,18 +203,7 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, x: &GpuAct) -> Result<Vec<f32>> {
-        // Wait first: a copy into pageable memory would otherwise wait for the queued kernels
-        // inside the copy, and the host timing would count the device's time as the host's.
-        self.synchronize()?;
-        let mut out = vec![0.0f32; x.rows * x.cols];
-        if !out.is_empty() {
-            let view = x.buf.slice(..out.len());
-            guarded("cuda: device-to-host copy failed", || {
-                self.stream.memcpy_dtoh(&view, &mut out)
-            })?;
-            guarded("cuStreamSynchronize", || self.stream.synchronize())?;
-        }
-        Ok(out)
+        Ok(self.read_back(&[x])?.pop().unwrap_or_default())
     }
 
     fn shape(&self, x: &GpuAct) -> (usize, usize) {

@@ -1,9 +1,9 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
 //! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED`,
-//! `SPECTER_CUDA_CHAIN` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
+//! `SPECTER_CUDA_CHAIN`, `SPECTER_HOST_SPLIT` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
 //! measurement-only `skip_launches`).
 
-use super::{HostExpertsConfig, HostPath, LoadIo};
+use super::{HostExpertsConfig, HostPath, LoadIo, SplitExperts};
 
 /// How a [`CudaBackend`](super::CudaBackend) runs.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,6 +39,10 @@ pub struct CudaOptions {
     /// one-row passes (decode steps, a draft window) runs without waiting for the host between
     /// passes (`Backend::feed_choice`). The same tokens either way.
     pub chain_greedy: bool,
+    /// With the host path: let one miss of a layer be split between the paths (its gate and up
+    /// on the host, its down matrix copied) when the measured rates say that finishes sooner.
+    /// The same tokens either way.
+    pub split_experts: bool,
     /// Measurement only: launches to leave out of every pass. A pass that skips a launch
     /// computes meaningless outputs (and where the skipped kernel feeds the routing, the
     /// experts it then picks are arbitrary); `examples/bench_step.rs` uses this to measure what
@@ -136,6 +140,11 @@ impl CudaOptions {
             threads,
             link_bytes_per_s: link,
             host_bytes_per_s: link,
+            split: if self.split_experts {
+                SplitExperts::Measured
+            } else {
+                SplitExperts::Never
+            },
         }
     }
 }
@@ -153,6 +162,7 @@ impl Default for CudaOptions {
             overlap_launches: true,
             fuse_shared_experts: true,
             chain_greedy: true,
+            split_experts: true,
             skip_launches: Vec::new(),
         }
     }

@@ -19,6 +19,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use specter_format::Bundle;
 
+mod down_stage;
+
 use super::driver::guarded;
 use super::host::{PinnedBuffer, RegisteredHost};
 use super::pace::LinkPace;
@@ -26,10 +28,11 @@ use super::CudaDevice;
 use crate::arch::{expert_tensor_name, ArchConfig, Proj};
 use crate::host_experts::{ExpertWeights, HostExperts};
 use crate::offload::{
-    ExpertCache, Hit, HostSplit, InitialResidency, Load, OffloadStats, Policy, ResidencyConfig,
-    Round,
+    ExpertCache, Hit, HostShare, HostSplit, InitialResidency, Load, OffloadStats, Policy,
+    ResidencyConfig, Round,
 };
 use crate::{Error, Result};
+use down_stage::DownStage;
 use half::f16;
 
 /// Where expert bytes are copied from.
@@ -64,6 +67,20 @@ pub struct HostExpertsConfig {
     pub threads: usize,
     pub link_bytes_per_s: f64,
     pub host_bytes_per_s: f64,
+    /// Whether one miss of a layer may be split between the paths (gate and up on the host,
+    /// the down matrix copied).
+    pub split: SplitExperts,
+}
+
+/// Splitting a miss between the host and the link (src/offload/placement.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitExperts {
+    /// Whole experts only.
+    Never,
+    /// One miss a layer when the measured rates say it finishes sooner (the default).
+    Measured,
+    /// Checks only: every layer with a miss splits one of them, whatever the rates say.
+    Always,
 }
 
 /// One expert's FP16 tensors where they lie in the bundle's mapping, for the host kernel.
@@ -172,6 +189,9 @@ pub struct ExpertOffload {
     prefetch_hidden_seconds: f64,
     /// Compute-stream time spent waiting for demand batches (see [`OffloadStats`]).
     link_stall_seconds: f64,
+    /// With the host path: the down matrix of a layer's split expert (gate and up computed on
+    /// the host), copied outside the slots.
+    down_stage: Option<DownStage>,
 }
 
 // SAFETY: the raw registrations and pinned buffers are only touched through `&mut self` (the
@@ -370,6 +390,7 @@ impl ExpertOffload {
             prefetch_copy_seconds: 0.0,
             prefetch_hidden_seconds: 0.0,
             link_stall_seconds: 0.0,
+            down_stage: None,
         };
         offload.set_host(cfg.host_experts)?;
         Ok(offload)
@@ -381,6 +402,24 @@ impl ExpertOffload {
         self.host = match host {
             Some(h) => {
                 self.check_in_place()?;
+                if self.down_stage.is_none() {
+                    let ctx = self.copy_stream.context().clone();
+                    let event = || guarded("cuEventCreate", || ctx.new_event(None));
+                    let buf = guarded("cannot allocate the split expert's down matrix", || {
+                        self.copy_stream.alloc_zeros::<u8>(self.matrix_bytes)
+                    })?;
+                    self.slot_vram_bytes += self.matrix_bytes;
+                    self.down_stage = Some(DownStage {
+                        buf,
+                        ready: event()?,
+                        read: event()?,
+                        copy: None,
+                        split: SplitExperts::Measured,
+                    });
+                }
+                if let Some(stage) = &mut self.down_stage {
+                    stage.split = h.split;
+                }
                 Some((
                     Arc::new(HostExperts::new(h.threads, None)?),
                     HostSplit::new(h.link_bytes_per_s, h.host_bytes_per_s),
@@ -533,17 +572,28 @@ impl ExpertOffload {
     ) -> Result<Vec<Round>> {
         let moe_index = self.layer_mut(layer)?.moe_index;
         self.learn_link()?;
-        let elsewhere = match &self.host {
+        let share = match &self.host {
             Some((_, split)) => {
                 let misses = experts
                     .iter()
                     .filter(|&&e| !self.cache.is_resident(moe_index, e))
                     .count();
-                split.host_share(misses)
+                let mode = self.down_stage.as_ref().map(|s| s.split);
+                match mode {
+                    Some(SplitExperts::Always) if misses > 0 => HostShare {
+                        full: 0,
+                        gate_up: 1,
+                    },
+                    _ => split.host_share_split(
+                        misses,
+                        self.slot_bytes,
+                        mode == Some(SplitExperts::Measured),
+                    ),
+                }
             }
-            None => 0,
+            None => HostShare::default(),
         };
-        self.cache.serve_split(moe_index, experts, rows, elsewhere)
+        self.cache.serve_placed(moe_index, experts, rows, share)
     }
 
     /// The host expert kernel, when missing experts may be computed on the host.
@@ -585,10 +635,10 @@ impl ExpertOffload {
         Ok(())
     }
 
-    /// The host computed `experts` experts in `seconds` (wall clock, inputs and outputs
-    /// included): the split learns the host's rate.
-    pub(crate) fn record_host(&mut self, experts: usize, seconds: f64) {
-        let bytes = (experts * self.slot_bytes) as u64;
+    /// The host computed `experts` whole experts and the gate and up of `halves` more in
+    /// `seconds` (wall clock, inputs and outputs included): the split learns the host's rate.
+    pub(crate) fn record_host(&mut self, experts: usize, halves: usize, seconds: f64) {
+        let bytes = (experts * self.slot_bytes + halves * 2 * self.matrix_bytes) as u64;
         if let Some((_, split)) = &mut self.host {
             split.record_host(bytes, seconds);
         }
@@ -599,6 +649,11 @@ impl ExpertOffload {
     /// issued all of the layer's GPU work.
     pub(crate) fn record_host_stall(&mut self, seconds: f64) {
         self.cache.stats_mut().host_stall_seconds += seconds.max(0.0);
+    }
+
+    /// The decode thread waited `seconds` (wall clock) for a layer's routing to reach the host.
+    pub(crate) fn record_route_wait(&mut self, seconds: f64) {
+        self.cache.stats_mut().route_wait_seconds += seconds.max(0.0);
     }
 
     /// The slot pointers of a round's hits, in order; `compute` first waits for any prefetch
@@ -805,38 +860,45 @@ impl ExpertOffload {
         dst: usize,
         len: usize,
     ) -> Result<()> {
+        let at = slot * self.slot_bytes + dst;
+        self.copy_bytes(src, len, Some((layer, at)))
+    }
+
+    /// Copies `len` bytes at file offset `src` on the copy stream: into `layer`'s slots at byte
+    /// `at` (`into`), or to the start of the down stage (`None`).
+    fn copy_bytes(&mut self, src: usize, len: usize, into: Option<(usize, usize)>) -> Result<()> {
         self.poll_registration(false);
         let copy = self.copy_stream.clone();
-        let slot_bytes = self.slot_bytes;
-        let at = slot * slot_bytes + dst;
-        if !self.registrations.is_empty() {
-            let (index, offset) = self.registration_of(src, len)?;
-            let l = self
+        let source = if self.registrations.is_empty() {
+            let which = self.next_staging;
+            self.next_staging = (which + 1) % self.staging.len();
+            let bytes = &self.bundle.as_bytes()[src..src + len];
+            self.staging[which].as_mut_slice()?[..len].copy_from_slice(bytes);
+            Err(which)
+        } else {
+            Ok(self.registration_of(src, len)?)
+        };
+        let mut view = match into {
+            Some((layer, at)) => self
                 .layers
                 .get_mut(layer)
                 .and_then(|l| l.as_mut())
-                .ok_or_else(|| {
-                    Error::Model(format!("offload: layer {layer} has no expert slots"))
-                })?;
-            let mut view = l.slots.slice_mut(at..at + len);
-            return self.registrations[index].copy_to_device(
-                offset..offset + len,
-                &mut view,
-                &copy,
-            );
+                .ok_or_else(|| Error::Model(format!("offload: layer {layer} has no expert slots")))?
+                .slots
+                .slice_mut(at..at + len),
+            None => self
+                .down_stage
+                .as_mut()
+                .ok_or_else(|| Error::Backend("offload: no down stage".into()))?
+                .buf
+                .slice_mut(0..len),
+        };
+        match source {
+            Ok((index, offset)) => {
+                self.registrations[index].copy_to_device(offset..offset + len, &mut view, &copy)
+            }
+            Err(which) => self.staging[which].copy_to_device(0..len, &mut view, &copy),
         }
-        let bytes = &self.bundle.as_bytes()[src..src + len];
-        let which = self.next_staging;
-        self.next_staging = (which + 1) % self.staging.len();
-        let buf = &mut self.staging[which];
-        buf.as_mut_slice()?[..len].copy_from_slice(bytes);
-        let l = self
-            .layers
-            .get_mut(layer)
-            .and_then(|l| l.as_mut())
-            .ok_or_else(|| Error::Model(format!("offload: layer {layer} has no expert slots")))?;
-        let mut view = l.slots.slice_mut(at..at + len);
-        self.staging[which].copy_to_device(0..len, &mut view, &copy)
     }
 
     /// The registration holding file bytes `src..src + len`, and the offset inside it.

@@ -1,0 +1,100 @@
+//! Activations read back to the host through page-locked memory: several at once with one wait
+//! for the device. An offloaded MoE layer needs its routing logits and its input on the host
+//! before its experts can be placed; one wait instead of one per activation keeps the decode
+//! thread's round trip short.
+
+use cudarc::driver::result as drv;
+
+use super::act::GpuAct;
+use super::backend::CudaBackend;
+use super::driver::guarded;
+use super::host::PinnedBuffer;
+use super::kernels::ptr;
+use crate::{Error, Result};
+
+/// Reads larger than this go through pageable memory: a long prompt's logits would otherwise
+/// pin hundreds of megabytes for one copy.
+const PINNED_READ_LIMIT_BYTES: usize = 32 << 20;
+
+/// The smallest landing buffer (a decode step's logits and input fit many times over).
+const PINNED_READ_MIN_BYTES: usize = 1 << 20;
+
+impl CudaBackend {
+    /// Each of `parts` on the host (`rows x cols` values each), after one wait for the work
+    /// issued so far.
+    pub(super) fn read_back(&self, parts: &[&GpuAct]) -> Result<Vec<Vec<f32>>> {
+        let lens: Vec<usize> = parts.iter().map(|a| a.rows * a.cols).collect();
+        let total: usize = lens.iter().sum();
+        if total * 4 > PINNED_READ_LIMIT_BYTES {
+            return self.read_back_pageable(parts, &lens);
+        }
+        let mut landing = self.lock(&self.readback)?;
+        if landing.as_ref().is_none_or(|b| b.len() < total * 4) {
+            *landing = None;
+            let bytes = (total * 4).next_power_of_two().max(PINNED_READ_MIN_BYTES);
+            *landing = Some(self.dev.alloc_pinned(bytes)?);
+        }
+        let buf = landing
+            .as_mut()
+            .ok_or_else(|| Error::Backend("cuda: no read-back buffer".into()))?;
+        let host = buf.as_mut_f32()?;
+        let mut at = 0;
+        for (a, &n) in parts.iter().zip(&lens) {
+            if n > 0 {
+                let src = ptr(&a.buf, &self.stream);
+                let dst = &mut host[at..at + n];
+                guarded("cuMemcpyDtoHAsync", || {
+                    // SAFETY: `src` holds at least `n` f32 values (`rows x cols` of its
+                    // activation) written on this stream; `dst` is page-locked memory owned by
+                    // the backend, which stays allocated (behind the lock held until the wait
+                    // below, and afterwards in `self.readback`) while the copy runs.
+                    unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+                })?;
+            }
+            at += n;
+        }
+        self.synchronize()?;
+        let mut at = 0;
+        Ok(lens
+            .iter()
+            .map(|&n| {
+                at += n;
+                host[at - n..at].to_vec()
+            })
+            .collect())
+    }
+
+    fn read_back_pageable(&self, parts: &[&GpuAct], lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        // Wait first: a copy into pageable memory would otherwise wait for the queued kernels
+        // inside the copy, and the host timing would count the device's time as the host's.
+        self.synchronize()?;
+        let mut out = Vec::with_capacity(parts.len());
+        for (a, &n) in parts.iter().zip(lens) {
+            let mut values = vec![0.0f32; n];
+            if n > 0 {
+                let view = a.buf.slice(..n);
+                guarded("cuda: device-to-host copy failed", || {
+                    self.stream.memcpy_dtoh(&view, &mut values)
+                })?;
+            }
+            out.push(values);
+        }
+        guarded("cuStreamSynchronize", || self.stream.synchronize())?;
+        Ok(out)
+    }
+
+    /// Page-locked space for `values` f32 outputs of the host expert kernel, waiting first for
+    /// any copy still reading the last ones.
+    pub(super) fn host_output_staging(
+        &self,
+        values: usize,
+    ) -> Result<std::sync::MutexGuard<'_, Option<PinnedBuffer>>> {
+        let mut staging = self.lock(&self.host_outputs)?;
+        if staging.as_ref().is_none_or(|b| b.len() < values * 4) {
+            *staging = None;
+            let bytes = (values * 4).next_power_of_two().max(PINNED_READ_MIN_BYTES);
+            *staging = Some(self.dev.alloc_pinned(bytes)?);
+        }
+        Ok(staging)
+    }
+}
