@@ -21,7 +21,8 @@
 #   hostexp   the host expert kernel: same bits as the GPU kernel, and its bandwidth against the
 #             host's read bandwidth (tests/cuda_host_experts.rs, examples/bench_host_experts.rs)
 #   hybrid    on the bench model: target-only TPOT copying every miss (lru) against the host path
-#             (--host-experts auto) at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
+#             (--host-experts auto), both after the expert sections' registration
+#             (--wait-registration), at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
 #             added to both (e.g. "--link-gbps 25") and $HOST_ARGS to the host path's runs (e.g.
 #             "--host-threads 8"); tokens must agree
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
@@ -416,7 +417,7 @@ hybrid() {
             [ "$variant" = hybrid ] && host=(--host-experts auto ${HOST_ARGS:-})
             "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
                 --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
-                "${host[@]}" "${extra[@]}" > "$out/$tag-$variant-$slots.json" 2> "$out/$tag-$variant-$slots.err" ||
+                --wait-registration "${host[@]}" "${extra[@]}" > "$out/$tag-$variant-$slots.json" 2> "$out/$tag-$variant-$slots.err" ||
                 { tail -3 "$out/$tag-$variant-$slots.err"; return 1; }
         done
         python3 - "$out/$tag-lru-$slots.json" "$out/$tag-hybrid-$slots.json" "$slots" "${extra[*]}" "${HOST_ARGS:-}" <<'PY'

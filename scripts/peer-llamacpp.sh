@@ -38,7 +38,10 @@
 #   PEER_PROMPT [ABCDEFGHIJKLMNOP]  prompt text; the synthesized tokenizer gives one id a byte
 #   PEER_TIME_S [540]  the whole run's time; steps that would not fit are skipped and said so
 #   SPECTER_MIN  generate arguments of Specter's run at the smallest residency (default: target-only
-#       lru with 1 expert slot per MoE layer; "--host-experts auto" adds the host path)
+#       lru with 1 expert slot per MoE layer; "--host-experts auto" adds the host path). The
+#       defaults wait for the expert sections' registration before the first token
+#       (--wait-registration), as llama-bench times after its model load and warm-up: a short run
+#       would otherwise copy through pinned staging for most of its tokens
 #   SPECTER_HIGH, SPECTER_LOW  generate arguments of Specter's best mode at each budget (default:
 #       target-only lru at the case's matched residency, the mode `bench --modes auto` chose on
 #       these weights in every earlier run)
@@ -236,9 +239,9 @@ run() {
         --max-new-tokens "$PEER_NEW_TOKENS" --ignore-eos --json)
     local -A s_args=(
         [resident]="--mode target"
-        [min]="${SPECTER_MIN:---mode target --resident-experts 1 --policy lru}"
-        [high]="${SPECTER_HIGH:---mode target --resident-experts $high --policy lru}"
-        [low]="${SPECTER_LOW:---mode target --resident-experts $low --policy lru}"
+        [min]="${SPECTER_MIN:---mode target --resident-experts 1 --policy lru --wait-registration}"
+        [high]="${SPECTER_HIGH:---mode target --resident-experts $high --policy lru --wait-registration}"
+        [low]="${SPECTER_LOW:---mode target --resident-experts $low --policy lru --wait-registration}"
     )
     local -A s_label=(
         [resident]="all resident, target-only"
