@@ -409,7 +409,7 @@ hybrid() {
     # shellcheck disable=SC2206
     local extra=(${HYBRID_ARGS:-})
     local tag=${HYBRID_TAG:-hybrid}
-    printf "| slots | args | lru ms | hybrid ms | speedup | host experts/token | host GB/s | link GB/s | same tokens |\n|---|---|---|---|---|---|---|---|---|\n"
+    printf "| slots | args | lru ms | hybrid ms | speedup | host experts/token (split) | host GB/s | link GB/s | host busy / stall ms/token | link busy ms/token | route wait ms/token | same tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     for slots in ${SLOTS//,/ }; do
         for variant in lru hybrid; do
             local host=()
@@ -427,8 +427,11 @@ o = b["gpu"]["offload"] or {}
 la = a["stats"]["tpot_ms"]; lb = b["stats"]["tpot_ms"]
 n = max(len(b["tokens"]) - 1, 1)
 host_gbps = o.get("host_bytes", 0) / o["host_seconds"] / 1e9 if o.get("host_seconds") else 0.0
+ms = lambda key: o.get(key, 0) / n * 1e3
 print(f"| {sys.argv[3]} | {sys.argv[4] or '-'} {sys.argv[5]} | {la:.2f} | {lb:.2f} | {la / lb:.2f}x | "
-      f"{o.get('host_experts', 0) / n:.1f} | {host_gbps:.1f} | {o.get('copy_gbps', 0):.1f} | {a['tokens'] == b['tokens']} |")
+      f"{o.get('host_experts', 0) / n:.1f} ({o.get('split_experts', 0) / n:.1f}) | {host_gbps:.1f} | "
+      f"{o.get('copy_gbps', 0):.1f} | {ms('host_seconds'):.2f} / {ms('host_stall_seconds'):.2f} | "
+      f"{ms('copy_seconds'):.2f} | {ms('route_wait_seconds'):.2f} | {a['tokens'] == b['tokens']} |")
 PY
     done
 }
