@@ -157,6 +157,62 @@ fn bad_settings_and_shapes_are_refused() {
     assert!(kernel.expert(&w, &[0.5; 16], &[1.0], &mut out).is_ok());
 }
 
+/// Random experts of one shape with `rows[e]` random input rows and combine weights each.
+struct Batch {
+    experts: Vec<(Vec<f16>, Vec<f16>)>,
+    xs: Vec<Vec<f32>>,
+    ws: Vec<Vec<f32>>,
+    hidden: usize,
+    inter: usize,
+}
+
+impl Batch {
+    fn random(rng: &mut ChaCha8Rng, hidden: usize, inter: usize, rows: &[usize]) -> Self {
+        let experts = rows
+            .iter()
+            .map(|_| random_expert(rng, hidden, inter))
+            .collect();
+        let xs = rows
+            .iter()
+            .map(|&r| {
+                (0..r * hidden)
+                    .map(|_| rng.random_range(-3.0..3.0))
+                    .collect()
+            })
+            .collect();
+        let ws = rows
+            .iter()
+            .map(|&r| (0..r).map(|_| rng.random_range(0.0..1.0)).collect())
+            .collect();
+        Batch {
+            experts,
+            xs,
+            ws,
+            hidden,
+            inter,
+        }
+    }
+
+    fn weights(&self, e: usize) -> ExpertWeights<'_> {
+        let (hidden, inter) = (self.hidden, self.inter);
+        ExpertWeights {
+            gate: &self.experts[e].0[..inter * hidden],
+            up: &self.experts[e].0[inter * hidden..],
+            down: &self.experts[e].1,
+            hidden,
+            inter,
+        }
+    }
+
+    fn job(&self, e: usize) -> ExpertJob<'_> {
+        ExpertJob {
+            weights: self.weights(e),
+            x: &self.xs[e],
+            row_weights: &self.ws[e],
+        }
+    }
+}
+
 #[test]
 fn a_batch_of_experts_gives_each_experts_own_output() {
     // A layer's host share runs as one call; each output must be the bits of its expert alone,
@@ -164,36 +220,11 @@ fn a_batch_of_experts_gives_each_experts_own_output() {
     let kernel = HostExperts::new(2, None).expect("kernel");
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let (hidden, inter) = (128, 48);
-    let experts: Vec<(Vec<f16>, Vec<f16>)> = (0..4)
-        .map(|_| random_expert(&mut rng, hidden, inter))
-        .collect();
     let rows = [3usize, 0, 1, 5];
-    let xs: Vec<Vec<f32>> = rows
-        .iter()
-        .map(|&r| {
-            (0..r * hidden)
-                .map(|_| rng.random_range(-3.0..3.0))
-                .collect()
-        })
-        .collect();
-    let ws: Vec<Vec<f32>> = rows
-        .iter()
-        .map(|&r| (0..r).map(|_| rng.random_range(0.0..1.0)).collect())
-        .collect();
-    let weights = |e: usize| ExpertWeights {
-        gate: &experts[e].0[..inter * hidden],
-        up: &experts[e].0[inter * hidden..],
-        down: &experts[e].1,
-        hidden,
-        inter,
-    };
-    let jobs: Vec<ExpertJob> = (0..4)
-        .map(|e| ExpertJob {
-            weights: weights(e),
-            x: &xs[e],
-            row_weights: &ws[e],
-        })
-        .collect();
+    let batch = Batch::random(&mut rng, hidden, inter, &rows);
+    let (xs, ws) = (&batch.xs, &batch.ws);
+    let weights = |e: usize| batch.weights(e);
+    let jobs: Vec<ExpertJob> = (0..4).map(|e| batch.job(e)).collect();
     let mut outs: Vec<Vec<f32>> = rows.iter().map(|&r| vec![f32::NAN; r * hidden]).collect();
     let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
     kernel.experts(&jobs, &mut refs).expect("batch");
@@ -224,34 +255,11 @@ fn split_experts_get_the_activations_the_whole_kernel_reduces() {
     let kernel = HostExperts::new(2, None).expect("kernel");
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     for (hidden, inter) in [(128, 48), (2048, 1408), (100, 52)] {
-        let experts: Vec<(Vec<f16>, Vec<f16>)> = (0..3)
-            .map(|_| random_expert(&mut rng, hidden, inter))
-            .collect();
         let rows = [2usize, 1, 3];
-        let xs: Vec<Vec<f32>> = rows
-            .iter()
-            .map(|&r| {
-                (0..r * hidden)
-                    .map(|_| rng.random_range(-3.0..3.0))
-                    .collect()
-            })
-            .collect();
-        let ws: Vec<Vec<f32>> = rows
-            .iter()
-            .map(|&r| (0..r).map(|_| rng.random_range(0.1..1.0)).collect())
-            .collect();
-        let weights = |e: usize| ExpertWeights {
-            gate: &experts[e].0[..inter * hidden],
-            up: &experts[e].0[inter * hidden..],
-            down: &experts[e].1,
-            hidden,
-            inter,
-        };
-        let job = |e: usize| ExpertJob {
-            weights: weights(e),
-            x: &xs[e],
-            row_weights: &ws[e],
-        };
+        let batch = Batch::random(&mut rng, hidden, inter, &rows);
+        let (xs, ws) = (&batch.xs, &batch.ws);
+        let weights = |e: usize| batch.weights(e);
+        let job = |e: usize| batch.job(e);
         // Expert 0 whole; experts 1 and 2 split.
         let mut out = vec![f32::NAN; rows[0] * hidden];
         let mut h1 = vec![f32::NAN; rows[1] * inter];

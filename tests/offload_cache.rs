@@ -445,16 +445,22 @@ fn planner_ranks_draft_routing_and_lists_missing_experts_layer_by_layer() {
     assert!(!plan.prefetch.is_empty());
 }
 
-#[test]
-fn misses_left_elsewhere_are_those_fewest_rows_use_and_take_no_slot() {
-    let mut cache = ExpertCache::new(
+/// One layer of 8 experts and 4 slots with experts 0 and 1 resident, and a pass needing
+/// `SPLIT_EXPERTS` used by `SPLIT_ROWS` rows: 2, 3, 5 and 7 miss, used by 4, 1, 3 and 1 rows.
+fn cache_for_split() -> ExpertCache {
+    ExpertCache::new(
         config(Policy::Lru, 1, 8, 4),
         &InitialResidency::PerLayer(vec![vec![0, 1]]),
     )
-    .expect("cache");
-    // Experts 0 and 1 are resident; 2, 3, 5 and 7 are misses used by 4, 1, 3 and 1 rows.
-    let experts = [0, 1, 2, 3, 5, 7];
-    let rows = [2, 2, 4, 1, 3, 1];
+    .expect("cache")
+}
+const SPLIT_EXPERTS: [u32; 6] = [0, 1, 2, 3, 5, 7];
+const SPLIT_ROWS: [u32; 6] = [2, 2, 4, 1, 3, 1];
+
+#[test]
+fn misses_left_elsewhere_are_those_fewest_rows_use_and_take_no_slot() {
+    let mut cache = cache_for_split();
+    let (experts, rows) = (SPLIT_EXPERTS, SPLIT_ROWS);
     let rounds = cache.serve_split(0, &experts, &rows, 2).expect("serve");
     let away: Vec<u32> = rounds[0].elsewhere.iter().map(|e| e.expert).collect();
     assert_eq!(away, vec![3, 7], "the two misses with one row each");
@@ -483,15 +489,10 @@ fn misses_left_elsewhere_are_those_fewest_rows_use_and_take_no_slot() {
 
 #[test]
 fn a_split_miss_follows_the_whole_host_ones_and_takes_no_slot() {
-    let mut cache = ExpertCache::new(
-        config(Policy::Lru, 1, 8, 4),
-        &InitialResidency::PerLayer(vec![vec![0, 1]]),
-    )
-    .expect("cache");
-    // Misses 2, 3, 5 and 7 are used by 4, 1, 3 and 1 rows: 3 and 7 go to the host whole (one
-    // row each), then 5 (three rows) is split, and 2 is copied.
-    let experts = [0, 1, 2, 3, 5, 7];
-    let rows = [2, 2, 4, 1, 3, 1];
+    let mut cache = cache_for_split();
+    let (experts, rows) = (SPLIT_EXPERTS, SPLIT_ROWS);
+    // 3 and 7 go to the host whole (one row each), then 5 (three rows) is split, and 2 is
+    // copied.
     let share = HostShare {
         full: 2,
         gate_up: 1,

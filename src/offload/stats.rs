@@ -73,7 +73,9 @@ pub struct OffloadStats {
     /// of the layer's GPU work; 0 in the simulator.
     pub host_stall_seconds: f64,
     /// Wall-clock seconds the decode thread waited for MoE layers' routing to reach the host
-    /// (the device's work before each layer's router included); 0 in the simulator.
+    /// (the device's work before each layer's router included), for every pass that routes on
+    /// the host (target passes of offloaded layers; draft passes whose routing a prefetcher
+    /// counts on the host); 0 in the simulator.
     pub route_wait_seconds: f64,
     /// Target-pass hits and misses per MoE layer.
     pub layer_hits: Vec<u64>,
