@@ -24,7 +24,8 @@
 #             (--host-experts auto), both after the expert sections' registration
 #             (--wait-registration), at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
 #             added to both (e.g. "--link-gbps 25") and $HOST_ARGS to the host path's runs (e.g.
-#             "--host-threads 8"); tokens must agree
+#             "--host-threads 8"); tokens must agree; with $OLD_CARRY the earlier binaries' host
+#             path too, $REPEATS rounds taking turns
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #   pace      link pacing: copies held to 25 GB/s measure 25 GB/s and change no token
 #             (tests/cuda_pace.rs)
@@ -400,40 +401,61 @@ for name in dict.fromkeys(r[1] for r in rows):
 EOF
 }
 
-# Plain decoding on the bench model, copying every miss against the host path, per slot count.
+# Plain decoding on the bench model, copying every miss against the host path, per slot count;
+# with $OLD_CARRY also the earlier binaries' host path; $REPEATS rounds taking turns (default 1).
 hybrid() {
     local dir=$1 out=$2
-    local run="$CARRY/specter-run"
     bench_model "$dir" "$out"
     local prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
     # shellcheck disable=SC2206
     local extra=(${HYBRID_ARGS:-})
     local tag=${HYBRID_TAG:-hybrid}
-    printf "| slots | args | lru ms | hybrid ms | speedup | host experts/token (split) | host GB/s | link GB/s | host busy / stall ms/token | link busy ms/token | route wait ms/token | same tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    local variants=(lru hybrid)
+    [ -n "${OLD_CARRY:-}" ] && variants=(lru old-hybrid hybrid)
     for slots in ${SLOTS//,/ }; do
-        for variant in lru hybrid; do
-            local host=()
-            # shellcheck disable=SC2206
-            [ "$variant" = hybrid ] && host=(--host-experts auto ${HOST_ARGS:-})
-            "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
-                --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
-                --wait-registration "${host[@]}" "${extra[@]}" > "$out/$tag-$variant-$slots.json" 2> "$out/$tag-$variant-$slots.err" ||
-                { tail -3 "$out/$tag-$variant-$slots.err"; return 1; }
+        for round in $(seq 1 "${REPEATS:-1}"); do
+            for variant in "${variants[@]}"; do
+                local host=() run="$CARRY/specter-run"
+                # shellcheck disable=SC2206
+                [ "$variant" != lru ] && host=(--host-experts auto ${HOST_ARGS:-})
+                [ "$variant" = old-hybrid ] && run="$OLD_CARRY/specter-run"
+                local f="$out/$tag-$variant-$slots-$round"
+                "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
+                    --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
+                    --wait-registration "${host[@]}" "${extra[@]}" > "$f.json" 2> "$f.err" ||
+                    { tail -3 "$f.err"; return 1; }
+            done
         done
-        python3 - "$out/$tag-lru-$slots.json" "$out/$tag-hybrid-$slots.json" "$slots" "${extra[*]}" "${HOST_ARGS:-}" <<'PY'
-import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
-o = b["gpu"]["offload"] or {}
-la = a["stats"]["tpot_ms"]; lb = b["stats"]["tpot_ms"]
-n = max(len(b["tokens"]) - 1, 1)
-host_gbps = o.get("host_bytes", 0) / o["host_seconds"] / 1e9 if o.get("host_seconds") else 0.0
-ms = lambda key: o.get(key, 0) / n * 1e3
-print(f"| {sys.argv[3]} | {sys.argv[4] or '-'} {sys.argv[5]} | {la:.2f} | {lb:.2f} | {la / lb:.2f}x | "
-      f"{o.get('host_experts', 0) / n:.1f} ({o.get('split_experts', 0) / n:.1f}) | {host_gbps:.1f} | "
-      f"{o.get('copy_gbps', 0):.1f} | {ms('host_seconds'):.2f} / {ms('host_stall_seconds'):.2f} | "
-      f"{ms('copy_seconds'):.2f} | {ms('route_wait_seconds'):.2f} | {a['tokens'] == b['tokens']} |")
-PY
     done
+    python3 - "$out" "$tag" "${SLOTS//,/ }" "${variants[*]}" "${extra[*]} ${HOST_ARGS:-}" <<'PY'
+import glob, json, statistics, sys
+out, tag, slots, variants, args = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split(), sys.argv[5]
+print(f"args: {args.strip() or '-'}; TPOT ms, median of rounds (the rounds); telemetry ms per token, "
+      "median round; 'other' is TPOT less route wait, dispatch, host wall and finish")
+print("| slots | variant | TPOT ms | over lru | host experts/token (split) | host GB/s | link GB/s | "
+      "host busy / stall | link busy | route wait | dispatch | finish | other | same tokens |")
+print("|" + "---|" * 14)
+for s in slots:
+    runs = {v: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/{tag}-{v}-{s}-*.json"))] for v in variants}
+    lru = statistics.median(r["stats"]["tpot_ms"] for r in runs["lru"])
+    tokens = runs["lru"][0]["tokens"]
+    for v in variants:
+        rs = sorted(runs[v], key=lambda r: r["stats"]["tpot_ms"])
+        mid = rs[len(rs) // 2]
+        tpot = statistics.median(r["stats"]["tpot_ms"] for r in rs)
+        o = mid["gpu"]["offload"] or {}
+        n = max(len(mid["tokens"]) - 1, 1)
+        ms = lambda k: o.get(k, 0) / n * 1e3
+        gbps = o.get("host_bytes", 0) / o["host_seconds"] / 1e9 if o.get("host_seconds") else 0.0
+        other = mid["stats"]["tpot_ms"] - sum(ms(k) for k in ("route_wait_seconds", "dispatch_seconds", "host_seconds", "finish_seconds"))
+        same = all(r["tokens"] == tokens for r in rs)
+        each = ", ".join(f"{r['stats']['tpot_ms']:.2f}" for r in runs[v])
+        print(f"| {s} | {v} | {tpot:.2f} ({each}) | {lru / tpot:.2f}x | "
+              f"{o.get('host_experts', 0) / n:.1f} ({o.get('split_experts', 0) / n:.1f}) | {gbps:.1f} | "
+              f"{o.get('copy_gbps', 0):.1f} | {ms('host_seconds'):.2f} / {ms('host_stall_seconds'):.2f} | "
+              f"{ms('copy_seconds'):.2f} | {ms('route_wait_seconds'):.2f} | {ms('dispatch_seconds'):.2f} | "
+              f"{ms('finish_seconds'):.2f} | {other:.2f} | {same} |")
+PY
 }
 
 # The host expert kernel: bit equality with the GPU kernel, then its bandwidth against the

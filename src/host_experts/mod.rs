@@ -7,16 +7,16 @@
 //! may run on either side without changing a token. With AVX2, FMA and F16C a lane's eight
 //! partials are one vector fed by plain loads (`avx2.rs`); elsewhere a portable path gives the
 //! same bits. A layer's host experts run as one call ([`HostExperts::experts`]) on the kernel's
-//! own thread pool.
+//! own team of threads, which stay awake between a decode step's layers (`team.rs`).
 
 pub mod activation;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod bandwidth;
 pub mod lanes;
+mod team;
 
 use half::f16;
-use rayon::prelude::*;
 
 use crate::{Error, Result};
 
@@ -47,7 +47,7 @@ impl KernelPath {
 }
 
 /// The host path's threads when the user names none: every core but one, which the decode
-/// thread keeps (it launches the GPU's share of a layer and waits on it while the pool computes).
+/// thread keeps (it launches the GPU's share of a layer, then joins the team's threads).
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
 }
@@ -85,9 +85,9 @@ impl ExpertWeights<'_> {
     }
 }
 
-/// The host expert kernel: a thread pool and the path it runs.
+/// The host expert kernel: a team of threads and the path it runs.
 pub struct HostExperts {
-    pool: rayon::ThreadPool,
+    team: team::Team,
     threads: usize,
     path: KernelPath,
 }
@@ -126,6 +126,7 @@ impl ExpertJob<'_> {
 
 impl HostExperts {
     /// `threads` host threads (at least 1, at most the machine's), on `path` (or the fastest).
+    /// The thread that calls the kernel works beside them, so at most `cores - 1` are started.
     pub fn new(threads: usize, path: Option<KernelPath>) -> Result<Self> {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if threads == 0 || threads > cores {
@@ -143,13 +144,9 @@ impl HostExperts {
             Some(p) => p,
             None => KernelPath::detect(),
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("specter-host-expert-{i}"))
-            .build()
-            .map_err(|e| Error::Backend(format!("cannot start host expert threads: {e}")))?;
+        let team = team::Team::new(threads.min(cores - 1), "specter-host-expert")?;
         Ok(HostExperts {
-            pool,
+            team,
             threads,
             path,
         })
@@ -161,12 +158,6 @@ impl HostExperts {
 
     pub fn path(&self) -> KernelPath {
         self.path
-    }
-
-    /// The thread pool, for callers that overlap host expert work with their own
-    /// ([`rayon::ThreadPool::in_place_scope`]).
-    pub fn pool(&self) -> &rayon::ThreadPool {
-        &self.pool
     }
 
     /// `out[r] = weight[r] * down(silu(gate(x[r])) * up(x[r]))` for each row `r` of `x`
@@ -203,6 +194,20 @@ impl HostExperts {
         halves: &[ExpertJob<'_>],
         hs_out: &mut [&mut [f32]],
     ) -> Result<()> {
+        self.experts_and_gate_ups_while(jobs, outs, halves, hs_out, || ())
+            .map(|_| ())
+    }
+
+    /// As [`Self::experts_and_gate_ups`], while the calling thread first runs `side` (the
+    /// team's threads start on the experts at once; the caller joins them when `side` returns).
+    pub fn experts_and_gate_ups_while<R>(
+        &self,
+        jobs: &[ExpertJob<'_>],
+        outs: &mut [&mut [f32]],
+        halves: &[ExpertJob<'_>],
+        hs_out: &mut [&mut [f32]],
+        side: impl FnOnce() -> R,
+    ) -> Result<HostRun<R>> {
         let hidden_of: fn(&ExpertWeights<'_>) -> usize = |w| w.hidden;
         let inter_of: fn(&ExpertWeights<'_>) -> usize = |w| w.inter;
         for (what, jobs, outs, width) in [
@@ -230,105 +235,145 @@ impl HostExperts {
         }
         let whole = jobs.len();
         let all: Vec<ExpertJob<'_>> = jobs.iter().chain(halves).copied().collect();
-        let jobs = &all[..];
         let path = self.path;
-        // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
-        let inputs: Vec<Vec<&[f32]>> = jobs
+        let inputs: Vec<Vec<&[f32]>> = all
             .iter()
             .map(|j| j.x.chunks_exact(j.weights.hidden).collect())
             .collect();
-        let tasks = feature_tasks(jobs, |w| w.inter);
-        let h_cols: Vec<Vec<f32>> = self.pool.install(|| {
-            tasks
-                .par_iter()
-                .map(|&(job, lo, hi)| {
-                    let w = &jobs[job].weights;
-                    let xs = &inputs[job];
-                    let rows = xs.len();
-                    let hidden = w.hidden;
-                    let mut col = Vec::with_capacity((hi - lo) * rows);
-                    // Gate's products for every row, then up's.
-                    let mut gate_up = vec![0.0; 2 * rows];
-                    for j in lo..hi {
-                        let wg = &w.gate[j * hidden..(j + 1) * hidden];
-                        let wu = &w.up[j * hidden..(j + 1) * hidden];
-                        if j + 1 < hi {
-                            prefetch(path, &w.gate[(j + 1) * hidden..(j + 2) * hidden]);
-                            prefetch(path, &w.up[(j + 1) * hidden..(j + 2) * hidden]);
-                        }
-                        dots(path, &[wg, wu], xs, &mut gate_up);
-                        let (gate, up) = gate_up.split_at(rows);
-                        col.extend(gate.iter().zip(up).map(|(&g, &u)| activation::silu(g) * u));
-                    }
-                    col
-                })
-                .collect()
-        });
-        let mut hs: Vec<Vec<f32>> = jobs
+        // The activations: the whole experts' here, the halves' straight into `hs_out`.
+        let mut own: Vec<Vec<f32>> = all[..whole]
             .iter()
             .map(|j| vec![0.0f32; j.rows() * j.weights.inter])
             .collect();
-        for (&(job, lo, _), col) in tasks.iter().zip(&h_cols) {
-            scatter(
-                col,
-                lo,
-                jobs[job].rows(),
-                jobs[job].weights.inter,
-                &mut hs[job],
-            );
-        }
-        for (h, out) in hs[whole..].iter().zip(hs_out.iter_mut()) {
-            out.copy_from_slice(h);
-        }
-        // Down: out[r][c] = weight[r] * (h[r] . down_c), for the whole experts.
-        let jobs = &all[..whole];
-        let h_rows: Vec<Vec<&[f32]>> = jobs
-            .iter()
-            .zip(&hs)
-            .map(|(j, h)| h.chunks_exact(j.weights.inter).collect())
+        let hs: Vec<Disjoint> = own
+            .iter_mut()
+            .map(|h| Disjoint::new(h))
+            .chain(hs_out.iter_mut().map(|h| Disjoint::new(h)))
             .collect();
-        let tasks = feature_tasks(jobs, |w| w.hidden);
-        let out_cols: Vec<Vec<f32>> = self.pool.install(|| {
-            tasks
-                .par_iter()
-                .map(|&(job, lo, hi)| {
-                    let w = &jobs[job].weights;
-                    let hr = &h_rows[job];
-                    let inter = w.inter;
-                    let mut col = Vec::with_capacity((hi - lo) * hr.len());
-                    let rows = hr.len();
-                    let mut s = vec![0.0; 2 * rows];
-                    let row = |c: usize| &w.down[c * inter..(c + 1) * inter];
-                    // Features in pairs (one activation load serves both), the odd one alone.
-                    for c in (lo..hi).step_by(2) {
-                        let pair = c + 1 < hi;
-                        if c + 2 < hi {
-                            prefetch(path, &w.down[(c + 2) * inter..(c + 4).min(hi) * inter]);
-                        }
-                        let n = if pair {
-                            dots(path, &[row(c), row(c + 1)], hr, &mut s);
-                            2 * rows
-                        } else {
-                            dots(path, &[row(c)], hr, &mut s[..rows]);
-                            rows
-                        };
-                        let weights = jobs[job].row_weights.iter().cycle();
-                        col.extend(s[..n].iter().zip(weights).map(|(&v, &wt)| wt * v));
-                    }
-                    col
-                })
-                .collect()
-        });
-        for (&(job, lo, _), col) in tasks.iter().zip(&out_cols) {
-            scatter(
-                col,
-                lo,
-                jobs[job].rows(),
-                jobs[job].weights.hidden,
-                outs[job],
-            );
+        let outs: Vec<Disjoint> = outs.iter_mut().map(|o| Disjoint::new(o)).collect();
+        let gate_up_tasks = feature_tasks(&all, |w| w.inter);
+        let down_tasks = feature_tasks(&all[..whole], |w| w.hidden);
+        // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
+        let gate_up = |&(job, lo, hi): &(usize, usize, usize)| {
+            let w = &all[job].weights;
+            let xs = &inputs[job];
+            let rows = xs.len();
+            let hidden = w.hidden;
+            // Gate's products for every row, then up's.
+            let mut gate_up = vec![0.0; 2 * rows];
+            for j in lo..hi {
+                let wg = &w.gate[j * hidden..(j + 1) * hidden];
+                let wu = &w.up[j * hidden..(j + 1) * hidden];
+                if j + 1 < hi {
+                    prefetch(path, &w.gate[(j + 1) * hidden..(j + 2) * hidden]);
+                    prefetch(path, &w.up[(j + 1) * hidden..(j + 2) * hidden]);
+                }
+                dots(path, &[wg, wu], xs, &mut gate_up);
+                let (gate, up) = gate_up.split_at(rows);
+                for (r, (&g, &u)) in gate.iter().zip(up).enumerate() {
+                    hs[job].set(r * w.inter + j, activation::silu(g) * u);
+                }
+            }
+        };
+        // Down: out[r][c] = weight[r] * (h[r] . down_c), for the whole experts.
+        let down = |&(job, lo, hi): &(usize, usize, usize)| {
+            let w = &all[job].weights;
+            let inter = w.inter;
+            // SAFETY: the gate/up phase, which wrote these activations, has ended; nothing
+            // writes them during this phase.
+            let h = unsafe { hs[job].values() };
+            let hr: Vec<&[f32]> = h.chunks_exact(inter).collect();
+            let rows = hr.len();
+            let mut s = vec![0.0; 2 * rows];
+            let row = |c: usize| &w.down[c * inter..(c + 1) * inter];
+            // Features in pairs (one activation load serves both), the odd one alone.
+            for c in (lo..hi).step_by(2) {
+                let pair = c + 1 < hi;
+                if c + 2 < hi {
+                    prefetch(path, &w.down[(c + 2) * inter..(c + 4).min(hi) * inter]);
+                }
+                let n = if pair {
+                    dots(path, &[row(c), row(c + 1)], &hr, &mut s);
+                    2 * rows
+                } else {
+                    dots(path, &[row(c)], &hr, &mut s[..rows]);
+                    rows
+                };
+                for (i, &v) in s[..n].iter().enumerate() {
+                    let (f, r) = (c + i / rows, i % rows);
+                    outs[job].set(r * w.hidden + f, all[job].row_weights[r] * v);
+                }
+            }
+        };
+        let task = |phase: usize, i: usize| match phase {
+            0 => gate_up(&gate_up_tasks[i]),
+            _ => down(&down_tasks[i]),
+        };
+        let started = std::time::Instant::now();
+        let mut side_done = started;
+        let side = self
+            .team
+            .run(&[gate_up_tasks.len(), down_tasks.len()], &task, || {
+                let r = side();
+                side_done = std::time::Instant::now();
+                r
+            })?;
+        Ok(HostRun {
+            side,
+            seconds: started.elapsed().as_secs_f64(),
+            stall_seconds: side_done.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// What [`HostExperts::experts_and_gate_ups_while`] returns: the side work's value, the host
+/// work's wall time (from its start to its last task), and how long the caller waited for the
+/// host work after its side work (it takes tasks meanwhile).
+#[derive(Debug)]
+pub struct HostRun<R> {
+    pub side: R,
+    pub seconds: f64,
+    pub stall_seconds: f64,
+}
+
+/// A slice that a phase's tasks write at disjoint places (each task owns some features of every
+/// row), read whole by the next phase.
+struct Disjoint {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: tasks write disjoint indices (each feature of a job belongs to one task) and read only
+// after the phase that wrote has ended (the team orders its phases), so sharing the pointer
+// among the team's threads races on nothing.
+unsafe impl Sync for Disjoint {}
+// SAFETY: as above.
+unsafe impl Send for Disjoint {}
+
+impl Disjoint {
+    fn new(values: &mut [f32]) -> Self {
+        Disjoint {
+            ptr: values.as_mut_ptr(),
+            len: values.len(),
         }
-        Ok(())
+    }
+
+    /// Writes value `i`; tasks of one phase write disjoint indices.
+    fn set(&self, i: usize, v: f32) {
+        assert!(i < self.len, "host expert output {i} past {}", self.len);
+        // SAFETY: `i` is in bounds (checked); the slice outlives the job (borrowed by the
+        // caller of the team's run); no other task writes or reads index `i` in this phase.
+        unsafe { *self.ptr.add(i) = v };
+    }
+
+    /// The whole slice.
+    ///
+    /// # Safety
+    /// No task may write it while the returned slice lives (the phase that wrote it has ended).
+    unsafe fn values(&self) -> &[f32] {
+        // SAFETY: `ptr` and `len` come from a live `&mut [f32]` borrowed for the job; the caller
+        // vouches that no write overlaps this read.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
@@ -348,15 +393,6 @@ fn feature_tasks(
         }
     }
     tasks
-}
-
-/// Writes a task's feature-major column block (`features x rows`, starting at feature `lo`)
-/// into the row-major `rows x width` matrix `m`.
-fn scatter(col: &[f32], lo: usize, rows: usize, width: usize, m: &mut [f32]) {
-    for (n, &v) in col.iter().enumerate() {
-        let (f, r) = (lo + n / rows, n % rows);
-        m[r * width + f] = v;
-    }
 }
 
 /// Asks the cache for the next weight row while this one is computed (the AVX2 path's passes

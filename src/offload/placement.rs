@@ -26,10 +26,23 @@ const SPLIT_OVERHEAD_S: f64 = 10e-6;
 pub struct HostSplit {
     link_bytes_per_s: f64,
     host_bytes_per_s: f64,
+    /// Layers with misses since each path last got a share of them.
+    layers_without_host: usize,
+    layers_without_link: usize,
 }
 
 /// Weight of a new measurement in the running rate.
 const SMOOTHING: f64 = 0.25;
+
+/// A measurement moves the running rate as if it were at most this factor away from it: one
+/// layer whose host threads were descheduled (or whose copies waited behind another process's)
+/// must not teach the split that a path is ten times slower, while a path that really is slower
+/// still reaches its rate within a few dozen layers.
+const MAX_STEP: f64 = 2.0;
+
+/// A path left without work for this many layers with misses gets a share again, so its rate is
+/// measured anew: a rate learned low would otherwise never be corrected.
+const PROBE_AFTER_LAYERS: usize = 16;
 
 impl HostSplit {
     /// Starts from estimates of both rates (bytes per second, positive).
@@ -37,7 +50,55 @@ impl HostSplit {
         HostSplit {
             link_bytes_per_s: link_bytes_per_s.max(1.0),
             host_bytes_per_s: host_bytes_per_s.max(1.0),
+            layers_without_host: 0,
+            layers_without_link: 0,
         }
+    }
+
+    /// The division of a layer's `misses` ([`Self::host_share_split`]), except that a path
+    /// left without work for [`PROBE_AFTER_LAYERS`] layers gets some: the smallest share the
+    /// placement allows (a split expert's gate and up or down, else a whole expert).
+    pub fn place(&mut self, misses: usize, expert_bytes: usize, may_split: bool) -> HostShare {
+        let mut share = self.host_share_split(misses, expert_bytes, may_split);
+        if misses == 0 {
+            return share;
+        }
+        let host_works = |s: &HostShare| s.full + s.gate_up > 0;
+        // The link copies whole experts the host leaves, and a split expert's down.
+        let link_works = |s: &HostShare| s.full < misses;
+        if !host_works(&share) && self.layers_without_host >= PROBE_AFTER_LAYERS {
+            share = match may_split {
+                true => HostShare {
+                    full: 0,
+                    gate_up: 1,
+                },
+                false => HostShare {
+                    full: 1,
+                    gate_up: 0,
+                },
+            };
+        } else if !link_works(&share) && self.layers_without_link >= PROBE_AFTER_LAYERS {
+            share = match (may_split, misses) {
+                (true, _) => HostShare {
+                    full: misses - 1,
+                    gate_up: 1,
+                },
+                (false, 1) => HostShare::default(),
+                (false, _) => HostShare {
+                    full: misses - 1,
+                    gate_up: 0,
+                },
+            };
+        }
+        self.layers_without_host = match host_works(&share) {
+            true => 0,
+            false => self.layers_without_host + 1,
+        };
+        self.layers_without_link = match link_works(&share) {
+            true => 0,
+            false => self.layers_without_link + 1,
+        };
+        share
     }
 
     /// Of `misses` experts of equal size, how many the host should compute so that it and the
@@ -103,6 +164,7 @@ impl HostSplit {
 }
 
 fn blend(old: f64, new: f64) -> f64 {
+    let new = new.clamp(old / MAX_STEP, old * MAX_STEP);
     old + SMOOTHING * (new - old)
 }
 
@@ -124,6 +186,66 @@ mod tests {
         let slow = HostSplit::new(100e9, 5e9);
         assert_eq!(slow.host_share(6), 0);
         assert_eq!(slow.host_share(30), 1);
+    }
+
+    #[test]
+    fn one_slow_layer_does_not_starve_a_path() {
+        let mb = 17_301_504;
+        let mut split = HostSplit::new(50e9, 60e9);
+        // One layer whose host threads stalled for 50 ms: the rate moves by a bounded step.
+        split.record_host(mb as u64, 0.05);
+        assert!(
+            split.host_bytes_per_s() > 0.8 * 60e9,
+            "{}",
+            split.host_bytes_per_s()
+        );
+        assert!(split.place(3, mb, true).full + split.place(3, mb, true).gate_up > 0);
+        // A host that really is slow is learned within a few dozen layers.
+        for _ in 0..40 {
+            split.record_host(mb as u64, mb as f64 / 5e9);
+        }
+        assert!(
+            split.host_bytes_per_s() < 6e9,
+            "{}",
+            split.host_bytes_per_s()
+        );
+    }
+
+    #[test]
+    fn a_path_without_work_is_probed_again() {
+        let mb = 17_301_504;
+        // A host the split thinks 20x slower than the link gets nothing of two misses...
+        let mut split = HostSplit::new(100e9, 5e9);
+        let shares: Vec<HostShare> = (0..40).map(|_| split.place(2, mb, true)).collect();
+        let probes: Vec<usize> = (0..40)
+            .filter(|&i| shares[i].full + shares[i].gate_up > 0)
+            .collect();
+        // ...but a split expert's gate and up every PROBE_AFTER_LAYERS + 1 layers.
+        assert_eq!(probes, vec![16, 33]);
+        assert_eq!(
+            shares[16],
+            HostShare {
+                full: 0,
+                gate_up: 1
+            }
+        );
+        // Layers without misses neither probe nor count.
+        let mut split = HostSplit::new(100e9, 5e9);
+        for _ in 0..40 {
+            assert_eq!(split.place(0, mb, true), HostShare::default());
+        }
+        assert_eq!(split.place(1, mb, false), HostShare::default());
+        // The link, learned slow, is probed the same way.
+        let mut split = HostSplit::new(1e9, 100e9);
+        let shares: Vec<HostShare> = (0..20).map(|_| split.place(3, mb, false)).collect();
+        assert!(shares[..16].iter().all(|s| s.full == 3), "{shares:?}");
+        assert_eq!(
+            shares[16],
+            HostShare {
+                full: 2,
+                gate_up: 0
+            }
+        );
     }
 
     #[test]

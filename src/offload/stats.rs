@@ -77,6 +77,12 @@ pub struct OffloadStats {
     /// the host (target passes of offloaded layers; draft passes whose routing a prefetcher
     /// counts on the host); 0 in the simulator.
     pub route_wait_seconds: f64,
+    /// Wall-clock seconds the decode thread spent on layers the host path served between their
+    /// routing and the host work's start (placement, the experts' inputs gathered) and after the
+    /// host work (its outputs sent up, the split experts' down launched): the layers' serial
+    /// host-side cost beside `route_wait_seconds`; 0 in the simulator.
+    pub dispatch_seconds: f64,
+    pub finish_seconds: f64,
     /// Target-pass hits and misses per MoE layer.
     pub layer_hits: Vec<u64>,
     pub layer_misses: Vec<u64>,

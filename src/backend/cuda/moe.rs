@@ -12,7 +12,7 @@ use super::kernels::*;
 use super::slots::{ExpertOffload, InPlaceExpert};
 use crate::backend::cpu::{Cpu, Mat};
 use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
-use crate::host_experts::{ExpertJob, HostExperts};
+use crate::host_experts::{ExpertJob, HostExperts, HostRun};
 use crate::offload::Elsewhere;
 use crate::{Error, Result};
 
@@ -291,7 +291,10 @@ impl CudaBackend {
             }
         };
         let h = self.alloc(plan.items(), inter)?;
-        let out = self.alloc(plan.items(), hidden)?;
+        // An offloaded layer's host-computed items go up in one copy into a second half of
+        // `out` (at the same item index), which the combine reads for them.
+        let offloaded = matches!(first.gate_up, GpuWeight::Offloaded { .. });
+        let out = self.alloc(plan.items() * if offloaded { 2 } else { 1 }, hidden)?;
         let d_items = self.upload_u32(&plan.item_words())?;
         let s = &self.stream;
         let items_base = ptr(&d_items, s);
@@ -309,9 +312,26 @@ impl CudaBackend {
             out: ptr(&out.buf, s),
         };
         let mut shared_out = None;
+        let mut row_items = std::borrow::Cow::Borrowed(&plan.row_items);
         match &first.gate_up {
             GpuWeight::Offloaded { layer, .. } => {
-                shared_out = self.run_offloaded(*layer, &plan, x, &mut launch, xh, shared)?;
+                let host_groups;
+                (shared_out, host_groups) =
+                    self.run_offloaded(*layer, &plan, x, &mut launch, xh, shared)?;
+                if !host_groups.is_empty() {
+                    let items = plan.items() as u32;
+                    let mut on_host = vec![false; plan.items()];
+                    for &g in &host_groups {
+                        let (first, count) = plan.range(g);
+                        on_host[first as usize..(first + count) as usize].fill(true);
+                    }
+                    row_items = std::borrow::Cow::Owned(
+                        plan.row_items
+                            .iter()
+                            .map(|&i| if on_host[i as usize] { i + items } else { i })
+                            .collect(),
+                    );
+                }
             }
             _ => {
                 let mut groups = Vec::with_capacity(plan.hit.len());
@@ -339,7 +359,7 @@ impl CudaBackend {
                 self.defer_free(d_groups);
             }
         }
-        let d_row_items = self.upload_u32(&plan.row_items)?;
+        let d_row_items = self.upload_u32(&row_items)?;
         let args = [
             launch.out,
             ptr(&d_row_items, s),
@@ -466,10 +486,11 @@ impl CudaBackend {
     /// Runs the routed experts of one offloaded layer as the cache policy decides: each round's
     /// resident experts from their slots, then the experts copied in for it; and, with the host
     /// path, the misses it leaves to the host, computed by the host kernel from `x` (`xh` when
-    /// already on the host) while the GPU works, their outputs copied into `out`'s items before
-    /// the combine. The host kernel has the GPU kernel's bits, so the placement changes no
+    /// already on the host) while the GPU works, their outputs copied into `out` before the
+    /// combine. The host kernel has the GPU kernel's bits, so the placement changes no
     /// output. `shared` is issued on the device after the layer's GPU share; its output is
-    /// returned.
+    /// returned, with the work-list groups the host computed whole, whose items land in
+    /// `out`'s second half (`out` holds twice the plan's items).
     fn run_offloaded(
         &self,
         layer: usize,
@@ -478,11 +499,12 @@ impl CudaBackend {
         launch: &mut MoeLaunch,
         xh: Option<Vec<f32>>,
         shared: Option<&GatedMlp<Self>>,
-    ) -> Result<Option<GpuAct>> {
+    ) -> Result<(Option<GpuAct>, Vec<usize>)> {
         let o = self
             .offload
             .as_ref()
             .ok_or_else(|| shape_err("moe_experts", "offloaded expert without a cache".into()))?;
+        let entered = std::time::Instant::now();
         let mut slots = self.lock(o)?;
         let stream = self.stream.clone();
         let down_offset = 2 * slots.matrix_bytes() as u64;
@@ -525,7 +547,7 @@ impl CudaBackend {
         };
         if elsewhere.is_empty() && split.is_empty() {
             enqueue_gpu(&mut slots)?;
-            return Ok(shared_out);
+            return Ok((shared_out, Vec::new()));
         }
         let Some(kernel) = slots.host_kernel() else {
             return Err(Error::Backend(
@@ -554,43 +576,22 @@ impl CudaBackend {
         let (out_stage, h_stage) = staged.as_mut_f32()?.split_at_mut(out_values);
         let mut outs = item_slices(out_stage, plan, &experts, hidden)?;
         let mut hs = item_slices(h_stage, plan, &halves, inter)?;
-        // The host experts run on the kernel's pool while this thread enqueues the GPU's share
-        // (hits and copies, all asynchronous); then it waits for the host.
-        let mut host_result = None;
-        let mut gpu_result = Ok(());
-        let mut waited = std::time::Instant::now();
-        kernel.pool().in_place_scope(|scope| {
-            let host_result = &mut host_result;
-            let (kernel, experts, halves, xh) = (&kernel, &experts, &halves, &xh);
-            let (outs, hs) = (&mut outs, &mut hs);
-            scope.spawn(move |_| {
-                let computing = std::time::Instant::now();
-                // A panic in the pool would otherwise unwind through this thread; it becomes an
-                // error, as the per-layer thread's join made it before.
-                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let mut work = HostWork::gather(plan, xh, hidden, experts, halves)?;
-                    work.run(kernel, (hidden, inter), outs, hs)
-                }))
-                .unwrap_or_else(|_| Err(Error::Backend("a host expert task panicked".into())));
-                *host_result = Some((done, computing.elapsed().as_secs_f64()));
-            });
-            gpu_result = enqueue_gpu(&mut slots);
-            waited = std::time::Instant::now();
-        });
-        let stall = waited.elapsed().as_secs_f64();
+        // The host experts run on the kernel's threads while this thread enqueues the GPU's
+        // share (hits and copies, all asynchronous); then it joins them.
+        let mut work = HostWork::gather(plan, &xh, hidden, &experts, &halves)?;
+        let dispatch = entered.elapsed().as_secs_f64();
+        let run = work.run(&kernel, (hidden, inter), &mut outs, &mut hs, || {
+            enqueue_gpu(&mut slots)
+        })?;
         drop((outs, hs));
-        gpu_result?;
-        let (done, compute_seconds) =
-            host_result.ok_or_else(|| Error::Backend("the host expert job did not run".into()))?;
-        done?;
-        for (g, _) in &experts {
-            let (first, count) = plan.range(*g);
-            let bytes = first as usize * hidden * 4..(first + count) as usize * hidden * 4;
-            let dst = launch.out + bytes.start as u64;
-            // SAFETY: `dst` lies inside `out`'s allocation (items `first..first + count` of
-            // this plan, `hidden` f32 each), made on this stream and alive until the combine
-            // that follows on it has run.
-            unsafe { staged.copy_to_device_ptr(bytes, dst, &stream)? };
+        run.side?;
+        let finishing = std::time::Instant::now();
+        if !experts.is_empty() {
+            let dst = launch.out + (out_values * 4) as u64;
+            // SAFETY: `out` holds twice the plan's items (`moe_experts_placed` allocates it so
+            // for offloaded layers): `dst` is its second half, `out_values` f32, made on this
+            // stream and alive until the combine that follows on it has run.
+            unsafe { staged.copy_to_device_ptr(0..out_values * 4, dst, &stream)? };
         }
         for (g, _) in &halves {
             let (first, count) = plan.range(*g);
@@ -621,9 +622,10 @@ impl CudaBackend {
         }
         // The split learns the kernel's own time (under whatever the link's copies cost it in
         // memory bandwidth), not the wall time, which also holds the GPU share's enqueueing.
-        slots.record_host(experts.len(), halves.len(), compute_seconds);
-        slots.record_host_stall(stall);
-        Ok(shared_out)
+        slots.record_host(experts.len(), halves.len(), run.seconds);
+        slots.record_host_stall(run.stall_seconds);
+        slots.record_host_serial(dispatch, finishing.elapsed().as_secs_f64());
+        Ok((shared_out, experts.iter().map(|(g, _)| *g).collect()))
     }
 
     /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights
@@ -731,14 +733,16 @@ impl<'a> HostWork<'a> {
     }
 
     /// All of it in one call of the host kernel: whole experts' item outputs (`items x
-    /// hidden`) into `outs`, split experts' activations (`items x inter`) into `hs`.
-    fn run(
+    /// hidden`) into `outs`, split experts' activations (`items x inter`) into `hs`, while this
+    /// thread first runs `side`.
+    fn run<R>(
         &mut self,
         kernel: &HostExperts,
         (hidden, inter): (usize, usize),
         outs: &mut [&mut [f32]],
         hs: &mut [&mut [f32]],
-    ) -> Result<()> {
+        side: impl FnOnce() -> R,
+    ) -> Result<HostRun<R>> {
         let jobs = self
             .experts
             .iter()
@@ -753,7 +757,7 @@ impl<'a> HostWork<'a> {
             })
             .collect::<Result<Vec<_>>>()?;
         let (whole, halves) = jobs.split_at(self.experts.len());
-        kernel.experts_and_gate_ups(whole, outs, halves, hs)
+        kernel.experts_and_gate_ups_while(whole, outs, halves, hs, side)
     }
 }
 

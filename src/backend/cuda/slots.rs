@@ -572,7 +572,7 @@ impl ExpertOffload {
     ) -> Result<Vec<Round>> {
         let moe_index = self.layer_mut(layer)?.moe_index;
         self.learn_link()?;
-        let share = match &self.host {
+        let share = match &mut self.host {
             Some((_, split)) => {
                 let misses = experts
                     .iter()
@@ -584,7 +584,7 @@ impl ExpertOffload {
                         full: 0,
                         gate_up: 1,
                     },
-                    _ => split.host_share_split(
+                    _ => split.place(
                         misses,
                         self.slot_bytes,
                         mode == Some(SplitExperts::Measured),
@@ -649,6 +649,14 @@ impl ExpertOffload {
     /// issued all of the layer's GPU work.
     pub(crate) fn record_host_stall(&mut self, seconds: f64) {
         self.cache.stats_mut().host_stall_seconds += seconds.max(0.0);
+    }
+
+    /// The decode thread spent `dispatch` seconds before a host-served layer's host work and
+    /// `finish` after it.
+    pub(crate) fn record_host_serial(&mut self, dispatch: f64, finish: f64) {
+        let stats = self.cache.stats_mut();
+        stats.dispatch_seconds += dispatch.max(0.0);
+        stats.finish_seconds += finish.max(0.0);
     }
 
     /// The decode thread waited `seconds` (wall clock) for a layer's routing to reach the host.
