@@ -10,7 +10,9 @@
 //! A job is a list of phases of tasks: every task of a phase finishes before any task of the
 //! next one starts (the gate/up pass writes what the down pass reads), and the workers move from
 //! one phase to the next without the calling thread. The calling thread first runs its own
-//! `side` work (the GPU's share of the layer), then takes tasks too.
+//! `side` work (the GPU's share of the layer), then takes tasks too. A job waits only for the
+//! workers that joined it: one that another program keeps off its core, or that sleeps, does
+//! not hold up a layer whose tasks the others have done.
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -39,14 +41,16 @@ struct Job {
 struct Shared {
     /// Moves by one for every job (and once more to stop the workers).
     epoch: AtomicU64,
-    /// Written only by the thread running a job, while every worker has left the last one.
+    /// Written only by the thread running a job, while no worker is inside a job.
     job: UnsafeCell<Option<Job>>,
+    /// Whether workers may still join the current job.
+    open: AtomicBool,
     /// The next ticket to hand out.
     next: AtomicUsize,
     /// Tickets finished.
     done: AtomicUsize,
-    /// Workers that have left the current job.
-    left: AtomicUsize,
+    /// Workers inside the current job (joined and not yet left).
+    inside: AtomicUsize,
     panicked: AtomicBool,
     stop: AtomicBool,
     sleepers: AtomicUsize,
@@ -55,7 +59,8 @@ struct Shared {
 }
 
 // SAFETY: `job` is written only by the thread that owns the team's run lock, at times when no
-// worker reads it (before the epoch that publishes it moves, after every worker has left it);
+// worker reads it (before the epoch that publishes it moves, after the job closed with no worker
+// inside: a worker reads it only after joining an open job of the current epoch);
 // the task it points at is `Sync`. Every other field is a synchronisation primitive.
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw task pointer is only dereferenced under that protocol.
@@ -75,9 +80,10 @@ impl Team {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
+            open: AtomicBool::new(false),
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
-            left: AtomicUsize::new(0),
+            inside: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -103,7 +109,7 @@ impl Team {
 
     /// Runs `task(p, i)` for every phase `p` and `i < phases[p]`, each phase's tasks after all of
     /// the previous phase's, on the workers and the calling thread, which first runs `side`.
-    /// Returns `side`'s value once every task has run and every worker has left the job. A
+    /// Returns `side`'s value once every task has run and every worker that joined has left. A
     /// panicking task becomes an error (its phase still counts it done, so nothing waits forever);
     /// a panic in `side` resumes once the workers are out of the job.
     pub fn run<R>(&self, phases: &[usize], task: &Task<'_>, side: impl FnOnce() -> R) -> Result<R> {
@@ -119,17 +125,17 @@ impl Team {
             total += n;
         }
         starts.push(total);
-        // SAFETY: only the lifetime is erased. The pointer is dereferenced by workers between
-        // the epoch's move below and their leaving the job, and this function does not return
-        // (nor unwind) before every worker has left, so `task` outlives every use.
+        // SAFETY: only the lifetime is erased. The pointer is dereferenced by workers inside the
+        // job, and this function does not return (nor unwind) before the job is closed with no
+        // worker inside, so `task` outlives every use.
         let task: *const Task<'static> = unsafe { std::mem::transmute(task as *const Task<'_>) };
-        // SAFETY: every worker left the previous job before its `run` returned (and the run
-        // lock is held), so no worker reads `job` until the epoch moves.
+        // SAFETY: the previous job closed with no worker inside before its `run` returned (and
+        // the run lock is held), so no worker reads `job` until it joins the next epoch's job.
         unsafe { *s.job.get() = Some(Job { task, starts }) };
         s.next.store(0, Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
-        s.left.store(0, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
+        s.open.store(true, Ordering::SeqCst);
         // Publishes the job (the stores above happen before any worker's acquire of the epoch).
         s.epoch.fetch_add(1, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
@@ -142,10 +148,18 @@ impl Team {
             take_tickets(s, job);
         }
         let mut spins = 0u32;
-        while s.left.load(Ordering::Acquire) < self.workers.len() {
+        while s.done.load(Ordering::Acquire) < total {
             relax(&mut spins);
         }
-        // SAFETY: every worker has left the job; none reads `job` again before the next epoch.
+        // Closes the job, then waits for the workers inside it: a worker that joins after the
+        // close sees it closed (both sides' accesses are sequentially consistent) and leaves
+        // without reading the job.
+        s.open.store(false, Ordering::SeqCst);
+        while s.inside.load(Ordering::SeqCst) > 0 {
+            relax(&mut spins);
+        }
+        // SAFETY: the job is closed and no worker is inside it; none reads `job` again before
+        // it joins the next epoch's job.
         unsafe { *s.job.get() = None };
         let side = match side {
             Ok(r) => r,
@@ -173,7 +187,8 @@ impl Drop for Team {
     }
 }
 
-/// A worker: waits for each new epoch, takes tickets of its job until none is left, leaves.
+/// A worker: waits for each new epoch, joins its job if it is still open, takes tickets until
+/// none is left, leaves.
 fn work(s: &Shared) {
     let mut seen = 0u64;
     loop {
@@ -181,12 +196,16 @@ fn work(s: &Shared) {
         if s.stop.load(Ordering::SeqCst) {
             return;
         }
-        // SAFETY: the epoch's move (acquired in `wait_for_epoch`) published the job, and the
-        // running thread does not clear or replace it before this worker leaves below.
-        if let Some(job) = unsafe { (*s.job.get()).as_ref() } {
-            take_tickets(s, job);
+        s.inside.fetch_add(1, Ordering::SeqCst);
+        if s.open.load(Ordering::SeqCst) && s.epoch.load(Ordering::SeqCst) == seen {
+            // SAFETY: this worker joined the open job of epoch `seen` (published before the
+            // epoch moved), and the running thread neither clears nor replaces it while a
+            // joined worker is inside.
+            if let Some(job) = unsafe { (*s.job.get()).as_ref() } {
+                take_tickets(s, job);
+            }
         }
-        s.left.fetch_add(1, Ordering::Release);
+        s.inside.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -239,7 +258,7 @@ fn take_tickets(s: &Shared, job: &Job) {
         while s.done.load(Ordering::Acquire) < start {
             relax(&mut spins);
         }
-        // SAFETY: the running thread keeps the task alive until every worker has left the job.
+        // SAFETY: the running thread keeps the task alive while a joined worker is inside.
         let task = unsafe { &*job.task };
         if catch_unwind(AssertUnwindSafe(|| task(phase, ticket - start))).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
@@ -306,6 +325,22 @@ mod tests {
         )
         .expect("the next job runs");
         assert_eq!(ran.load(Ordering::Relaxed), 5);
+    }
+
+    #[test]
+    fn more_workers_than_cores_finish_every_job() {
+        // Workers that join late or never (no core free) must neither be waited for nor read a
+        // finished job.
+        let team = Team::new(12, "test-team").expect("team");
+        for round in 0..2000 {
+            let n = round % 9;
+            let ran: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let task = |_: usize, i: usize| {
+                ran[i].fetch_add(1, Ordering::Relaxed);
+            };
+            team.run(&[n], &task, || ()).expect("run");
+            assert!(ran.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        }
     }
 
     #[test]
