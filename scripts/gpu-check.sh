@@ -25,7 +25,8 @@
 #             (--wait-registration), at $SLOTS resident experts (default 1,16,32), with $HYBRID_ARGS
 #             added to both (e.g. "--link-gbps 25") and $HOST_ARGS to the host path's runs (e.g.
 #             "--host-threads 8"); tokens must agree; with $OLD_CARRY the earlier binaries' host
-#             path too, $REPEATS rounds taking turns
+#             path too, $REPEATS rounds taking turns; $HYBRID_BUSY processes spinning at nice 19
+#             meanwhile make the host a busy one
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
 #   pace      link pacing: copies held to 25 GB/s measure 25 GB/s and change no token
 #             (tests/cuda_pace.rs)
@@ -412,6 +413,12 @@ hybrid() {
     local tag=${HYBRID_TAG:-hybrid}
     local variants=(lru hybrid)
     [ -n "${OLD_CARRY:-}" ] && variants=(lru old-hybrid hybrid)
+    # A busy host: $HYBRID_BUSY processes spinning at nice 19 on the cores while every run goes.
+    local busy=()
+    for _ in $(seq 1 "${HYBRID_BUSY:-0}"); do
+        nice -n 19 sh -c 'while :; do :; done' &
+        busy+=($!)
+    done
     for slots in ${SLOTS//,/ }; do
         for round in $(seq 1 "${REPEATS:-1}"); do
             for variant in "${variants[@]}"; do
@@ -423,10 +430,11 @@ hybrid() {
                 "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
                     --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
                     --wait-registration "${host[@]}" "${extra[@]}" > "$f.json" 2> "$f.err" ||
-                    { tail -3 "$f.err"; return 1; }
+                    { tail -3 "$f.err"; [ ${#busy[@]} -eq 0 ] || kill "${busy[@]}"; return 1; }
             done
         done
     done
+    [ ${#busy[@]} -eq 0 ] || kill "${busy[@]}"
     python3 - "$out" "$tag" "${SLOTS//,/ }" "${variants[*]}" "${extra[*]} ${HOST_ARGS:-}" <<'PY'
 import glob, json, statistics, sys
 out, tag, slots, variants, args = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split(), sys.argv[5]

@@ -309,22 +309,23 @@ mod tests {
         }
     }
 
+    /// Runs a one-phase job of `n` tasks that count themselves; the count.
+    fn count_tasks(team: &Team, n: usize) -> usize {
+        let ran = AtomicUsize::new(0);
+        let task = |_: usize, _: usize| {
+            ran.fetch_add(1, Ordering::Relaxed);
+        };
+        team.run(&[n], &task, || ()).expect("run");
+        ran.load(Ordering::Relaxed)
+    }
+
     #[test]
     fn a_panicking_task_is_an_error_and_the_team_goes_on() {
         let team = Team::new(2, "test-team").expect("team");
         let task = |_: usize, i: usize| assert!(i != 3, "task 3 fails");
         let err = team.run(&[8], &task, || ()).expect_err("a task panicked");
         assert!(err.to_string().contains("panicked"), "{err}");
-        let ran = AtomicUsize::new(0);
-        team.run(
-            &[5],
-            &|_, _| {
-                ran.fetch_add(1, Ordering::Relaxed);
-            },
-            || (),
-        )
-        .expect("the next job runs");
-        assert_eq!(ran.load(Ordering::Relaxed), 5);
+        assert_eq!(count_tasks(&team, 5), 5, "the next job runs");
     }
 
     #[test]
@@ -347,15 +348,6 @@ mod tests {
     fn sleeping_workers_wake_for_the_next_job() {
         let team = Team::new(2, "test-team").expect("team");
         std::thread::sleep(SPIN_BEFORE_SLEEP * 3);
-        let ran = AtomicUsize::new(0);
-        team.run(
-            &[64],
-            &|_, _| {
-                ran.fetch_add(1, Ordering::Relaxed);
-            },
-            || (),
-        )
-        .expect("run");
-        assert_eq!(ran.load(Ordering::Relaxed), 64);
+        assert_eq!(count_tasks(&team, 64), 64);
     }
 }
