@@ -413,6 +413,10 @@ hybrid() {
     local tag=${HYBRID_TAG:-hybrid}
     local variants=(lru hybrid)
     [ -n "${OLD_CARRY:-}" ] && variants=(lru old-hybrid hybrid)
+    # HYBRID_VARIANTS=old-lru,lru,old-hybrid,hybrid: any of these (old-*: $OLD_CARRY's binary;
+    # *-noseg: the new one without recorded segments, SPECTER_CUDA_SEGMENTS=0).
+    # shellcheck disable=SC2206
+    [ -n "${HYBRID_VARIANTS:-}" ] && variants=(${HYBRID_VARIANTS//,/ })
     # A busy host: $HYBRID_BUSY processes spinning at nice 19 on the cores while every run goes.
     local busy=()
     for _ in $(seq 1 "${HYBRID_BUSY:-0}"); do
@@ -424,10 +428,12 @@ hybrid() {
             for variant in "${variants[@]}"; do
                 local host=() run="$CARRY/specter-run"
                 # shellcheck disable=SC2206
-                [ "$variant" != lru ] && host=(--host-experts auto ${HOST_ARGS:-})
-                [ "$variant" = old-hybrid ] && run="$OLD_CARRY/specter-run"
+                case $variant in *hybrid*) host=(--host-experts auto ${HOST_ARGS:-}) ;; esac
+                case $variant in old-*) run="$OLD_CARRY/specter-run" ;; esac
+                local seg=1
+                case $variant in *-noseg) seg=0 ;; esac
                 local f="$out/$tag-$variant-$slots-$round"
-                "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
+                SPECTER_CUDA_SEGMENTS=$seg "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
                     --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
                     --wait-registration "${host[@]}" "${extra[@]}" > "$f.json" 2> "$f.err" ||
                     { tail -3 "$f.err"; [ ${#busy[@]} -eq 0 ] || kill "${busy[@]}"; return 1; }

@@ -219,6 +219,14 @@ fn every_fixture_every_residency(speculative: bool) {
             } else if op_by_op {
                 assert_eq!(graphs.replays, 0, "{name} ({label}): replayed while off");
             }
+            if label.contains("slots") {
+                // The target's passes wait for their routing on the host; the ops between the
+                // waits are recorded and replayed (src/backend/cuda/segments.rs).
+                assert!(
+                    graphs.segment_captures > 0 && graphs.segment_replays > graphs.segment_captures,
+                    "{name} ({label}): the target's segments were not replayed: {graphs:?}"
+                );
+            }
             if let Some(stats) = gpu.backend().offload_stats().unwrap() {
                 eprintln!(
                     "{name} {label}: hits {} misses {} copied {} B via {}; prefetched {} (used {})",

@@ -377,7 +377,8 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 }
 
 /// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns
-/// recorded passes off, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
+/// recorded passes off, `SPECTER_CUDA_SEGMENTS=0` the recorded segments of passes that wait
+/// for the device midway, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
 /// it has finished, `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 /// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
 /// `SPECTER_HOST_SPLIT=0` keeps the host path to whole experts,
@@ -390,6 +391,9 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     let mut opts = CudaOptions::default();
     if let Some(value) = var("SPECTER_CUDA_GRAPHS") {
         opts.graphs = value.trim() != "0";
+    }
+    if let Some(value) = var("SPECTER_CUDA_SEGMENTS") {
+        opts.segment_graphs = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_CUDA_OVERLAP") {
         opts.overlap_launches = value.trim() != "0";
@@ -429,6 +433,7 @@ mod tests {
         assert_eq!(from(&[]).unwrap(), CudaOptions::default());
         let opts = from(&[
             ("SPECTER_CUDA_GRAPHS", "0"),
+            ("SPECTER_CUDA_SEGMENTS", "0"),
             ("SPECTER_LOAD_THREADS", "3"),
             ("SPECTER_CUDA_OVERLAP", "0"),
             ("SPECTER_CUDA_FUSE_SHARED", "0"),
@@ -439,6 +444,7 @@ mod tests {
         assert!(!opts.chain_greedy);
         assert!(!opts.split_experts);
         assert!(!opts.graphs);
+        assert!(!opts.segment_graphs);
         assert!(!opts.overlap_launches);
         assert!(!opts.fuse_shared_experts);
         assert_eq!(opts.load_threads, Some(3));

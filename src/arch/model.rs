@@ -17,6 +17,7 @@ use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
 use crate::weights::WeightStore;
 use crate::{Error, Result};
 
+mod pass;
 mod step;
 
 /// DeepSeek-V2's `q_a_layernorm` and `kv_a_layernorm` are built with the RMSNorm default eps,
@@ -632,11 +633,14 @@ impl<B: Backend> MoeModel<B> {
         }
     }
 
+    /// The MoE block of `layer` over `h`, whose router logits `logits` the segment before it
+    /// computed.
     fn moe(
         &self,
         block: &MoeBlock<B>,
         layer: usize,
         h: &B::Act,
+        logits: B::Act,
         variant: Variant,
         hook: &mut dyn RouteHook,
     ) -> Result<B::Act> {
@@ -664,7 +668,6 @@ impl<B: Backend> MoeModel<B> {
         };
         let on_device = hook.counts_routes_on_device(variant);
         if (hook.wants_routes() && !on_device) || hook.wants_moe_input() {
-            let logits = be.linear(h, &block.router, None)?;
             let routing = be.route(&logits, spec)?;
             hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
             if hook.wants_moe_input() {
@@ -678,7 +681,6 @@ impl<B: Backend> MoeModel<B> {
             return Ok(out);
         }
         let count_as = on_device.then_some(block.moe_index);
-        let logits = be.linear(h, &block.router, None)?;
         match (&block.shared, &block.shared_gate) {
             // The shared experts run with the routed ones, added in their combine.
             (Some(mlp), None) => be.routed_moe_shared(h, &logits, spec, experts, count_as, mlp),
@@ -829,43 +831,6 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
 fn mix(h: u64, v: u64) -> u64 {
     let h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
     h ^ (h >> 29)
-}
-
-impl<B: Backend> MoeModel<B> {
-    /// The layers and the head over `tokens` at `positions`: the logits, on the device.
-    fn pass(
-        &self,
-        variant: Variant,
-        tokens: &[u32],
-        kv: &mut MoeKv<B>,
-        hook: &mut dyn RouteHook,
-        positions: &[usize],
-        scales: &[f32],
-    ) -> Result<B::Act> {
-        let be = &self.backend;
-        let start = kv.len;
-        let mut x = be.embedding(&self.embed, tokens)?;
-        // Each layer's MLP output is added to the residual stream in the next norm's call.
-        let mut pending: Option<B::Act> = None;
-        for (l, (layer, layer_kv)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
-            let h = match pending.take() {
-                None => self.norm(&x, &layer.input_norm)?,
-                Some(m) => self.add_norm(&mut x, &m, &layer.input_norm)?,
-            };
-            let a = self.attention(&layer.attention, &h, layer_kv, start, positions, scales)?;
-            let h = self.add_norm(&mut x, &a, &layer.post_attention_norm)?;
-            pending = Some(match &layer.mlp {
-                Mlp::Dense(mlp) => be.gated_mlp(&h, mlp)?,
-                Mlp::Moe(block) => self.moe(block, l, &h, variant, hook)?,
-            });
-        }
-        let x = match pending {
-            None => self.norm(&x, &self.final_norm)?,
-            Some(m) => self.add_norm(&mut x, &m, &self.final_norm)?,
-        };
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        be.linear(&x, head, self.lm_head_bias.as_ref())
-    }
 }
 
 impl MoeModel<crate::backend::cpu::Cpu> {

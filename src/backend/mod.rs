@@ -105,7 +105,16 @@ pub enum StepStart<A> {
     Unrecorded,
 }
 
-/// What the caller of [`Backend::end_step`] does next.
+/// What the caller of [`Backend::begin_segment`] does next.
+pub enum SegmentStart<A> {
+    /// Run the segment's ops, then call [`Backend::end_segment`].
+    Run,
+    /// The segment was replayed: these are its outputs, in the order `end_segment` got them when
+    /// it was recorded.
+    Replayed(Vec<A>),
+}
+
+/// What the caller of [`Backend::end_step`] or [`Backend::end_segment`] does next.
 pub enum StepEnd {
     /// The pass ran; its result stands.
     Done,
@@ -438,6 +447,28 @@ pub trait Backend: Send + Sync {
     /// failed.
     fn end_step(&self, logits: Option<&Self::Act>) -> Result<StepEnd> {
         let _ = logits;
+        Ok(StepEnd::Done)
+    }
+
+    /// Starts segment `index` of the pass [`Self::begin_step`] started: the ops between two
+    /// waits for the device (an offloaded layer's routing read back to the host), which a
+    /// backend may record once and replay where it cannot record the whole pass. `inputs` are
+    /// the activations the segment reads that earlier ops made, each with whether the segment
+    /// also writes it in place; a replay takes them wherever they now lie. The default runs
+    /// every segment op by op.
+    fn begin_segment(
+        &self,
+        index: usize,
+        inputs: &[(&Self::Act, bool)],
+    ) -> Result<SegmentStart<Self::Act>> {
+        let _ = (index, inputs);
+        Ok(SegmentStart::Run)
+    }
+
+    /// Ends the segment [`Self::begin_segment`] started; `outputs` are the activations later
+    /// ops read, or `None` when an op failed.
+    fn end_segment(&self, outputs: Option<&[&Self::Act]>) -> Result<StepEnd> {
+        let _ = outputs;
         Ok(StepEnd::Done)
     }
 

@@ -162,7 +162,11 @@ impl CudaBackend {
             offload,
             buffers: Arc::new(BufferPool::default()),
             route_counts: Mutex::new(None),
-            steps: Mutex::new(graphs::StepGraphs::new(params, options.graphs)),
+            steps: Mutex::new(graphs::StepGraphs::new(
+                params,
+                options.graphs,
+                options.segment_graphs,
+            )),
             side_stream,
             timing: Mutex::new((HostTiming::default(), None)),
             load_io: options.load_io,

@@ -18,9 +18,10 @@
 //! A key runs once op by op before it is captured (lazily built tables, such as the device expert
 //! lists, are made outside the capture), and a capture that fails is run again op by op and never
 //! retried. A pass that waits for the device midway (host routing, which the expert cache's
-//! target passes need to decide their copies) is never captured: its first run notes the wait.
-//! With an expert cache, the draft's passes (resident INT4 experts, routing counted on the
-//! device) are recorded and the target's are not.
+//! target passes need to decide their copies) is never captured whole: its first run notes the
+//! wait, and from its second run on its segments, the runs of ops between the waits, are
+//! (src/backend/cuda/segments.rs). With an expert cache, the draft's passes (resident INT4
+//! experts, routing counted on the device) are recorded whole and the target's in segments.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -38,6 +39,9 @@ pub(super) const MAX_ROWS: usize = 32;
 pub(super) const MAX_HALF: usize = 256;
 /// Words of the step buffer: ids and positions, then cos and sin per row.
 pub(super) const PARAM_WORDS: usize = 2 * MAX_ROWS + 2 * MAX_ROWS * MAX_HALF;
+/// Passes whose segments are kept at most (least recently used dropped first, all of a pass's
+/// segments together).
+pub(super) const MAX_SEGMENT_PASSES: usize = 4;
 /// Recordings kept at most (least recently used dropped first).
 pub(super) const MAX_RECORDED: usize = 8;
 /// Slots of each fed-choice ring: choices on their way to the host, and fed passes' step words
@@ -56,6 +60,9 @@ pub struct StepGraphStats {
     pub replays: u64,
     /// Captures that failed (those keys run op by op from then on).
     pub failures: u64,
+    /// Segments of passes that wait for the device midway, captured and replayed.
+    pub segment_captures: u64,
+    pub segment_replays: u64,
 }
 
 /// A captured graph. cudarc's graph is not `Send`: it is only touched under the backend's lock.
@@ -71,6 +78,29 @@ pub(super) struct Recorded {
     /// Every buffer the recorded kernels use besides weights and the KV cache.
     pub(super) _keep: Vec<Arc<PooledBuf>>,
     pub(super) used: u64,
+}
+
+/// A recorded segment of a pass that waits for the device midway (see
+/// src/backend/cuda/segments.rs).
+pub(super) struct RecordedSegment {
+    /// The pass's key mixed with the segment's index.
+    pub(super) key: u64,
+    /// The pass's key: a pass's segments are dropped together.
+    pub(super) pass: u64,
+    pub(super) graph: Graph,
+    /// The activations the segment read from before it when recorded (where the graph reads
+    /// them), each with whether it also writes it.
+    pub(super) inputs: Vec<(GpuAct, bool)>,
+    pub(super) outputs: Vec<GpuAct>,
+    pub(super) _keep: Vec<Arc<PooledBuf>>,
+}
+
+/// A segment being captured.
+pub(super) struct SegmentCapture {
+    pub(super) key: u64,
+    pub(super) pass: u64,
+    pub(super) inputs: Vec<(GpuAct, bool)>,
+    pub(super) keep: Vec<Arc<PooledBuf>>,
 }
 
 /// The step now running op by op, maybe being captured.
@@ -110,6 +140,13 @@ pub(super) struct StepGraphs {
     pub(super) stats: StepGraphStats,
     /// Greedy choices fed on the device (made on first use).
     pub(super) fed: Option<FedChoices>,
+    /// Record the segments of passes that wait for the device midway.
+    pub(super) segments_enabled: bool,
+    pub(super) segments: Vec<RecordedSegment>,
+    /// Pass keys whose segments are recorded, least recently used first.
+    pub(super) segment_passes: VecDeque<u64>,
+    pub(super) failed_segments: HashSet<u64>,
+    pub(super) segment: Option<SegmentCapture>,
 }
 
 /// Greedy choices fed on the device to the next recorded one-row pass
@@ -131,7 +168,7 @@ pub(super) struct FedChoices {
 }
 
 impl StepGraphs {
-    pub fn new(params: CudaSlice<u32>, enabled: bool) -> Self {
+    pub fn new(params: CudaSlice<u32>, enabled: bool, segments_enabled: bool) -> Self {
         StepGraphs {
             enabled,
             params,
@@ -145,6 +182,11 @@ impl StepGraphs {
                 ..Default::default()
             },
             fed: None,
+            segments_enabled,
+            segments: Vec::new(),
+            segment_passes: VecDeque::new(),
+            failed_segments: HashSet::new(),
+            segment: None,
         }
     }
 }
@@ -159,4 +201,10 @@ pub(super) fn param_words(step: &StepRequest) -> Vec<u32> {
     words.extend(positions.iter().map(|&p| p as u32));
     words.extend(cos.iter().chain(&sin).map(|v| v.to_bits()));
     words
+}
+
+/// The key of segment `index` of the pass recorded under `pass`.
+pub(super) fn segment_key(pass: u64, index: usize) -> u64 {
+    let h = (pass ^ (index as u64 + 1)).wrapping_mul(0x0000_0100_0000_01b3);
+    h ^ (h >> 29)
 }

@@ -32,6 +32,7 @@ mod prefetch;
 mod readback;
 mod recording;
 mod rope;
+mod segments;
 mod slots;
 
 pub use act::{GpuAct, GpuWeight};

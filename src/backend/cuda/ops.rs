@@ -12,7 +12,7 @@ use super::load::{LoadIo, PendingLoad};
 use crate::backend::{
     check, AttentionSpec, Backend, GatedMlp, MlaShape, RopeSpec, RouteSpec, Routing,
 };
-use crate::backend::{StepEnd, StepRequest, StepStart};
+use crate::backend::{SegmentStart, StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
 
 impl Backend for CudaBackend {
@@ -722,6 +722,18 @@ impl Backend for CudaBackend {
 
     fn end_step(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {
         self.end_step_impl(logits)
+    }
+
+    fn begin_segment(
+        &self,
+        index: usize,
+        inputs: &[(&GpuAct, bool)],
+    ) -> Result<SegmentStart<GpuAct>> {
+        self.begin_segment_impl(index, inputs)
+    }
+
+    fn end_segment(&self, outputs: Option<&[&GpuAct]>) -> Result<StepEnd> {
+        self.end_segment_impl(outputs)
     }
 
     fn feed_choice(&self, logits: &GpuAct) -> Result<bool> {

@@ -1,5 +1,5 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
-//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED`,
+//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_SEGMENTS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_FUSE_SHARED`,
 //! `SPECTER_CUDA_CHAIN`, `SPECTER_HOST_SPLIT` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
 //! measurement-only `skip_launches`).
 
@@ -25,6 +25,9 @@ pub struct CudaOptions {
     /// With offloaded experts: hold expert copies to this many bytes per second, to emulate a
     /// slower link (25e9: PCIe 4.0 x16) on a faster one; `None`: the link's own rate.
     pub link_pace_bytes_per_s: Option<f64>,
+    /// With `graphs`: record the segments of passes that wait for the device midway (an
+    /// offloaded layer's routing read back), the ops between the waits, and replay them.
+    pub segment_graphs: bool,
     /// Launch each kernel so that it may start while the one before it on the stream finishes
     /// (programmatic dependent launch, Hopper and newer; ignored on older devices). Kernels
     /// wait for their inputs on the device (kernels/common.cuh, `spx_grid_wait`), so the bits
@@ -153,6 +156,7 @@ impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             graphs: true,
+            segment_graphs: true,
             load_threads: None,
             load_io: LoadIo::default(),
             host_path: HostPath::Auto,

@@ -24,6 +24,8 @@ impl CudaBackend {
         g.stats.enabled = enabled;
         if !enabled {
             g.recorded.clear();
+            g.segments.clear();
+            g.segment_passes.clear();
         }
         Ok(())
     }
@@ -31,7 +33,10 @@ impl CudaBackend {
     /// Drops every recording (a buffer they use is about to be replaced).
     pub(super) fn drop_recordings(&self) -> Result<()> {
         self.synchronize()?;
-        self.lock(&self.steps)?.recorded.clear();
+        let mut g = self.lock(&self.steps)?;
+        g.recorded.clear();
+        g.segments.clear();
+        g.segment_passes.clear();
         Ok(())
     }
 
@@ -86,10 +91,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether a pass is being captured now.
+    /// Whether a pass or a segment of one is being captured now.
     pub(super) fn capturing(&self) -> Result<bool> {
         let g = self.lock(&self.steps)?;
-        Ok(g.active.as_ref().is_some_and(|a| a.capturing))
+        Ok(g.active.as_ref().is_some_and(|a| a.capturing) || g.segment.is_some())
     }
 
     /// Keeps `buf` alive as long as the recording being captured.
@@ -97,6 +102,8 @@ impl CudaBackend {
         let mut g = self.lock(&self.steps)?;
         if let Some(a) = g.active.as_mut().filter(|a| a.capturing) {
             a.keep.push(buf.clone());
+        } else if let Some(segment) = g.segment.as_mut() {
+            segment.keep.push(buf.clone());
         }
         Ok(())
     }

@@ -1,0 +1,153 @@
+//! Recorded segments of passes that wait for the device midway.
+//!
+//! A pass over offloaded experts reads each MoE layer's routing back to the host, which decides
+//! the layer's copies and host work; such a pass cannot be one graph. Its segments can: the ops
+//! from one MoE layer's output to the next layer's router logits (a norm, attention, another
+//! norm, the router: a dozen launches) depend on nothing the host decides but the step's tokens
+//! and positions, which they read from the step buffer as a recorded pass does. From a pass's
+//! second run on, each segment is captured once and then replayed as one launch, so the device
+//! runs it without waiting for the host's launches between its kernels.
+//!
+//! A segment's inputs (the residual stream and the MoE output before it) lie wherever the ops
+//! before it put them; the graph reads them where they lay when it was recorded. A replay copies
+//! an input that has moved into that buffer first (and one the segment writes in place back
+//! after). The recording keeps those buffers, and every buffer its ops allocated, out of the
+//! pool for as long as it lives.
+
+use cudarc::driver::sys;
+
+use super::act::GpuAct;
+use super::backend::CudaBackend;
+use super::driver::guarded;
+use super::graphs::*;
+use super::kernels::ptr;
+use crate::backend::{SegmentStart, StepEnd};
+use crate::Result;
+
+/// What a replay does with one input: nothing (it lies where the graph reads it), or a copy in
+/// (and back out, for one the segment writes) between these device addresses.
+fn moved(
+    given: &GpuAct,
+    recorded: &GpuAct,
+    stream: &cudarc::driver::CudaStream,
+) -> Option<(u64, u64)> {
+    let (from, to) = (ptr(&given.buf, stream), ptr(&recorded.buf, stream));
+    (from != to).then_some((from, to))
+}
+
+impl CudaBackend {
+    pub(super) fn begin_segment_impl(
+        &self,
+        index: usize,
+        inputs: &[(&GpuAct, bool)],
+    ) -> Result<SegmentStart<GpuAct>> {
+        let mut g = self.lock(&self.steps)?;
+        let pass = match g.active.as_ref() {
+            // Only the segments of a pass already known not to be recordable whole (it waited
+            // for the device in an earlier run), and not while a whole pass is being captured.
+            Some(a) if !a.capturing && g.failed.contains(&a.key) => a.key,
+            _ => return Ok(SegmentStart::Run),
+        };
+        if !g.enabled || !g.segments_enabled || g.segment.is_some() {
+            return Ok(SegmentStart::Run);
+        }
+        let key = super::graphs::segment_key(pass, index);
+        if let Some(i) = g.segments.iter().position(|r| r.key == key) {
+            let same_shapes = g.segments[i].inputs.len() == inputs.len()
+                && g.segments[i]
+                    .inputs
+                    .iter()
+                    .zip(inputs)
+                    .all(|((r, rw), (a, aw))| (r.rows, r.cols, rw) == (a.rows, a.cols, aw));
+            if !same_shapes {
+                return Ok(SegmentStart::Run);
+            }
+            touch_pass(&mut g, pass);
+            let s = &self.stream;
+            let rec = &g.segments[i];
+            for ((recorded, _), (given, _)) in rec.inputs.iter().zip(inputs) {
+                if let Some((from, to)) = moved(given, recorded, s) {
+                    copy(from, to, 4 * given.rows * given.cols, s)?;
+                }
+            }
+            guarded("cuda: segment graph launch failed", || rec.graph.0.launch())?;
+            for ((recorded, writes), (given, _)) in rec.inputs.iter().zip(inputs) {
+                if let (true, Some((to, from))) = (*writes, moved(given, recorded, s)) {
+                    copy(from, to, 4 * given.rows * given.cols, s)?;
+                }
+            }
+            let outputs = rec.outputs.iter().map(GpuAct::share).collect();
+            g.stats.segment_replays += 1;
+            return Ok(SegmentStart::Replayed(outputs));
+        }
+        if g.failed_segments.contains(&key) {
+            return Ok(SegmentStart::Run);
+        }
+        let begun = self
+            .stream
+            .begin_capture(sys::CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_RELAXED);
+        if begun.is_err() {
+            g.failed_segments.insert(key);
+            g.stats.failures += 1;
+            return Ok(SegmentStart::Run);
+        }
+        g.segment = Some(SegmentCapture {
+            key,
+            pass,
+            inputs: inputs.iter().map(|(a, w)| (a.share(), *w)).collect(),
+            keep: Vec::new(),
+        });
+        Ok(SegmentStart::Run)
+    }
+
+    pub(super) fn end_segment_impl(&self, outputs: Option<&[&GpuAct]>) -> Result<StepEnd> {
+        let mut g = self.lock(&self.steps)?;
+        let Some(capture) = g.segment.take() else {
+            return Ok(StepEnd::Done);
+        };
+        let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let (Ok(Some(graph)), Some(outputs)) = (ended, outputs) else {
+            // Nothing of the segment ran: run it again op by op, and never capture it.
+            g.failed_segments.insert(capture.key);
+            g.stats.failures += 1;
+            return Ok(StepEnd::Rerun);
+        };
+        guarded("cuda: graph launch failed", || graph.launch())
+            .map_err(|e| crate::Error::Backend(format!("{e} (first replay of a segment)")))?;
+        g.stats.segment_captures += 1;
+        if !g.segment_passes.contains(&capture.pass) && g.segment_passes.len() >= MAX_SEGMENT_PASSES
+        {
+            if let Some(oldest) = g.segment_passes.pop_front() {
+                g.segments.retain(|r| r.pass != oldest);
+            }
+        }
+        touch_pass(&mut g, capture.pass);
+        g.segments.push(RecordedSegment {
+            key: capture.key,
+            pass: capture.pass,
+            graph: Graph(graph),
+            inputs: capture.inputs,
+            outputs: outputs.iter().map(|a| a.share()).collect(),
+            _keep: capture.keep,
+        });
+        Ok(StepEnd::Done)
+    }
+}
+
+/// Marks `pass`'s segments as the most recently used.
+fn touch_pass(g: &mut StepGraphs, pass: u64) {
+    if g.segment_passes.back() != Some(&pass) {
+        g.segment_passes.retain(|&p| p != pass);
+        g.segment_passes.push_back(pass);
+    }
+}
+
+/// Queues a device-to-device copy of `bytes` on `stream`.
+fn copy(from: u64, to: u64, bytes: usize, stream: &cudarc::driver::CudaStream) -> Result<()> {
+    guarded("cuda: copying a segment's input", || {
+        // SAFETY: both addresses are the starts of live activation buffers of the same shape
+        // (the caller's input and the recording's, which the recording keeps), each holding at
+        // least `bytes`; the copy is ordered on the one compute stream with the ops using them.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(to, from, bytes, stream.cu_stream()) }
+    })
+}
