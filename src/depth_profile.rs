@@ -164,14 +164,16 @@ pub fn session_key(session: &Session) -> Result<ProfileKey> {
     })
 }
 
-/// Decodes `new_tokens` greedy tokens after `prompt` at every depth in `depths` (0: target-only),
-/// `repeats` times each, and returns the profile. The session must hold the draft.
+/// Decodes `new_tokens` tokens after `prompt` as `sampling` says (the paper's protocol: greedy)
+/// at every depth in `depths` (0: target-only), `repeats` times each, and returns the profile.
+/// The session must hold the draft.
 pub fn sweep(
     session: &Session,
     prompt: &[u32],
     new_tokens: usize,
     depths: &[usize],
     repeats: usize,
+    sampling: Sampling,
 ) -> Result<DepthProfile> {
     if depths.is_empty() || repeats == 0 || new_tokens < 2 {
         return Err(Error::Request(
@@ -190,7 +192,7 @@ pub fn sweep(
             },
             max_new_tokens: new_tokens,
             depth: depth.max(1),
-            sampling: Sampling::greedy(),
+            sampling,
             stop_at_eos: false,
         };
         let mut runs = Vec::with_capacity(repeats);
@@ -221,13 +223,15 @@ pub fn sweep(
 }
 
 /// Median TPOT (ms) of `repeats` plain target-only decodes of `new_tokens` tokens after
-/// `prompt`, each from the session's initial residency. For [`DepthProfile::plain`], `session`
-/// is opened without the draft and with [`draft_slot_equivalent`] more slots.
+/// `prompt` (as `sampling` says), each from the session's initial residency. For
+/// [`DepthProfile::plain`], `session` is opened without the draft and with
+/// [`draft_slot_equivalent`] more slots.
 pub fn measure_plain(
     session: &Session,
     prompt: &[u32],
     new_tokens: usize,
     repeats: usize,
+    sampling: Sampling,
 ) -> Result<f64> {
     if repeats == 0 || new_tokens < 2 {
         return Err(Error::Request(
@@ -238,7 +242,7 @@ pub fn measure_plain(
         mode: Mode::Target,
         max_new_tokens: new_tokens,
         depth: 1,
-        sampling: Sampling::greedy(),
+        sampling,
         stop_at_eos: false,
     };
     let mut runs = (0..repeats)
@@ -258,18 +262,19 @@ pub fn measure_with_host(
     depth: Option<usize>,
     host: HostExpertsConfig,
     repeats: usize,
+    sampling: Sampling,
 ) -> Result<f64> {
     let gpu = session.cuda().ok_or_else(|| {
         Error::Request("the host path computes offloaded experts: it needs --backend cuda".into())
     })?;
     gpu.set_host_experts(Some(host))?;
     match depth {
-        None => measure_plain(session, prompt, new_tokens, repeats),
-        Some(d) => Ok(sweep(session, prompt, new_tokens, &[d], repeats)?.best_tpot_ms()),
+        None => measure_plain(session, prompt, new_tokens, repeats, sampling),
+        Some(d) => Ok(sweep(session, prompt, new_tokens, &[d], repeats, sampling)?.best_tpot_ms()),
     }
 }
 
-/// One greedy decode from the session's initial (empty) expert cache, observed as
+/// One decode from the session's initial (empty) expert cache, observed as
 /// [`decode_on_session`] decides (the draft-driven prefetcher when speculating over offloaded
 /// experts on the GPU).
 fn timed_run(

@@ -427,3 +427,30 @@ fn bad_requests_are_refused_with_the_reason() {
         "{err}"
     );
 }
+
+/// A depth sweep decodes as its caller samples (`bench --modes auto` calibrates with the bench's
+/// own sampling): sampled at temperature 1, speculative acceptance is rejection sampling's, not
+/// greedy's, and the tokens differ, so the measured depths do too.
+#[test]
+fn a_depth_sweep_samples_as_asked() {
+    let fx = Fixture::load(FIXTURES[0]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.specter");
+    convert(&fx.dir, &path, &ConvertOptions::default(), &Silent).unwrap();
+    let session = Session::open(&path, BackendKind::Cpu).unwrap();
+    let prompt = fx.prompts()[0].clone();
+    let sweep =
+        |sampling| specter::depth_profile::sweep(&session, &prompt, 24, &[4], 1, sampling).unwrap();
+    let greedy = sweep(specter::decode::Sampling::greedy());
+    let again = sweep(specter::decode::Sampling::greedy());
+    let sampled = sweep(specter::decode::Sampling {
+        temperature: 1.0,
+        top_p: 1.0,
+        seed: 7,
+    });
+    assert_eq!(greedy.acceptance, again.acceptance, "greedy sweeps agree");
+    assert_ne!(
+        greedy.acceptance, sampled.acceptance,
+        "a sampled sweep accepted exactly what a greedy one did: it did not sample"
+    );
+}

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use specter::decode::Sampling;
 use specter::depth_profile::Candidate;
 use specter::session::{BackendKind, Session, SessionOptions};
 use specter::with_session_model;
@@ -132,6 +133,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             args.new_tokens,
             &args.depths,
             args.repeats,
+            Sampling::greedy(),
         )?;
         if let (Some(h), Some(depth)) = (host, report.best_draft_depth()) {
             let ms = specter::depth_profile::measure_with_host(
@@ -141,6 +143,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
                 Some(depth),
                 h,
                 args.repeats,
+                Sampling::greedy(),
             )?;
             report.record_host_draft(h.threads, depth, ms);
         }
@@ -168,6 +171,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             &args.prompt_ids,
             args.new_tokens,
             args.repeats,
+            Sampling::greedy(),
         )?;
         report.plain = Some(specter::depth_profile::PlainCandidate { slots, tpot_ms });
         if let Some(h) = host {
@@ -178,6 +182,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
                 None,
                 h,
                 args.repeats,
+                Sampling::greedy(),
             )?;
             report.record_host_plain(h.threads, ms);
         }

@@ -1,4 +1,4 @@
-//! `auto`'s calibration: on the first prompt, outside the timed runs, every way `auto` may decode
+//! `auto`'s calibration: on the first prompt, sampled as the bench samples, outside the timed runs, every way `auto` may decode
 //! is measured and the fastest kept ([`crate::depth_profile::Candidate`]): the draft at each
 //! candidate depth, plain decoding without it, and, where the host path may run, both again with
 //! part of the missing experts computed on host threads.
@@ -80,15 +80,26 @@ pub fn calibrate_auto(
 ) -> Result<(Session, AutoChoice, DepthProfile)> {
     let prompt = &opts.prompts[0];
     let tokens = opts.new_tokens;
+    // The bench's own sampling: greedy output that loops keeps a cache's hit rate high, so a
+    // choice calibrated greedily can be the wrong one for sampled runs.
+    let sampling = opts.sampling;
     let depths = crate::decode::candidate_depths(opts.case.depth);
     let host = opts
         .auto_host
         .then(|| opts.cuda.host_experts_config(host_threads(&opts.cuda)));
     let mut profile = {
         let session = Session::open_with(path, draft_opts)?;
-        let mut profile = depth_profile::sweep(&session, prompt, tokens, &depths, 1)?;
+        let mut profile = depth_profile::sweep(&session, prompt, tokens, &depths, 1, sampling)?;
         if let (Some(h), Some(depth)) = (host, profile.best_draft_depth()) {
-            let ms = depth_profile::measure_with_host(&session, prompt, tokens, Some(depth), h, 1)?;
+            let ms = depth_profile::measure_with_host(
+                &session,
+                prompt,
+                tokens,
+                Some(depth),
+                h,
+                1,
+                sampling,
+            )?;
             profile.record_host_draft(h.threads, depth, ms);
         }
         profile
@@ -97,13 +108,13 @@ pub fn calibrate_auto(
     plain_opts.with_draft = false;
     plain_opts.offload = Some((opts.case.matched, Policy::Lru));
     let plain = Session::open_with(path, &plain_opts)?;
-    let plain_ms = depth_profile::measure_plain(&plain, prompt, tokens, 1)?;
+    let plain_ms = depth_profile::measure_plain(&plain, prompt, tokens, 1, sampling)?;
     profile.plain = Some(PlainCandidate {
         slots: opts.case.matched,
         tpot_ms: plain_ms,
     });
     if let Some(h) = host {
-        let ms = depth_profile::measure_with_host(&plain, prompt, tokens, None, h, 1)?;
+        let ms = depth_profile::measure_with_host(&plain, prompt, tokens, None, h, 1, sampling)?;
         profile.record_host_plain(h.threads, ms);
     }
     let chosen = profile.choice();
