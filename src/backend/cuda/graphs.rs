@@ -42,6 +42,10 @@ pub(super) const PARAM_WORDS: usize = 2 * MAX_ROWS + 2 * MAX_ROWS * MAX_HALF;
 /// Passes whose segments are kept at most (least recently used dropped first, all of a pass's
 /// segments together).
 pub(super) const MAX_SEGMENT_PASSES: usize = 4;
+/// Device memory the recorded segments may keep out of the pool: their activations are small,
+/// but attention's score rows are sized for the whole cache (a 17-row window over a long cache
+/// keeps megabytes a layer), and with offloaded experts VRAM is the budget.
+pub(super) const MAX_SEGMENT_BYTES: usize = 256 << 20;
 /// Recordings kept at most (least recently used dropped first).
 pub(super) const MAX_RECORDED: usize = 8;
 /// Slots of each fed-choice ring: choices on their way to the host, and fed passes' step words
@@ -93,6 +97,8 @@ pub(super) struct RecordedSegment {
     pub(super) inputs: Vec<(GpuAct, bool)>,
     pub(super) outputs: Vec<GpuAct>,
     pub(super) _keep: Vec<Arc<PooledBuf>>,
+    /// Device bytes the recording keeps out of the pool (its ops' buffers).
+    pub(super) bytes: usize,
 }
 
 /// A segment being captured.
@@ -147,6 +153,11 @@ pub(super) struct StepGraphs {
     pub(super) segment_passes: VecDeque<u64>,
     pub(super) failed_segments: HashSet<u64>,
     pub(super) segment: Option<SegmentCapture>,
+    /// Device bytes the recorded segments keep, at most about [`MAX_SEGMENT_BYTES`].
+    pub(super) segment_bytes: usize,
+    /// Passes whose further segments are not recorded: their recorded ones alone reached
+    /// [`MAX_SEGMENT_BYTES`].
+    pub(super) segments_full: HashSet<u64>,
 }
 
 /// Greedy choices fed on the device to the next recorded one-row pass
@@ -187,6 +198,8 @@ impl StepGraphs {
             segment_passes: VecDeque::new(),
             failed_segments: HashSet::new(),
             segment: None,
+            segment_bytes: 0,
+            segments_full: HashSet::new(),
         }
     }
 }

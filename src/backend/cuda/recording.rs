@@ -26,6 +26,8 @@ impl CudaBackend {
             g.recorded.clear();
             g.segments.clear();
             g.segment_passes.clear();
+            g.segment_bytes = 0;
+            g.segments_full.clear();
         }
         Ok(())
     }
@@ -37,6 +39,8 @@ impl CudaBackend {
         g.recorded.clear();
         g.segments.clear();
         g.segment_passes.clear();
+        g.segment_bytes = 0;
+        g.segments_full.clear();
         Ok(())
     }
 

@@ -80,7 +80,7 @@ impl CudaBackend {
             g.stats.segment_replays += 1;
             return Ok(SegmentStart::Replayed(outputs));
         }
-        if g.failed_segments.contains(&key) {
+        if g.failed_segments.contains(&key) || g.segments_full.contains(&pass) {
             return Ok(SegmentStart::Run);
         }
         let begun = self
@@ -115,13 +115,21 @@ impl CudaBackend {
         guarded("cuda: graph launch failed", || graph.launch())
             .map_err(|e| crate::Error::Backend(format!("{e} (first replay of a segment)")))?;
         g.stats.segment_captures += 1;
+        let bytes = capture.keep.iter().map(|b| 4 * b.len()).sum::<usize>();
         if !g.segment_passes.contains(&capture.pass) && g.segment_passes.len() >= MAX_SEGMENT_PASSES
         {
-            if let Some(oldest) = g.segment_passes.pop_front() {
-                g.segments.retain(|r| r.pass != oldest);
-            }
+            drop_oldest_pass(&mut g);
         }
         touch_pass(&mut g, capture.pass);
+        g.segment_bytes += bytes;
+        // Over the memory bound: other passes' segments go first, least recently used first;
+        // a pass that is over it alone records no further segments.
+        while g.segment_bytes > MAX_SEGMENT_BYTES && g.segment_passes.len() > 1 {
+            drop_oldest_pass(&mut g);
+        }
+        if g.segment_bytes > MAX_SEGMENT_BYTES {
+            g.segments_full.insert(capture.pass);
+        }
         g.segments.push(RecordedSegment {
             key: capture.key,
             pass: capture.pass,
@@ -129,8 +137,24 @@ impl CudaBackend {
             inputs: capture.inputs,
             outputs: outputs.iter().map(|a| a.share()).collect(),
             _keep: capture.keep,
+            bytes,
         });
         Ok(StepEnd::Done)
+    }
+}
+
+/// Drops the least recently used pass's segments.
+fn drop_oldest_pass(g: &mut StepGraphs) {
+    if let Some(oldest) = g.segment_passes.pop_front() {
+        let freed: usize = g
+            .segments
+            .iter()
+            .filter(|r| r.pass == oldest)
+            .map(|r| r.bytes)
+            .sum();
+        g.segments.retain(|r| r.pass != oldest);
+        g.segment_bytes -= freed;
+        g.segments_full.remove(&oldest);
     }
 }
 
