@@ -101,6 +101,34 @@ pub(super) struct RecordedSegment {
     pub(super) bytes: usize,
 }
 
+/// The recorded segments of passes that wait for the device midway (see
+/// src/backend/cuda/segments.rs), and the one being captured.
+#[derive(Default)]
+pub(super) struct SegmentGraphs {
+    pub(super) enabled: bool,
+    pub(super) recorded: Vec<RecordedSegment>,
+    /// Pass keys whose segments are recorded, least recently used first.
+    pub(super) passes: VecDeque<u64>,
+    /// Segment keys whose capture failed: they run op by op.
+    pub(super) failed: HashSet<u64>,
+    pub(super) capture: Option<SegmentCapture>,
+    /// Device bytes the recorded segments keep, at most about [`MAX_SEGMENT_BYTES`].
+    pub(super) bytes: usize,
+    /// Passes whose further segments are not recorded: their recorded ones alone reached
+    /// [`MAX_SEGMENT_BYTES`].
+    pub(super) full: HashSet<u64>,
+}
+
+impl SegmentGraphs {
+    /// Drops every recorded segment (not the failed keys: those stay op by op).
+    pub(super) fn clear(&mut self) {
+        self.recorded.clear();
+        self.passes.clear();
+        self.bytes = 0;
+        self.full.clear();
+    }
+}
+
 /// A segment being captured.
 pub(super) struct SegmentCapture {
     pub(super) key: u64,
@@ -146,18 +174,8 @@ pub(super) struct StepGraphs {
     pub(super) stats: StepGraphStats,
     /// Greedy choices fed on the device (made on first use).
     pub(super) fed: Option<FedChoices>,
-    /// Record the segments of passes that wait for the device midway.
-    pub(super) segments_enabled: bool,
-    pub(super) segments: Vec<RecordedSegment>,
-    /// Pass keys whose segments are recorded, least recently used first.
-    pub(super) segment_passes: VecDeque<u64>,
-    pub(super) failed_segments: HashSet<u64>,
-    pub(super) segment: Option<SegmentCapture>,
-    /// Device bytes the recorded segments keep, at most about [`MAX_SEGMENT_BYTES`].
-    pub(super) segment_bytes: usize,
-    /// Passes whose further segments are not recorded: their recorded ones alone reached
-    /// [`MAX_SEGMENT_BYTES`].
-    pub(super) segments_full: HashSet<u64>,
+    /// The recorded segments of passes that wait for the device midway.
+    pub(super) segments: SegmentGraphs,
 }
 
 /// Greedy choices fed on the device to the next recorded one-row pass
@@ -193,13 +211,10 @@ impl StepGraphs {
                 ..Default::default()
             },
             fed: None,
-            segments_enabled,
-            segments: Vec::new(),
-            segment_passes: VecDeque::new(),
-            failed_segments: HashSet::new(),
-            segment: None,
-            segment_bytes: 0,
-            segments_full: HashSet::new(),
+            segments: SegmentGraphs {
+                enabled: segments_enabled,
+                ..Default::default()
+            },
         }
     }
 }

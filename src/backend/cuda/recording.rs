@@ -25,9 +25,6 @@ impl CudaBackend {
         if !enabled {
             g.recorded.clear();
             g.segments.clear();
-            g.segment_passes.clear();
-            g.segment_bytes = 0;
-            g.segments_full.clear();
         }
         Ok(())
     }
@@ -38,9 +35,6 @@ impl CudaBackend {
         let mut g = self.lock(&self.steps)?;
         g.recorded.clear();
         g.segments.clear();
-        g.segment_passes.clear();
-        g.segment_bytes = 0;
-        g.segments_full.clear();
         Ok(())
     }
 
@@ -98,7 +92,7 @@ impl CudaBackend {
     /// Whether a pass or a segment of one is being captured now.
     pub(super) fn capturing(&self) -> Result<bool> {
         let g = self.lock(&self.steps)?;
-        Ok(g.active.as_ref().is_some_and(|a| a.capturing) || g.segment.is_some())
+        Ok(g.active.as_ref().is_some_and(|a| a.capturing) || g.segments.capture.is_some())
     }
 
     /// Keeps `buf` alive as long as the recording being captured.
@@ -106,7 +100,7 @@ impl CudaBackend {
         let mut g = self.lock(&self.steps)?;
         if let Some(a) = g.active.as_mut().filter(|a| a.capturing) {
             a.keep.push(buf.clone());
-        } else if let Some(segment) = g.segment.as_mut() {
+        } else if let Some(segment) = g.segments.capture.as_mut() {
             segment.keep.push(buf.clone());
         }
         Ok(())

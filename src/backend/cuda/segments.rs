@@ -48,13 +48,13 @@ impl CudaBackend {
             Some(a) if !a.capturing && g.failed.contains(&a.key) => a.key,
             _ => return Ok(SegmentStart::Run),
         };
-        if !g.enabled || !g.segments_enabled || g.segment.is_some() {
+        if !g.enabled || !g.segments.enabled || g.segments.capture.is_some() {
             return Ok(SegmentStart::Run);
         }
         let key = super::graphs::segment_key(pass, index);
-        if let Some(i) = g.segments.iter().position(|r| r.key == key) {
-            let same_shapes = g.segments[i].inputs.len() == inputs.len()
-                && g.segments[i]
+        if let Some(i) = g.segments.recorded.iter().position(|r| r.key == key) {
+            let same_shapes = g.segments.recorded[i].inputs.len() == inputs.len()
+                && g.segments.recorded[i]
                     .inputs
                     .iter()
                     .zip(inputs)
@@ -62,9 +62,9 @@ impl CudaBackend {
             if !same_shapes {
                 return Ok(SegmentStart::Run);
             }
-            touch_pass(&mut g, pass);
+            g.segments.touch(pass);
             let s = &self.stream;
-            let rec = &g.segments[i];
+            let rec = &g.segments.recorded[i];
             for ((recorded, _), (given, _)) in rec.inputs.iter().zip(inputs) {
                 if let Some((from, to)) = moved(given, recorded, s) {
                     copy(from, to, 4 * given.rows * given.cols, s)?;
@@ -80,18 +80,18 @@ impl CudaBackend {
             g.stats.segment_replays += 1;
             return Ok(SegmentStart::Replayed(outputs));
         }
-        if g.failed_segments.contains(&key) || g.segments_full.contains(&pass) {
+        if g.segments.failed.contains(&key) || g.segments.full.contains(&pass) {
             return Ok(SegmentStart::Run);
         }
         let begun = self
             .stream
             .begin_capture(sys::CUstreamCaptureMode_enum::CU_STREAM_CAPTURE_MODE_RELAXED);
         if begun.is_err() {
-            g.failed_segments.insert(key);
+            g.segments.failed.insert(key);
             g.stats.failures += 1;
             return Ok(SegmentStart::Run);
         }
-        g.segment = Some(SegmentCapture {
+        g.segments.capture = Some(SegmentCapture {
             key,
             pass,
             inputs: inputs.iter().map(|(a, w)| (a.share(), *w)).collect(),
@@ -102,13 +102,13 @@ impl CudaBackend {
 
     pub(super) fn end_segment_impl(&self, outputs: Option<&[&GpuAct]>) -> Result<StepEnd> {
         let mut g = self.lock(&self.steps)?;
-        let Some(capture) = g.segment.take() else {
+        let Some(capture) = g.segments.capture.take() else {
             return Ok(StepEnd::Done);
         };
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         let (Ok(Some(graph)), Some(outputs)) = (ended, outputs) else {
             // Nothing of the segment ran: run it again op by op, and never capture it.
-            g.failed_segments.insert(capture.key);
+            g.segments.failed.insert(capture.key);
             g.stats.failures += 1;
             return Ok(StepEnd::Rerun);
         };
@@ -116,21 +116,21 @@ impl CudaBackend {
             .map_err(|e| crate::Error::Backend(format!("{e} (first replay of a segment)")))?;
         g.stats.segment_captures += 1;
         let bytes = capture.keep.iter().map(|b| 4 * b.len()).sum::<usize>();
-        if !g.segment_passes.contains(&capture.pass) && g.segment_passes.len() >= MAX_SEGMENT_PASSES
-        {
-            drop_oldest_pass(&mut g);
+        let sg = &mut g.segments;
+        if !sg.passes.contains(&capture.pass) && sg.passes.len() >= MAX_SEGMENT_PASSES {
+            sg.drop_oldest_pass();
         }
-        touch_pass(&mut g, capture.pass);
-        g.segment_bytes += bytes;
+        sg.touch(capture.pass);
+        sg.bytes += bytes;
         // Over the memory bound: other passes' segments go first, least recently used first;
         // a pass that is over it alone records no further segments.
-        while g.segment_bytes > MAX_SEGMENT_BYTES && g.segment_passes.len() > 1 {
-            drop_oldest_pass(&mut g);
+        while sg.bytes > MAX_SEGMENT_BYTES && sg.passes.len() > 1 {
+            sg.drop_oldest_pass();
         }
-        if g.segment_bytes > MAX_SEGMENT_BYTES {
-            g.segments_full.insert(capture.pass);
+        if sg.bytes > MAX_SEGMENT_BYTES {
+            sg.full.insert(capture.pass);
         }
-        g.segments.push(RecordedSegment {
+        sg.recorded.push(RecordedSegment {
             key: capture.key,
             pass: capture.pass,
             graph: Graph(graph),
@@ -143,26 +143,28 @@ impl CudaBackend {
     }
 }
 
-/// Drops the least recently used pass's segments.
-fn drop_oldest_pass(g: &mut StepGraphs) {
-    if let Some(oldest) = g.segment_passes.pop_front() {
-        let freed: usize = g
-            .segments
-            .iter()
-            .filter(|r| r.pass == oldest)
-            .map(|r| r.bytes)
-            .sum();
-        g.segments.retain(|r| r.pass != oldest);
-        g.segment_bytes -= freed;
-        g.segments_full.remove(&oldest);
+impl SegmentGraphs {
+    /// Drops the least recently used pass's segments.
+    fn drop_oldest_pass(&mut self) {
+        if let Some(oldest) = self.passes.pop_front() {
+            let freed: usize = self
+                .recorded
+                .iter()
+                .filter(|r| r.pass == oldest)
+                .map(|r| r.bytes)
+                .sum();
+            self.recorded.retain(|r| r.pass != oldest);
+            self.bytes -= freed;
+            self.full.remove(&oldest);
+        }
     }
-}
 
-/// Marks `pass`'s segments as the most recently used.
-fn touch_pass(g: &mut StepGraphs, pass: u64) {
-    if g.segment_passes.back() != Some(&pass) {
-        g.segment_passes.retain(|&p| p != pass);
-        g.segment_passes.push_back(pass);
+    /// Marks `pass`'s segments as the most recently used.
+    fn touch(&mut self, pass: u64) {
+        if self.passes.back() != Some(&pass) {
+            self.passes.retain(|&p| p != pass);
+            self.passes.push_back(pass);
+        }
     }
 }
 
