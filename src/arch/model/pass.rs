@@ -30,13 +30,18 @@ impl<B: Backend> MoeModel<B> {
         for index in 0.. {
             let boundary = (from..layers).find(|&l| matches!(self.layers[l].mlp, Mlp::Moe(_)));
             let made_x = x.is_none();
+            // The segment's outputs but the residual stream, which a first segment run op by op
+            // leaves in `x` and a replayed one gives first.
             let mut outs = loop {
                 let inputs: Vec<(&B::Act, bool)> = x
                     .iter()
                     .map(|a| (a, true))
                     .chain(pending.iter().map(|m| (m, false)))
                     .collect();
-                if let SegmentStart::Replayed(outs) = be.begin_segment(index, &inputs)? {
+                if let SegmentStart::Replayed(mut outs) = be.begin_segment(index, &inputs)? {
+                    if made_x && !outs.is_empty() {
+                        x = Some(outs.remove(0));
+                    }
                     break outs;
                 }
                 if made_x {
@@ -57,28 +62,15 @@ impl<B: Backend> MoeModel<B> {
                     .map(|outs| x.iter().filter(|_| made_x).chain(outs.iter()).collect());
                 match be.end_segment(refs.as_deref())? {
                     StepEnd::Rerun => continue,
-                    StepEnd::Done => {
-                        let mut outs = ran?;
-                        if made_x {
-                            // Put back where a replay gives it, first.
-                            let made = x.take().ok_or_else(|| {
-                                Error::Model("a pass's first segment made no embedding".into())
-                            })?;
-                            outs.insert(0, made);
-                        }
-                        break outs;
-                    }
+                    StepEnd::Done => break ran?,
                 }
             };
-            let wanted = made_x as usize + if boundary.is_some() { 2 } else { 1 };
-            if outs.len() != wanted {
+            let wanted = if boundary.is_some() { 2 } else { 1 };
+            if x.is_none() || outs.len() != wanted {
                 return Err(Error::Backend(format!(
-                    "segment {index} of a pass gave {} activations, not {wanted}",
+                    "segment {index} of a pass gave {} activations besides the residual stream, not {wanted}",
                     outs.len()
                 )));
-            }
-            if made_x {
-                x = Some(outs.remove(0));
             }
             let logits = outs
                 .pop()

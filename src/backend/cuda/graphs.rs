@@ -87,10 +87,8 @@ pub(super) struct Recorded {
 /// A recorded segment of a pass that waits for the device midway (see
 /// src/backend/cuda/segments.rs).
 pub(super) struct RecordedSegment {
-    /// The pass's key mixed with the segment's index.
-    pub(super) key: u64,
-    /// The pass's key: a pass's segments are dropped together.
-    pub(super) pass: u64,
+    /// The pass's key and the segment's index in it; a pass's segments are dropped together.
+    pub(super) key: SegmentKey,
     pub(super) graph: Graph,
     /// The activations the segment read from before it when recorded (where the graph reads
     /// them), each with whether it also writes it.
@@ -109,8 +107,8 @@ pub(super) struct SegmentGraphs {
     pub(super) recorded: Vec<RecordedSegment>,
     /// Pass keys whose segments are recorded, least recently used first.
     pub(super) passes: VecDeque<u64>,
-    /// Segment keys whose capture failed: they run op by op.
-    pub(super) failed: HashSet<u64>,
+    /// Segments whose capture failed: they run op by op.
+    pub(super) failed: HashSet<SegmentKey>,
     pub(super) capture: Option<SegmentCapture>,
     /// Device bytes the recorded segments keep, at most about [`MAX_SEGMENT_BYTES`].
     pub(super) bytes: usize,
@@ -129,10 +127,16 @@ impl SegmentGraphs {
     }
 }
 
+/// A segment: the key of the pass it belongs to, and its index in that pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct SegmentKey {
+    pub(super) pass: u64,
+    pub(super) index: usize,
+}
+
 /// A segment being captured.
 pub(super) struct SegmentCapture {
-    pub(super) key: u64,
-    pub(super) pass: u64,
+    pub(super) key: SegmentKey,
     pub(super) inputs: Vec<(GpuAct, bool)>,
     pub(super) keep: Vec<Arc<PooledBuf>>,
 }
@@ -229,10 +233,4 @@ pub(super) fn param_words(step: &StepRequest) -> Vec<u32> {
     words.extend(positions.iter().map(|&p| p as u32));
     words.extend(cos.iter().chain(&sin).map(|v| v.to_bits()));
     words
-}
-
-/// The key of segment `index` of the pass recorded under `pass`.
-pub(super) fn segment_key(pass: u64, index: usize) -> u64 {
-    let h = (pass ^ (index as u64 + 1)).wrapping_mul(0x0000_0100_0000_01b3);
-    h ^ (h >> 29)
 }

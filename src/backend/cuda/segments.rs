@@ -51,7 +51,7 @@ impl CudaBackend {
         if !g.enabled || !g.segments.enabled || g.segments.capture.is_some() {
             return Ok(SegmentStart::Run);
         }
-        let key = super::graphs::segment_key(pass, index);
+        let key = SegmentKey { pass, index };
         if let Some(i) = g.segments.recorded.iter().position(|r| r.key == key) {
             let same_shapes = g.segments.recorded[i].inputs.len() == inputs.len()
                 && g.segments.recorded[i]
@@ -93,7 +93,6 @@ impl CudaBackend {
         }
         g.segments.capture = Some(SegmentCapture {
             key,
-            pass,
             inputs: inputs.iter().map(|(a, w)| (a.share(), *w)).collect(),
             keep: Vec::new(),
         });
@@ -117,10 +116,10 @@ impl CudaBackend {
         g.stats.segment_captures += 1;
         let bytes = capture.keep.iter().map(|b| 4 * b.len()).sum::<usize>();
         let sg = &mut g.segments;
-        if !sg.passes.contains(&capture.pass) && sg.passes.len() >= MAX_SEGMENT_PASSES {
+        if !sg.passes.contains(&capture.key.pass) && sg.passes.len() >= MAX_SEGMENT_PASSES {
             sg.drop_oldest_pass();
         }
-        sg.touch(capture.pass);
+        sg.touch(capture.key.pass);
         sg.bytes += bytes;
         // Over the memory bound: other passes' segments go first, least recently used first;
         // a pass that is over it alone records no further segments.
@@ -128,11 +127,10 @@ impl CudaBackend {
             sg.drop_oldest_pass();
         }
         if sg.bytes > MAX_SEGMENT_BYTES {
-            sg.full.insert(capture.pass);
+            sg.full.insert(capture.key.pass);
         }
         sg.recorded.push(RecordedSegment {
             key: capture.key,
-            pass: capture.pass,
             graph: Graph(graph),
             inputs: capture.inputs,
             outputs: outputs.iter().map(|a| a.share()).collect(),
@@ -150,10 +148,10 @@ impl SegmentGraphs {
             let freed: usize = self
                 .recorded
                 .iter()
-                .filter(|r| r.pass == oldest)
+                .filter(|r| r.key.pass == oldest)
                 .map(|r| r.bytes)
                 .sum();
-            self.recorded.retain(|r| r.pass != oldest);
+            self.recorded.retain(|r| r.key.pass != oldest);
             self.bytes -= freed;
             self.full.remove(&oldest);
         }
