@@ -668,15 +668,16 @@ impl<B: Backend> MoeModel<B> {
         };
         let on_device = hook.counts_routes_on_device(variant);
         if (hook.wants_routes() && !on_device) || hook.wants_moe_input() {
-            let routing = be.route(&logits, spec)?;
+            let (routing, shared) =
+                be.route_beside_shared(&logits, spec, h, block.shared.as_ref())?;
             hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
             if hook.wants_moe_input() {
                 let hidden = be.to_host(h)?;
                 hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);
             }
             let mut out = be.moe_experts(h, &routing, experts)?;
-            if let Some(mlp) = &block.shared {
-                self.add_shared_mlp(&mut out, h, mlp, block.shared_gate.as_ref())?;
+            if let Some(s) = shared {
+                self.add_shared(&mut out, h, &s, block.shared_gate.as_ref())?;
             }
             return Ok(out);
         }
@@ -701,14 +702,26 @@ impl<B: Backend> MoeModel<B> {
         mlp: &GatedMlp<B>,
         gate: Option<&B::Weight>,
     ) -> Result<()> {
+        let s = self.backend.gated_mlp(h, mlp)?;
+        self.add_shared(out, h, &s, gate)
+    }
+
+    /// `out += s`, or `out += sigmoid(gate . h) * s` for a gated shared expert, where `s` is the
+    /// shared MLP's output over `h`.
+    fn add_shared(
+        &self,
+        out: &mut B::Act,
+        h: &B::Act,
+        s: &B::Act,
+        gate: Option<&B::Weight>,
+    ) -> Result<()> {
         let be = &self.backend;
-        let s = be.gated_mlp(h, mlp)?;
         match gate {
             Some(g) => {
                 let g = be.linear(h, g, None)?;
-                be.add_sigmoid_gated(out, &s, &g)
+                be.add_sigmoid_gated(out, s, &g)
             }
-            None => be.add_assign(out, &s),
+            None => be.add_assign(out, s),
         }
     }
 }

@@ -353,6 +353,23 @@ pub trait Backend: Send + Sync {
 
     /// Router top-k over `logits` (`[rows, num_experts]`).
     fn route(&self, logits: &Self::Act, spec: RouteSpec) -> Result<Routing>;
+    /// [`Self::route`], and `shared`'s MLP over `x` when given: a backend that waits for the
+    /// device to route issues the MLP so that it runs during that wait. The same values as
+    /// `route` then `gated_mlp`.
+    fn route_beside_shared(
+        &self,
+        logits: &Self::Act,
+        spec: RouteSpec,
+        x: &Self::Act,
+        shared: Option<&GatedMlp<Self>>,
+    ) -> Result<(Routing, Option<Self::Act>)>
+    where
+        Self: Sized,
+    {
+        let routing = self.route(logits, spec)?;
+        let out = shared.map(|mlp| self.gated_mlp(x, mlp)).transpose()?;
+        Ok((routing, out))
+    }
     /// Routes `logits` and runs the routed experts over `x` in one step: [`Self::route`] then
     /// [`Self::moe_experts`], returning the routing too. With `host_routing` false the caller
     /// does not need the routing, and a backend may keep it on the device (returning `None`).

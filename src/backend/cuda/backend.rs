@@ -96,6 +96,9 @@ pub struct CudaBackend {
     /// Page-locked landing space for reads to the host (src/backend/cuda/moe.rs `read_back`):
     /// several activations arrive with one wait for the device.
     pub(super) readback: Mutex<Option<PinnedBuffer>>,
+    /// Marks a read-back's copies done, so work issued after them (the shared experts of an
+    /// offloaded layer) runs while the host waits only for the copies.
+    pub(super) readback_done: cudarc::driver::CudaEvent,
     /// Page-locked outputs of the host expert kernel, copied up asynchronously.
     pub(super) host_outputs: Mutex<Option<PinnedBuffer>>,
 }
@@ -151,6 +154,9 @@ impl CudaBackend {
                     stream.alloc_zeros::<u32>(ARGMAX_ROWS)?,
                 ))
             })?;
+        let readback_done = guarded("cuda: cannot create an event", || {
+            dev.context().new_event(None)
+        })?;
         Ok(CudaBackend {
             dev,
             stream,
@@ -181,6 +187,7 @@ impl CudaBackend {
             argmax_keys,
             argmax_counts,
             readback: Mutex::new(None),
+            readback_done,
             host_outputs: Mutex::new(None),
         })
     }

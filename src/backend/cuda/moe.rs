@@ -136,22 +136,40 @@ pub(super) fn expert_pointers(
 
 impl CudaBackend {
     pub(super) fn route_op(&self, logits: &GpuAct, spec: RouteSpec) -> Result<Routing> {
-        Ok(self.route_on_host(logits, spec, None)?.0)
+        Ok(self.route_on_host(logits, spec, None, || Ok(()))?.0)
+    }
+
+    /// The routing, with `shared`'s MLP issued after the read-back's copies: it runs while the
+    /// host routes.
+    pub(super) fn route_beside_shared_op(
+        &self,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        x: &GpuAct,
+        shared: Option<&GatedMlp<Self>>,
+    ) -> Result<(Routing, Option<GpuAct>)> {
+        let (routing, _, out) = self.route_on_host(logits, spec, None, || {
+            shared.map(|mlp| self.gated_mlp(x, mlp)).transpose()
+        })?;
+        Ok((routing, out))
     }
 
     /// The routing of `logits` computed on the host, with `input` read back in the same wait
-    /// when given. The routing decides which experts are copied, so the host needs it anyway;
-    /// computing it with the CPU reference's code keeps top-k ties and SparseMixer identical.
-    fn route_on_host(
+    /// when given, and `meanwhile` issued on the device after the copies so that it runs while
+    /// the host routes and places. The routing decides which experts are copied, so the host
+    /// needs it anyway; computing it with the CPU reference's code keeps top-k ties and
+    /// SparseMixer identical.
+    fn route_on_host<T>(
         &self,
         logits: &GpuAct,
         spec: RouteSpec,
         input: Option<&GpuAct>,
-    ) -> Result<(Routing, Option<Vec<f32>>)> {
+        meanwhile: impl FnOnce() -> Result<T>,
+    ) -> Result<(Routing, Option<Vec<f32>>, T)> {
         let waiting = std::time::Instant::now();
-        let mut parts = match input {
-            Some(x) => self.read_back(&[logits, x])?,
-            None => self.read_back(&[logits])?,
+        let (mut parts, issued) = match input {
+            Some(x) => self.read_back_then(&[logits, x], meanwhile)?,
+            None => self.read_back_then(&[logits], meanwhile)?,
         };
         let xh = input.and_then(|_| parts.pop());
         let data = parts.pop().unwrap_or_default();
@@ -167,7 +185,7 @@ impl CudaBackend {
             },
             spec,
         )?;
-        Ok((routing, xh))
+        Ok((routing, xh, issued))
     }
 
     /// Whether `experts` are offloaded and the host expert kernel may compute some of them.
@@ -202,8 +220,9 @@ impl CudaBackend {
     }
 
     /// Routing on the host, then the routed experts; with `shared`, also the shared experts'
-    /// MLP, issued on the device while host threads compute experts (offloaded layers) or after
-    /// the routed ones. With the host path, the layer input comes back with the logits.
+    /// MLP, issued on the device right after the routing's read-back, so that it runs while the
+    /// host routes and places the experts (and, for offloaded layers, while host threads compute
+    /// some of them). With the host path, the layer input comes back with the logits.
     pub(super) fn routed_moe_on_host(
         &self,
         x: &GpuAct,
@@ -214,16 +233,14 @@ impl CudaBackend {
         shared: Option<&GatedMlp<Self>>,
     ) -> Result<(GpuAct, Routing, Option<GpuAct>)> {
         let input = self.host_path_serves(experts)?.then_some(x);
-        let (routing, xh) = self.route_on_host(logits, spec, input)?;
+        let (routing, xh, shared_out) = self.route_on_host(logits, spec, input, || {
+            shared.map(|mlp| self.gated_mlp(x, mlp)).transpose()
+        })?;
         if let Some(layer) = count_as {
             let ids = self.upload_u32(&routing.ids)?;
             self.count_routes(ptr(&ids, &self.stream), routing.ids.len(), layer)?;
         }
-        let (out, shared_out) = self.moe_experts_placed(x, &routing, experts, xh, shared)?;
-        let shared_out = match (shared, shared_out) {
-            (Some(mlp), None) => Some(self.gated_mlp(x, mlp)?),
-            (_, s) => s,
-        };
+        let out = self.moe_experts_placed(x, &routing, experts, xh)?;
         Ok((out, routing, shared_out))
     }
 
@@ -233,20 +250,18 @@ impl CudaBackend {
         routing: &Routing,
         experts: &[GatedMlp<Self>],
     ) -> Result<GpuAct> {
-        Ok(self.moe_experts_placed(x, routing, experts, None, None)?.0)
+        self.moe_experts_placed(x, routing, experts, None)
     }
 
     /// The routed experts of `routing` over `x`. For an offloaded layer, `xh` is `x` already on
-    /// the host (read back with the routing) and `shared` an MLP to issue on the device while
-    /// host threads compute experts; its output is returned (`None` when not issued here).
+    /// the host (read back with the routing).
     fn moe_experts_placed(
         &self,
         x: &GpuAct,
         routing: &Routing,
         experts: &[GatedMlp<Self>],
         xh: Option<Vec<f32>>,
-        shared: Option<&GatedMlp<Self>>,
-    ) -> Result<(GpuAct, Option<GpuAct>)> {
+    ) -> Result<GpuAct> {
         let k = routing.top_k;
         if k == 0 || routing.ids.len() != x.rows * k || routing.weights.len() != x.rows * k {
             return Err(shape_err(
@@ -267,7 +282,7 @@ impl CudaBackend {
         let hidden = x.cols;
         let y = self.alloc(x.rows, hidden)?;
         if x.rows == 0 {
-            return Ok((y, None));
+            return Ok(y);
         }
         let plan = MoePlan::new(routing, experts.len());
         let first = &experts[plan.hit[0] as usize];
@@ -311,13 +326,10 @@ impl CudaBackend {
             h: ptr(&h.buf, s),
             out: ptr(&out.buf, s),
         };
-        let mut shared_out = None;
         let mut row_items = std::borrow::Cow::Borrowed(&plan.row_items);
         match &first.gate_up {
             GpuWeight::Offloaded { layer, .. } => {
-                let host_groups;
-                (shared_out, host_groups) =
-                    self.run_offloaded(*layer, &plan, x, &mut launch, xh, shared)?;
+                let host_groups = self.run_offloaded(*layer, &plan, x, &mut launch, xh)?;
                 if !host_groups.is_empty() {
                     let items = plan.items() as u32;
                     let mut on_host = vec![false; plan.items()];
@@ -378,7 +390,7 @@ impl CudaBackend {
         drop(d_items);
         drop(h);
         drop(out);
-        Ok((y, shared_out))
+        Ok(y)
     }
 
     /// Launches the grouped FP16 expert kernels (gate/up then down) for one work list.
@@ -488,8 +500,7 @@ impl CudaBackend {
     /// path, the misses it leaves to the host, computed by the host kernel from `x` (`xh` when
     /// already on the host) while the GPU works, their outputs copied into `out` before the
     /// combine. The host kernel has the GPU kernel's bits, so the placement changes no
-    /// output. `shared` is issued on the device after the layer's GPU share; its output is
-    /// returned, with the work-list groups the host computed whole, whose items land in
+    /// output. Returns the work-list groups the host computed whole, whose items land in
     /// `out`'s second half (`out` holds twice the plan's items).
     fn run_offloaded(
         &self,
@@ -498,8 +509,7 @@ impl CudaBackend {
         x: &GpuAct,
         launch: &mut MoeLaunch,
         xh: Option<Vec<f32>>,
-        shared: Option<&GatedMlp<Self>>,
-    ) -> Result<(Option<GpuAct>, Vec<usize>)> {
+    ) -> Result<Vec<usize>> {
         let o = self
             .offload
             .as_ref()
@@ -521,7 +531,6 @@ impl CudaBackend {
             )));
         }
         let (hidden, inter) = (launch.hidden, launch.inter);
-        let mut shared_out = None;
         let mut enqueue_gpu = |slots: &mut ExpertOffload| -> Result<()> {
             for round in &rounds {
                 if !round.hits.is_empty() {
@@ -540,14 +549,11 @@ impl CudaBackend {
             for e in &split {
                 slots.load_down_stage(layer, e.expert)?;
             }
-            if let Some(mlp) = shared {
-                shared_out = Some(self.gated_mlp(x, mlp)?);
-            }
             Ok(())
         };
         if elsewhere.is_empty() && split.is_empty() {
             enqueue_gpu(&mut slots)?;
-            return Ok((shared_out, Vec::new()));
+            return Ok(Vec::new());
         }
         let Some(kernel) = slots.host_kernel() else {
             return Err(Error::Backend(
@@ -625,7 +631,7 @@ impl CudaBackend {
         slots.record_host(experts.len(), halves.len(), run.seconds);
         slots.record_host_stall(run.stall_seconds);
         slots.record_host_serial(dispatch, finishing.elapsed().as_secs_f64());
-        Ok((shared_out, experts.iter().map(|(g, _)| *g).collect()))
+        Ok(experts.iter().map(|(g, _)| *g).collect())
     }
 
     /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights

@@ -98,8 +98,8 @@ impl CudaBackend {
             .device_routing_fits(x, logits, spec, experts, false)
             .is_none()
         {
-            // Routing on the host: the shared MLP is issued after the routing is read back, so
-            // that wait does not hold it, and (offloaded layers) while host threads compute.
+            // Routing on the host: the shared MLP is issued right after the routing's read-back,
+            // so the device runs it while the host routes and places the experts.
             let (mut out, _, s) =
                 self.routed_moe_on_host(x, logits, spec, experts, count_as, Some(shared))?;
             let s = s.ok_or_else(|| Error::Backend("the shared experts did not run".into()))?;

@@ -605,6 +605,16 @@ impl Backend for CudaBackend {
         self.route_op(logits, spec)
     }
 
+    fn route_beside_shared(
+        &self,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        x: &GpuAct,
+        shared: Option<&GatedMlp<Self>>,
+    ) -> Result<(Routing, Option<GpuAct>)> {
+        self.route_beside_shared_op(logits, spec, x, shared)
+    }
+
     fn routed_moe(
         &self,
         x: &GpuAct,

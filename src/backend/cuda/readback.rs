@@ -24,10 +24,22 @@ impl CudaBackend {
     /// Each of `parts` on the host (`rows x cols` values each), after one wait for the work
     /// issued so far.
     pub(super) fn read_back(&self, parts: &[&GpuAct]) -> Result<Vec<Vec<f32>>> {
+        Ok(self.read_back_then(parts, || Ok(()))?.0)
+    }
+
+    /// As [`Self::read_back`], with `meanwhile` issued on the stream after the copies: the host
+    /// waits for the copies only, and the device runs what `meanwhile` issued while the host
+    /// works on what came back. Its value is returned beside the parts.
+    pub(super) fn read_back_then<T>(
+        &self,
+        parts: &[&GpuAct],
+        meanwhile: impl FnOnce() -> Result<T>,
+    ) -> Result<(Vec<Vec<f32>>, T)> {
         let lens: Vec<usize> = parts.iter().map(|a| a.rows * a.cols).collect();
         let total: usize = lens.iter().sum();
         if total * 4 > PINNED_READ_LIMIT_BYTES {
-            return self.read_back_pageable(parts, &lens);
+            let out = self.read_back_pageable(parts, &lens)?;
+            return Ok((out, meanwhile()?));
         }
         let mut landing = self.lock(&self.readback)?;
         if landing.as_ref().is_none_or(|b| b.len() < total * 4) {
@@ -54,15 +66,19 @@ impl CudaBackend {
             }
             at += n;
         }
-        self.synchronize()?;
+        guarded("cuEventRecord", || self.readback_done.record(&self.stream))?;
+        let issued = meanwhile()?;
+        self.note_host_sync()?;
+        self.wait_timed(|| self.readback_done.synchronize())?;
         let mut at = 0;
-        Ok(lens
+        let out = lens
             .iter()
             .map(|&n| {
                 at += n;
                 host[at - n..at].to_vec()
             })
-            .collect())
+            .collect();
+        Ok((out, issued))
     }
 
     fn read_back_pageable(&self, parts: &[&GpuAct], lens: &[usize]) -> Result<Vec<Vec<f32>>> {
