@@ -291,6 +291,13 @@ impl ExpertCache {
         self.reset_stats();
     }
 
+    /// Slots of MoE layer `layer` holding no expert (0 for a layer out of range).
+    pub fn empty_slots(&self, layer: usize) -> usize {
+        self.layers
+            .get(layer)
+            .map_or(0, |l| l.slot_expert.iter().filter(|s| s.is_none()).count())
+    }
+
     pub fn is_resident(&self, layer: usize, expert: u32) -> bool {
         self.slot_of(layer, expert).is_some()
     }

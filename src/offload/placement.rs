@@ -17,6 +17,21 @@ pub struct HostShare {
     pub gate_up: usize,
 }
 
+impl HostShare {
+    /// This share of a layer's `misses`, leaving at least `empty_slots` of them to the link: an
+    /// expert the host computes leaves no copy behind, while a copy into an empty slot evicts
+    /// nothing and serves every later use, so a layer's empty slots are filled first (a cold
+    /// cache warms as plain LRU's would) and the host takes only misses beyond them.
+    pub fn leaving_room(self, misses: usize, empty_slots: usize) -> HostShare {
+        let room = misses.saturating_sub(empty_slots);
+        let full = self.full.min(room);
+        HostShare {
+            full,
+            gate_up: self.gate_up.min(room - full),
+        }
+    }
+}
+
 /// What splitting an expert costs beyond its bytes: the down product's launch after the host's
 /// activations arrive, and their copy up (seconds).
 const SPLIT_OVERHEAD_S: f64 = 10e-6;
@@ -171,6 +186,36 @@ fn blend(old: f64, new: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn empty_slots_are_filled_over_the_link_before_the_host_takes_misses() {
+        let share = HostShare {
+            full: 3,
+            gate_up: 1,
+        };
+        // Six misses and no empty slot: the share as it was.
+        assert_eq!(share.leaving_room(6, 0), share);
+        // Two empty slots leave four misses the host may take: still the whole share.
+        assert_eq!(share.leaving_room(6, 2), share);
+        // Three: whole experts first, the split one goes.
+        assert_eq!(
+            share.leaving_room(6, 3),
+            HostShare {
+                full: 3,
+                gate_up: 0
+            }
+        );
+        assert_eq!(
+            share.leaving_room(6, 4),
+            HostShare {
+                full: 2,
+                gate_up: 0
+            }
+        );
+        // As many empty slots as misses, or more: every miss is copied.
+        assert_eq!(share.leaving_room(6, 6), HostShare::default());
+        assert_eq!(share.leaving_room(1, 40), HostShare::default());
+    }
 
     #[test]
     fn the_split_follows_the_rates() {

@@ -584,11 +584,13 @@ impl ExpertOffload {
                         full: 0,
                         gate_up: 1,
                     },
-                    _ => split.place(
-                        misses,
-                        self.slot_bytes,
-                        mode == Some(SplitExperts::Measured),
-                    ),
+                    _ => split
+                        .place(
+                            misses,
+                            self.slot_bytes,
+                            mode == Some(SplitExperts::Measured),
+                        )
+                        .leaving_room(misses, self.cache.empty_slots(moe_index)),
                 }
             }
             None => HostShare::default(),
