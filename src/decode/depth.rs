@@ -5,8 +5,8 @@
 //! experts a verify window touches and on copy bandwidth, none of which is known in advance (a
 //! model with nearly uniform routing touches most experts in a long window). So the controller
 //! measures: for every candidate depth (0, plain target decoding, then powers of two up to the
-//! configured depth) it keeps a moving average of wall time per committed token, runs the best
-//! one, and re-tries a neighbour now and then so that a change in conditions is noticed.
+//! configured depth) it keeps moving sums of its rounds' wall time and committed tokens, whose
+//! ratio is its cost per token, runs the best one, and re-tries a neighbour now and then so that a change in conditions is noticed.
 //! Exploration is a bounded share of rounds, and depth 0 is always a candidate, so once measured
 //! the controller is never slower than plain decoding by more than that share.
 
@@ -17,8 +17,8 @@ use crate::model::{RouteHook, Variant};
 
 /// Rounds between two exploration rounds.
 const EXPLORE_EVERY: usize = 8;
-/// Weight of the newest sample in a depth's moving average.
-const EMA_WEIGHT: f64 = 0.3;
+/// Weight of the newest round in a depth's moving sums of seconds and committed tokens.
+const EMA_WEIGHT: f64 = 0.15;
 
 /// The depths automatic control chooses among: 0 (plain target decoding), then powers of two up
 /// to `max_depth`, and `max_depth` itself.
@@ -42,7 +42,8 @@ pub struct AutoDepthReport {
     pub depths: Vec<usize>,
     /// Rounds run at each depth.
     pub rounds: Vec<usize>,
-    /// Moving average of seconds per committed token at each depth (0 where never measured).
+    /// Seconds per committed token at each depth, the ratio of moving sums (0 where never
+    /// measured).
     pub seconds_per_token: Vec<f64>,
     /// The depth the controller would run next.
     pub chosen: usize,
@@ -52,7 +53,13 @@ pub struct AutoDepthReport {
 pub struct AutoDepth<'a> {
     inner: &'a mut dyn DecodeObserver,
     depths: Vec<usize>,
-    cost: Vec<Option<f64>>,
+    /// Per depth, moving sums of a round's seconds and of the tokens it committed. A depth's
+    /// cost is their ratio, not a moving average of each round's seconds per token: when
+    /// sampling, a round commits anywhere from 1 to depth + 1 tokens, and averaging per-round
+    /// ratios weighs its unlucky rounds most (the mean of t / c exceeds t / mean c), so deep
+    /// windows, whose commits vary most, would look dearer than they are. The third value
+    /// counts the samples: the first rounds are a plain mean, later ones a moving one.
+    sums: Vec<Option<(f64, f64, usize)>>,
     rounds: Vec<usize>,
     current: usize,
     round: usize,
@@ -88,7 +95,7 @@ impl<'a> AutoDepth<'a> {
         AutoDepth {
             inner,
             depths,
-            cost: vec![None; n],
+            sums: vec![None; n],
             rounds: vec![0; n],
             current,
             round: 0,
@@ -105,7 +112,8 @@ impl<'a> AutoDepth<'a> {
         for &(depth, seconds) in measured {
             if let Some(i) = self.depths.iter().position(|&d| d == depth) {
                 if seconds.is_finite() && seconds > 0.0 {
-                    self.cost[i] = Some(seconds);
+                    // One token's worth: a measured round weighs more.
+                    self.sums[i] = Some((seconds, 1.0, 1));
                 }
             }
         }
@@ -115,22 +123,29 @@ impl<'a> AutoDepth<'a> {
     /// The cheapest measured candidate becomes the current one.
     fn settle(&mut self) {
         if let Some(best) = (0..self.depths.len())
-            .filter(|&j| self.cost[j].is_some())
+            .filter(|&j| self.sums[j].is_some())
             .min_by(|&a, &b| {
-                self.cost[a]
+                self.cost(a)
                     .unwrap_or(f64::MAX)
-                    .total_cmp(&self.cost[b].unwrap_or(f64::MAX))
+                    .total_cmp(&self.cost(b).unwrap_or(f64::MAX))
             })
         {
             self.current = best;
         }
     }
 
+    /// Seconds per committed token at candidate `i`, once measured.
+    fn cost(&self, i: usize) -> Option<f64> {
+        self.sums[i].map(|(seconds, tokens, _)| seconds / tokens)
+    }
+
     pub fn report(&self) -> AutoDepthReport {
         AutoDepthReport {
             depths: self.depths.clone(),
             rounds: self.rounds.clone(),
-            seconds_per_token: self.cost.iter().map(|c| c.unwrap_or(0.0)).collect(),
+            seconds_per_token: (0..self.depths.len())
+                .map(|i| self.cost(i).unwrap_or(0.0))
+                .collect(),
             chosen: self.depths[self.current],
         }
     }
@@ -141,7 +156,7 @@ impl<'a> AutoDepth<'a> {
         self.round += 1;
         // Never measured candidates first (cheapest to learn: one round each), nearest first.
         if let Some(i) = self.nearest_unmeasured() {
-            if self.round.is_multiple_of(2) || self.cost[self.current].is_none() {
+            if self.round.is_multiple_of(2) || self.sums[self.current].is_none() {
                 return i;
             }
         }
@@ -159,7 +174,7 @@ impl<'a> AutoDepth<'a> {
 
     fn nearest_unmeasured(&self) -> Option<usize> {
         (0..self.depths.len())
-            .filter(|&i| self.cost[i].is_none())
+            .filter(|&i| self.sums[i].is_none())
             .min_by_key(|&i| i.abs_diff(self.current))
     }
 }
@@ -222,12 +237,20 @@ impl DecodeObserver for AutoDepth<'_> {
         if committed == 0 {
             return;
         }
-        let per_token = ((self.clock)() - started).max(0.0) / committed as f64;
+        let seconds = ((self.clock)() - started).max(0.0);
+        let tokens = committed as f64;
         let i = self.running;
         self.rounds[i] += 1;
-        self.cost[i] = Some(match self.cost[i] {
-            None => per_token,
-            Some(c) => (1.0 - EMA_WEIGHT) * c + EMA_WEIGHT * per_token,
+        self.sums[i] = Some(match self.sums[i] {
+            None => (seconds, tokens, 1),
+            Some((s, t, n)) => {
+                let w = EMA_WEIGHT.max(1.0 / (n + 1) as f64);
+                (
+                    (1.0 - w) * s + w * seconds,
+                    (1.0 - w) * t + w * tokens,
+                    n + 1,
+                )
+            }
         });
         self.settle();
     }
@@ -283,6 +306,33 @@ mod tests {
         let r = drive(300, 1, |d| 0.040 + 0.002 * d as f64, committed);
         assert_eq!(r.chosen, 4, "{r:?}");
         assert_eq!(r.depths, vec![0, 1, 2, 4, 8, 16]);
+    }
+
+    #[test]
+    fn a_depth_whose_rounds_commit_unevenly_is_judged_by_its_tokens_per_second() {
+        // As when sampling: a depth-16 round (12 ms) commits 1 or 17 tokens, alternately, 9 on
+        // average (1.33 ms a token); a depth-8 round (8 ms) always commits 5 (1.6 ms). Averaging
+        // each round's seconds per token would price depth 16 at (12 + 0.7) / 2 = 6.4 ms.
+        let flip = Cell::new(false);
+        let committed = |d: usize| match d {
+            16 => {
+                flip.set(!flip.get());
+                if flip.get() {
+                    1
+                } else {
+                    17
+                }
+            }
+            8 => 5,
+            d => 1 + d / 2,
+        };
+        let r = drive(300, 16, |d| 0.004 + 0.0005 * d as f64, committed);
+        assert_eq!(r.chosen, 16, "{r:?}");
+        let at_16 = r.rounds[r.depths.iter().position(|&d| d == 16).unwrap_or(0)];
+        assert!(
+            at_16 >= 200,
+            "only {at_16} of 300 rounds at depth 16: {r:?}"
+        );
     }
 
     #[test]
