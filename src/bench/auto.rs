@@ -58,6 +58,18 @@ impl AutoChoice {
     }
 }
 
+/// A session as the bench measures it: opened, then its offloaded experts' host registration
+/// (made in the background at load) awaited, so that no timed or calibration run overlaps it and
+/// every mode is measured with copies straight from the registered mapping, as a long-running
+/// server decodes.
+pub(super) fn open_settled(path: &std::path::Path, opts: &SessionOptions) -> Result<Session> {
+    let session = Session::open_with(path, opts)?;
+    if let Some(gpu) = session.cuda() {
+        gpu.wait_host_registration()?;
+    }
+    Ok(session)
+}
+
 /// Host threads of the host path: the user's `--host-threads`, else every core but one.
 pub(super) fn host_threads(cuda: &CudaOptions) -> usize {
     cuda.host_experts
@@ -71,8 +83,8 @@ pub(super) fn host_threads(cuda: &CudaOptions) -> usize {
 /// residency (the draft's memory as slots), keeping one session open at a time so the VRAM
 /// budget holds. With [`BenchOptions::auto_host`], each session is measured once more with the
 /// host path turned on (the draft at its fastest depth): one run each, the same token count.
-/// Returns the session of the fastest choice (the host path on or off as chosen), the choice and
-/// the profile.
+/// Returns a new session for the fastest choice (the host path on or off as chosen), the choice
+/// and the profile.
 pub fn calibrate_auto(
     path: &std::path::Path,
     opts: &BenchOptions,
@@ -88,7 +100,7 @@ pub fn calibrate_auto(
         .auto_host
         .then(|| opts.cuda.host_experts_config(host_threads(&opts.cuda)));
     let mut profile = {
-        let session = Session::open_with(path, draft_opts)?;
+        let session = open_settled(path, draft_opts)?;
         let mut profile = depth_profile::sweep(&session, prompt, tokens, &depths, 1, sampling)?;
         if let (Some(h), Some(depth)) = (host, profile.best_draft_depth()) {
             let ms = depth_profile::measure_with_host(
@@ -107,7 +119,7 @@ pub fn calibrate_auto(
     let mut plain_opts = draft_opts.clone();
     plain_opts.with_draft = false;
     plain_opts.offload = Some((opts.case.matched, Policy::Lru));
-    let plain = Session::open_with(path, &plain_opts)?;
+    let plain = open_settled(path, &plain_opts)?;
     let plain_ms = depth_profile::measure_plain(&plain, prompt, tokens, 1, sampling)?;
     profile.plain = Some(PlainCandidate {
         slots: opts.case.matched,
@@ -119,25 +131,25 @@ pub fn calibrate_auto(
     }
     let chosen = profile.choice();
     let host = host.filter(|_| chosen.host());
+    // The chosen way runs in a session of its own, opened as the fixed mode's would be: the
+    // calibration's sessions carry what their runs left (the host path turned on and off, the
+    // passes recorded with and without it).
+    drop(plain);
     if !chosen.draft() {
-        // The plain session was measured last with the host path on.
-        if let Some(gpu) = plain.cuda() {
-            gpu.set_host_experts(host)?;
-        }
+        plain_opts.cuda.host_experts = host.map(|h| h.threads);
         let choice = AutoChoice::Plain {
             slots: opts.case.matched,
             host: host.is_some(),
         };
-        return Ok((plain, choice, profile));
+        return Ok((open_settled(path, &plain_opts)?, choice, profile));
     }
-    drop(plain);
     let mut draft_opts = draft_opts.clone();
     draft_opts.cuda.host_experts = host.map(|h| h.threads);
     let choice = AutoChoice::Draft {
         profile: profile.seconds_per_token(),
         host: host.is_some(),
     };
-    Ok((Session::open_with(path, &draft_opts)?, choice, profile))
+    Ok((open_settled(path, &draft_opts)?, choice, profile))
 }
 
 #[cfg(test)]

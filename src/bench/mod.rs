@@ -427,7 +427,7 @@ pub fn run(
             }
             session
         } else {
-            Session::open_with(path, &session_opts)?
+            auto::open_settled(path, &session_opts)?
         };
         if let Some(g) = session.cuda() {
             device = g.device().name().to_string();
