@@ -139,27 +139,12 @@ impl CudaBackend {
         Ok(self.route_on_host(logits, spec, None, || Ok(()))?.0)
     }
 
-    /// The routing, with `shared`'s MLP issued after the read-back's copies: it runs while the
-    /// host routes.
-    pub(super) fn route_beside_shared_op(
-        &self,
-        logits: &GpuAct,
-        spec: RouteSpec,
-        x: &GpuAct,
-        shared: Option<&GatedMlp<Self>>,
-    ) -> Result<(Routing, Option<GpuAct>)> {
-        let (routing, _, out) = self.route_on_host(logits, spec, None, || {
-            shared.map(|mlp| self.gated_mlp(x, mlp)).transpose()
-        })?;
-        Ok((routing, out))
-    }
-
     /// The routing of `logits` computed on the host, with `input` read back in the same wait
     /// when given, and `meanwhile` issued on the device after the copies so that it runs while
     /// the host routes and places. The routing decides which experts are copied, so the host
     /// needs it anyway; computing it with the CPU reference's code keeps top-k ties and
     /// SparseMixer identical.
-    fn route_on_host<T>(
+    pub(super) fn route_on_host<T>(
         &self,
         logits: &GpuAct,
         spec: RouteSpec,

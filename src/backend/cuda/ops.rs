@@ -612,7 +612,11 @@ impl Backend for CudaBackend {
         x: &GpuAct,
         shared: Option<&GatedMlp<Self>>,
     ) -> Result<(Routing, Option<GpuAct>)> {
-        self.route_beside_shared_op(logits, spec, x, shared)
+        // The MLP is issued after the read-back's copies: it runs while the host routes.
+        let (routing, _, out) = self.route_on_host(logits, spec, None, || {
+            shared.map(|mlp| self.gated_mlp(x, mlp)).transpose()
+        })?;
+        Ok((routing, out))
     }
 
     fn routed_moe(
