@@ -544,3 +544,20 @@ fn a_split_miss_follows_the_whole_host_ones_and_takes_no_slot() {
         "2 is resident now; 5 goes whole"
     );
 }
+
+#[test]
+fn empty_slots_count_what_no_expert_holds_and_fill_as_misses_are_copied() {
+    let mut cache = cache_for_split();
+    // 4 slots, experts 0 and 1 resident.
+    assert_eq!(cache.empty_slots(0), 2);
+    assert_eq!(cache.empty_slots(1), 0, "a layer out of range has none");
+    // 2 is copied into an empty slot; 3 goes elsewhere and takes none.
+    cache
+        .serve_split(0, &[0, 2, 3], &[1, 1, 1], 1)
+        .expect("serve");
+    assert!(cache.is_resident(0, 2) && !cache.is_resident(0, 3));
+    assert_eq!(cache.empty_slots(0), 1);
+    // Two more misses fill the last slot and then evict: never below zero.
+    cache.serve(0, &[4, 5]).expect("serve");
+    assert_eq!(cache.empty_slots(0), 0);
+}
