@@ -6,9 +6,10 @@
 //! model with nearly uniform routing touches most experts in a long window). So the controller
 //! measures: for every candidate depth (0, plain target decoding, then powers of two up to the
 //! configured depth) it keeps moving sums of its rounds' wall time and committed tokens, whose
-//! ratio is its cost per token, runs the best one, and re-tries a neighbour now and then so that a change in conditions is noticed.
-//! Exploration is a bounded share of rounds, and depth 0 is always a candidate, so once measured
-//! the controller is never slower than plain decoding by more than that share.
+//! ratio is its cost per token, runs the best one, and re-tries a neighbour now and then so that
+//! a change in conditions is noticed. Exploration is a bounded share of rounds, and depth 0 is
+//! always a candidate, so once measured the controller is never slower than plain decoding by
+//! more than that share.
 
 use std::time::Instant;
 
