@@ -7,17 +7,18 @@
 //! measures: for every candidate depth (0, plain target decoding, then powers of two up to the
 //! configured depth) it keeps moving sums of its rounds' wall time and committed tokens, whose
 //! ratio is its cost per token, runs the best one, and re-tries a neighbour now and then so that
-//! a change in conditions is noticed. Exploration is a bounded share of rounds, and depth 0 is
-//! always a candidate, so once measured the controller is never slower than plain decoding by
-//! more than that share.
+//! a change in conditions is noticed. Exploration is a bounded share of the decode's time (not of
+//! its rounds: a short generation at a deep window has few rounds, and one of eight spent on a
+//! dearer depth cost it several percent), and depth 0 is always a candidate, so once measured the
+//! controller is never slower than plain decoding by more than that share.
 
 use std::time::Instant;
 
 use super::DecodeObserver;
 use crate::model::{RouteHook, Variant};
 
-/// Rounds between two exploration rounds.
-const EXPLORE_EVERY: usize = 8;
+/// Most of the decode's time that rounds re-trying a neighbour of the best depth may take.
+const EXPLORE_SHARE: f64 = 0.05;
 /// Weight of the newest round in a depth's moving sums of seconds and committed tokens.
 const EMA_WEIGHT: f64 = 0.15;
 
@@ -62,6 +63,16 @@ pub struct AutoDepth<'a> {
     /// counts the samples: the first rounds are a plain mean, later ones a moving one.
     sums: Vec<Option<(f64, f64, usize)>>,
     rounds: Vec<usize>,
+    /// Per depth, a moving average of its measured rounds' seconds (seeds are per token, not per
+    /// round): what an exploration round there is expected to take.
+    round_seconds: Vec<Option<f64>>,
+    /// Seconds of all measured rounds, and of those that re-tried a measured neighbour.
+    spent: f64,
+    explored: f64,
+    /// Exploration rounds so far (equally measured neighbours take turns).
+    explorations: usize,
+    /// The round in flight re-tries a neighbour (a candidate's first measurement is not counted).
+    exploring: bool,
     current: usize,
     round: usize,
     /// Index of the depth the round in flight runs.
@@ -98,6 +109,11 @@ impl<'a> AutoDepth<'a> {
             depths,
             sums: vec![None; n],
             rounds: vec![0; n],
+            round_seconds: vec![None; n],
+            spent: 0.0,
+            explored: 0.0,
+            explorations: 0,
+            exploring: false,
             current,
             round: 0,
             running: current,
@@ -161,16 +177,43 @@ impl<'a> AutoDepth<'a> {
                 return i;
             }
         }
-        if self.round.is_multiple_of(EXPLORE_EVERY) {
-            let up = (self.current + 1).min(self.depths.len() - 1);
-            let down = self.current.saturating_sub(1);
-            return if (self.round / EXPLORE_EVERY).is_multiple_of(2) {
-                up
-            } else {
-                down
-            };
+        // The neighbour with fewer measured rounds, whose cost is the less certain (one
+        // unlucky round can price a depth out); on a tie they alternate.
+        let up = (self.current + 1).min(self.depths.len() - 1);
+        let down = self.current.saturating_sub(1);
+        let neighbour = match (up == self.current, down == self.current) {
+            (true, _) => down,
+            (_, true) => up,
+            _ if self.rounds[up] != self.rounds[down] => {
+                if self.rounds[up] < self.rounds[down] {
+                    up
+                } else {
+                    down
+                }
+            }
+            _ if self.explorations.is_multiple_of(2) => up,
+            _ => down,
+        };
+        if neighbour != self.current && self.may_explore(neighbour) {
+            self.explorations += 1;
+            self.exploring = true;
+            return neighbour;
         }
         self.current
+    }
+
+    /// Whether a round at candidate `i` keeps exploration within its share of the time so far.
+    /// Its length is expected from its own measured rounds, else from the current depth's, as
+    /// many times longer as its window is; with neither measured there is nothing to go on.
+    fn may_explore(&self, i: usize) -> bool {
+        let expected = match (self.round_seconds[i], self.round_seconds[self.current]) {
+            (Some(s), _) => s,
+            (None, Some(s)) => {
+                s * (self.depths[i] + 1) as f64 / (self.depths[self.current] + 1) as f64
+            }
+            (None, None) => return false,
+        };
+        self.explored + expected <= EXPLORE_SHARE * (self.spent + expected)
     }
 
     fn nearest_unmeasured(&self) -> Option<usize> {
@@ -242,6 +285,14 @@ impl DecodeObserver for AutoDepth<'_> {
         let tokens = committed as f64;
         let i = self.running;
         self.rounds[i] += 1;
+        self.spent += seconds;
+        if std::mem::take(&mut self.exploring) {
+            self.explored += seconds;
+        }
+        self.round_seconds[i] = Some(match self.round_seconds[i] {
+            None => seconds,
+            Some(s) => (1.0 - EMA_WEIGHT) * s + EMA_WEIGHT * seconds,
+        });
         self.sums[i] = Some(match self.sums[i] {
             None => (seconds, tokens, 1),
             Some((s, t, n)) => {
@@ -270,29 +321,31 @@ mod tests {
     impl DecodeObserver for Quiet {}
 
     /// Runs `rounds` rounds where a round at depth d takes `round_s(d)` seconds and commits
-    /// `committed(d)` tokens; returns the controller's report.
+    /// `committed(d)` tokens; returns the controller's report and the depth of every round.
     fn drive(
         rounds: usize,
         start: usize,
         round_s: impl Fn(usize) -> f64,
         committed: impl Fn(usize) -> usize,
-    ) -> AutoDepthReport {
+    ) -> (AutoDepthReport, Vec<usize>) {
         let now = Cell::new(0.0f64);
         let mut inner = Quiet;
         let mut auto = AutoDepth::with_clock(&mut inner, 16, start, Box::new(|| now.get()));
+        let mut seq = Vec::new();
         for _ in 0..rounds {
             let d = auto.next_depth(16);
+            seq.push(d);
             now.set(now.get() + round_s(d));
             auto.on_commit(0, committed(d));
         }
-        auto.report()
+        (auto.report(), seq)
     }
 
     #[test]
     fn falls_back_to_plain_decoding_when_speculation_does_not_pay() {
         // Every round costs 10 ms plus 9 ms per draft step and commits 1 + d/2 tokens: plain
         // decoding (10 ms per token) beats every depth.
-        let r = drive(200, 8, |d| 0.010 + 0.009 * d as f64, |d| 1 + d / 2);
+        let (r, _) = drive(200, 8, |d| 0.010 + 0.009 * d as f64, |d| 1 + d / 2);
         assert_eq!(r.chosen, 0, "{r:?}");
         // Exploration stays a small share of rounds.
         let plain = r.rounds[0];
@@ -304,7 +357,7 @@ mod tests {
         // Verify costs 40 ms (copies), a draft step 2 ms, and about 0.8 of drafts are accepted up
         // to depth 4 but few beyond: depth 4 is cheapest per token.
         let committed = |d: usize| 1 + (d.min(4) * 8) / 10;
-        let r = drive(300, 1, |d| 0.040 + 0.002 * d as f64, committed);
+        let (r, _) = drive(300, 1, |d| 0.040 + 0.002 * d as f64, committed);
         assert_eq!(r.chosen, 4, "{r:?}");
         assert_eq!(r.depths, vec![0, 1, 2, 4, 8, 16]);
     }
@@ -327,12 +380,14 @@ mod tests {
             8 => 5,
             d => 1 + d / 2,
         };
-        let r = drive(300, 16, |d| 0.004 + 0.0005 * d as f64, committed);
+        let (r, seq) = drive(300, 16, |d| 0.004 + 0.0005 * d as f64, committed);
         assert_eq!(r.chosen, 16, "{r:?}");
-        let at_16 = r.rounds[r.depths.iter().position(|&d| d == 16).unwrap_or(0)];
+        // Its first round committed one token, which priced it out until a re-try (exploration
+        // is a small share of the time); once settled it stays.
+        let late = seq[200..].iter().filter(|&&d| d == 16).count();
         assert!(
-            at_16 >= 200,
-            "only {at_16} of 300 rounds at depth 16: {r:?}"
+            late >= 85,
+            "only {late} of the last 100 rounds at depth 16: {r:?}"
         );
     }
 
@@ -357,6 +412,49 @@ mod tests {
         // Only the periodic exploration rounds leave depth 16: nothing is re-measured first.
         assert!(at_best >= 14, "{at_best} of 16 rounds at the best depth");
         assert_eq!(auto.report().chosen, 16);
+    }
+
+    #[test]
+    fn exploration_takes_a_bounded_share_of_the_time_not_of_the_rounds() {
+        // As the trained-routing model at a deep window: every draft is accepted, so a 128-token
+        // generation is 8 rounds at depth 16 (17 tokens, 34 ms), and depth 8 costs a third more
+        // per token. Seeded with the profile, the controller re-tries no neighbour in so short a
+        // run: one round in eight at depth 8 would have cost it 4%.
+        let round_s = |d: usize| 0.002 * (d + 1) as f64 * if d == 16 { 1.0 } else { 1.33 };
+        let now = Cell::new(0.0f64);
+        let mut inner = Quiet;
+        let mut auto = AutoDepth::with_clock(&mut inner, 16, 16, Box::new(|| now.get()));
+        let profile: Vec<(usize, f64)> = candidate_depths(16)
+            .iter()
+            .map(|&d| (d, round_s(d) / (d + 1) as f64))
+            .collect();
+        auto.seed(&profile);
+        let mut depths_run = Vec::new();
+        for _ in 0..8 {
+            let d = auto.next_depth(16);
+            depths_run.push(d);
+            now.set(now.get() + round_s(d));
+            auto.on_commit(d, d + 1);
+        }
+        assert_eq!(depths_run, vec![16; 8]);
+        // A long generation still re-tries its neighbours, within the share.
+        let mut other = 0.0;
+        for _ in 0..2000 {
+            let d = auto.next_depth(16);
+            now.set(now.get() + round_s(d));
+            if d != 16 {
+                other += round_s(d);
+            }
+            auto.on_commit(d, d + 1);
+        }
+        let r = auto.report();
+        assert_eq!(r.chosen, 16, "{r:?}");
+        let share = other / now.get();
+        assert!(
+            share > 0.01 && share <= EXPLORE_SHARE,
+            "{:.1}% of the time off the best depth: {r:?}",
+            share * 100.0
+        );
     }
 
     #[test]
