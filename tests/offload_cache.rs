@@ -561,3 +561,31 @@ fn empty_slots_count_what_no_expert_holds_and_fill_as_misses_are_copied() {
     cache.serve(0, &[4, 5]).expect("serve");
     assert_eq!(cache.empty_slots(0), 0);
 }
+
+#[test]
+fn of_misses_with_as_many_rows_the_recently_needed_are_copied_and_the_others_left_elsewhere() {
+    // One layer, 8 experts, 2 slots, both full (0 and 1).
+    let mut cache = ExpertCache::new(
+        config(Policy::Lru, 1, 8, 2),
+        &InitialResidency::PerLayer(vec![vec![0, 1]]),
+    )
+    .expect("cache");
+    // 5 misses and goes elsewhere (the later of two never-needed misses).
+    let rounds = cache.serve_split(0, &[4, 5], &[1, 1], 1).expect("serve");
+    let away: Vec<u32> = rounds[0].elsewhere.iter().map(|e| e.expert).collect();
+    assert_eq!(away, vec![5]);
+    // 5 is needed again beside 6, never needed before: 6 goes elsewhere and 5 is copied,
+    // though 5 is the later one, which alone would have kept it elsewhere.
+    let rounds = cache.serve_split(0, &[6, 5], &[1, 1], 1).expect("serve");
+    let away: Vec<u32> = rounds[0].elsewhere.iter().map(|e| e.expert).collect();
+    let loads: Vec<u32> = rounds
+        .iter()
+        .flat_map(|r| r.loads.iter().map(|l| l.expert))
+        .collect();
+    assert_eq!((away, loads), (vec![6], vec![5]));
+    assert!(cache.is_resident(0, 5));
+    // Rows still come first: an expert many rows use is copied however long ago it was needed.
+    let rounds = cache.serve_split(0, &[6, 7], &[1, 3], 1).expect("serve");
+    let away: Vec<u32> = rounds[0].elsewhere.iter().map(|e| e.expert).collect();
+    assert_eq!(away, vec![6]);
+}

@@ -134,6 +134,8 @@ struct LayerState {
     /// Prefetched and not used yet.
     unused_prefetch: Vec<bool>,
     transfer: Vec<Option<TransferId>>,
+    /// Per expert, the tick of the last pass that needed it, whichever path served it.
+    last_needed: Vec<u64>,
 }
 
 impl LayerState {
@@ -145,6 +147,7 @@ impl LayerState {
             planned: vec![false; slots],
             unused_prefetch: vec![false; slots],
             transfer: vec![None; slots],
+            last_needed: vec![0; experts],
         }
     }
 
@@ -155,6 +158,7 @@ impl LayerState {
         self.planned.iter_mut().for_each(|p| *p = false);
         self.unused_prefetch.iter_mut().for_each(|p| *p = false);
         self.transfer.iter_mut().for_each(|t| *t = None);
+        self.last_needed.iter_mut().for_each(|t| *t = 0);
     }
 
     /// The slot a new expert goes to among those `usable`: a free one, else the least recently
@@ -348,8 +352,8 @@ impl ExpertCache {
     }
 
     /// As [`Self::serve`], with up to `elsewhere` of the misses left to the caller to compute
-    /// outside the slots: those used by the fewest rows (`rows[i]` for `experts[i]`; the later
-    /// expert on ties), so the experts many rows share get slots. They are counted as
+    /// outside the slots: those used by the fewest rows (`rows[i]` for `experts[i]`), so the
+    /// experts many rows share get slots; on ties those least recently needed, then the later. They are counted as
     /// `host_experts`, not as misses.
     pub fn serve_split(
         &mut self,
@@ -401,7 +405,16 @@ impl ExpertCache {
                 .copied()
                 .filter(|&i| state.expert_slot[experts[i] as usize].is_none())
                 .collect();
-            misses.sort_by_key(|&i| (rows.get(i).copied().unwrap_or(1), std::cmp::Reverse(i)));
+            // An expert the host computed leaves no copy, so one that keeps being needed (output
+            // that loops, a topic's experts) would miss every time: of misses with as many rows,
+            // those needed least recently go elsewhere and the recently needed are copied.
+            misses.sort_by_key(|&i| {
+                (
+                    rows.get(i).copied().unwrap_or(1),
+                    state.last_needed[experts[i] as usize],
+                    std::cmp::Reverse(i),
+                )
+            });
             misses.truncate(elsewhere);
             let split_off = misses.split_off(misses.len().min(share.full));
             misses.sort_unstable();
@@ -470,6 +483,10 @@ impl ExpertCache {
             }
             rounds[0].elsewhere = away;
             rounds[0].gate_up_elsewhere = split;
+        }
+        tick += 1;
+        for &e in experts {
+            state.last_needed[e as usize] = tick;
         }
         self.tick = tick;
         let hits: u64 = rounds.iter().map(|r| r.hits.len() as u64).sum();
