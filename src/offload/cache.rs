@@ -353,8 +353,8 @@ impl ExpertCache {
 
     /// As [`Self::serve`], with up to `elsewhere` of the misses left to the caller to compute
     /// outside the slots: those used by the fewest rows (`rows[i]` for `experts[i]`), so the
-    /// experts many rows share get slots; on ties those least recently needed, then the later. They are counted as
-    /// `host_experts`, not as misses.
+    /// experts many rows share get slots; on ties those least recently needed, then the later.
+    /// They are counted as `host_experts`, not as misses.
     pub fn serve_split(
         &mut self,
         layer: usize,
