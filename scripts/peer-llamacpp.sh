@@ -342,9 +342,10 @@ run() {
         done
     done
 
-    # Specter again on an idle machine, as far as time allows (most CPU-sensitive first).
+    # Specter again on an idle machine, as far as time allows (most CPU-sensitive first: the
+    # smallest residency computes the most experts on the host).
     local quiet=()
-    for s in resident high low min; do
+    for s in min low high resident; do
         local need=50
         [ "$s" = min ] && need=70
         if [ "$(left)" -ge "$need" ] && specter_run "$s" -quiet; then quiet+=("$s"); fi
