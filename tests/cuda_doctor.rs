@@ -96,4 +96,12 @@ fn gpu_doctor_checks_run() {
         .as_ref()
         .is_some_and(|b| b.verified && b.pinned_median_gbps > 0.0));
     assert!(text.contains("copy path"), "{text}");
+    // Host reads beside copies: both rates measured, and the ceiling line names them.
+    let shared = report.shared_read.as_ref().expect("shared read measured");
+    assert!(shared.host_bytes_per_s > 0.0 && shared.link_bytes_per_s > 0.0);
+    let ceiling = text
+        .lines()
+        .find(|l| l.contains("hybrid ceiling"))
+        .unwrap_or_else(|| panic!("no ceiling line in\n{text}"));
+    assert!(ceiling.contains("while copies ran"), "{ceiling}");
 }

@@ -171,6 +171,9 @@ pub struct DoctorReport {
     /// How fast the host's threads read memory, one figure per thread count: the ceiling of the
     /// host expert kernel (src/host_experts).
     pub host_read: Vec<crate::host_experts::bandwidth::HostReadBandwidth>,
+    /// The host expert kernel and pinned copies reading host memory at once: the hybrid path's
+    /// ceiling, measured where a GPU is and the host read measurement is asked for.
+    pub shared_read: Option<SharedReadReport>,
     /// The host expert kernel's code path on this processor.
     pub host_expert_path: String,
     pub problems: Vec<Problem>,
@@ -200,6 +203,7 @@ pub fn diagnose(opts: &DoctorOptions) -> DoctorReport {
         host_copy_path: None,
         bandwidth: None,
         host_read: Vec::new(),
+        shared_read: None,
         host_expert_path: crate::host_experts::KernelPath::detect().name().to_string(),
         problems: Vec::new(),
     };
@@ -306,6 +310,20 @@ fn gpu_checks(opts: &DoctorOptions, report: &mut DoctorReport, problems: &mut Ve
         }
     });
     report.registered_mmap = mapping.ok();
+    if opts.host_read_bytes > 0 {
+        match shared_read::measure(&device, opts) {
+            Ok(shared) => report.shared_read = Some(shared),
+            Err(err) => problems.push(Problem {
+                what: format!(
+                    "measuring host reads beside copies to the GPU failed: {}",
+                    backend_message(&err)
+                ),
+                fix:
+                    "free host memory (pinned buffers need page-locked RAM) or GPU memory and retry"
+                        .into(),
+            }),
+        }
+    }
     match bandwidth_check(&device, opts, checksum.as_ref(), &mut rng) {
         Ok(bw) => {
             if !bw.verified {
@@ -799,7 +817,9 @@ pub fn disk_free_bytes(dir: &Path) -> Option<u64> {
 // ---- text rendering -----------------------------------------------------------------------
 
 mod render;
+mod shared_read;
 pub use render::render_text;
+pub use shared_read::SharedReadReport;
 
 #[cfg(test)]
 mod tests;
