@@ -3,8 +3,9 @@
 //! Checks the system (OS, cores, RAM, free disk), the CUDA driver and GPU, whether kernels
 //! compile with NVRTC and compute correct results, whether a read-only file mapping can be
 //! registered for direct DMA (which decides the host copy path), and measures host-to-device
-//! bandwidth from pinned and pageable memory. Every failure is recorded as a [`Problem`] with a
-//! fix; `diagnose` itself never fails.
+//! bandwidth from pinned and pageable memory, the host's read bandwidth, and the hybrid path's
+//! ceiling (the host expert kernel beside copies, `shared_read.rs`). Every failure is recorded
+//! as a [`Problem`] with a fix; `diagnose` itself never fails.
 
 use crate::backend::cuda::{
     compile_source, driver_library_present, kernel_source, nvrtc_library_present, nvrtc_version,
