@@ -69,7 +69,7 @@ pub fn render_text(report: &DoctorReport) -> String {
                     .fold(0.0, f64::max);
                 let _ = writeln!(
                     out,
-                    "  hybrid ceiling    about {:.1} GB/s for copies and host experts together (both read host memory; not measured together without a GPU)",
+                    "  hybrid ceiling    about {:.1} GB/s for copies and host experts together (both read host memory; not measured together here: it needs a GPU)",
                     fastest / 1e9
                 );
             }
