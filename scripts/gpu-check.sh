@@ -28,6 +28,8 @@
 #             path too, $REPEATS rounds taking turns; $HYBRID_BUSY processes spinning at nice 19
 #             meanwhile make the host a busy one
 #   w4a16     the INT4 kernel's bandwidth (examples/bench_w4a16.rs)
+#   stream    how fast chains of dependent one-row matrix products in the decode step's shapes
+#             stream their weights, per design (examples/bench_stream.rs)
 #   pace      link pacing: copies held to 25 GB/s measure 25 GB/s and change no token
 #             (tests/cuda_pace.rs)
 #   peer      transformers on the bench model's checkpoint: eager in VRAM and accelerate offload
@@ -95,6 +97,8 @@ for line in sys.stdin:
         cargo build --release --example bench_w4a16
         cp target/release/examples/bench_w4a16 "$CARRY/"
     fi
+    cargo build --release --example bench_stream
+    cp target/release/examples/bench_stream "$CARRY/"
     strip "$CARRY"/* 2>/dev/null || true
     ls -l "$CARRY"
 }
@@ -689,6 +693,7 @@ run() {
             hybrid) SLOTS=${SLOTS:-1,16,32} hybrid "$dir" "$out" 2>&1 | tee -a "$out/hybrid.log" || status=1 ;;
             pace) run_test cuda_pace "$out/pace.log" || status=1 ;;
             w4a16) "$CARRY/bench_w4a16" 2>&1 | tee "$out/w4a16.log" || status=1 ;;
+            stream) "$CARRY/bench_stream" "${LAYERS:-27}" 2>&1 | tee "$out/stream.log" || status=1 ;;
             kprofile) kprofile "$dir" "$out" 2>&1 | tee "$out/kprofile.log" || status=1 ;;
             wprofile) wprofile "$dir" "$out" 2>&1 | tee "$out/wprofile-${WROWS:-17}.log" || status=1 ;;
             incost) incost "$dir" "$out" 2>&1 | tee "$out/incost.log" || status=1 ;;
