@@ -66,8 +66,9 @@ __device__ __forceinline__ void spx_launch_dependents() {
         spx_grid_wait();         \
     } while (0)
 
-// Asks L2 to fetch `bytes` bytes from `p` (a weight, read before `spx_grid_wait`), one 128-byte
-// line per lane and step.
+// Asks L2 to fetch `bytes` bytes from `p` (the weights of a block's next work block), one
+// 128-byte line per lane and step. Not before `spx_grid_wait`: fetching the next kernel's weights
+// while the previous one streams its own measured slower on the H200 (docs/BENCHMARKS-LOG.md).
 __device__ __forceinline__ void spx_prefetch_l2(const void* p, size_t bytes, int lane) {
     const char* c = reinterpret_cast<const char*>(p);
     for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128) {

@@ -334,8 +334,6 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
     const __half* w0 = w + (size_t)col * k;
     // Without a second feature the warp computes the first twice and stores it once.
     const __half* w1 = second ? w0 + k : w0;
-    // The weights are no kernel's output: L2 fetches them while the previous kernel finishes.
-    spx_prefetch_l2(w0, (size_t)(second ? 2 : 1) * k * sizeof(__half), lane);
     spx_grid_wait();
     const float b0 = bias ? __half2float(bias[col]) : 0.0f;
     const float b1 = bias && second ? __half2float(bias[col + 1]) : 0.0f;
@@ -454,8 +452,6 @@ __device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x
     if (j >= inter) return;
     const __half* wg = w + (size_t)j * k;
     const __half* wu = w + (size_t)(inter + j) * k;
-    spx_prefetch_l2(wg, (size_t)k * sizeof(__half), lane);
-    spx_prefetch_l2(wu, (size_t)k * sizeof(__half), lane);
     spx_grid_wait();
     if (ONE) {
         const float* xr[1] = {x};
@@ -677,8 +673,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 // groups' items one at a time (decode: every group holds one item). Block: 32 * WARPS; any grid.
 // moe_f16_down_shared: moe_f16_down over the routed work blocks (gx per group), then the shared
 // experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16 computes it
-// (its work blocks; the _1 form one row at a time, the same bits), whose weights L2 fetches
-// before the wait for the gate/up launch. The one-item down kernels follow the macros.
+// (its work blocks; the _1 form one row at a time, the same bits). The one-item down kernels
+// follow the macros.
 #define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
         const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
@@ -746,8 +742,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
     const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
     const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);
     const int routed = gx1 * num_groups, blocks = routed + gx;
-    // The shared rows first (linear_block asks L2 for their weights before it waits), then the
-    // routed ones: two loops, so the two kinds of work never hold registers at once.
+    // The shared rows first, then the routed ones: two loops, so the two kinds of work never hold
+    // registers at once.
     const int stride = gridDim.x;
     int v = blockIdx.x;
     if (v < routed) v += (routed - v + stride - 1) / stride * stride;
