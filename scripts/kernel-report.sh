@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Compiles every kernel file with NVRTC for sm_90 and prints ptxas's resource report (registers,
 # shared memory, spills) per kernel, without a GPU. Needs libnvrtc on the loader path, the CUDA
-# headers in $CUDA_INCLUDE and ptxas on PATH (for example from NVIDIA's nvidia-cuda-nvcc and
-# nvidia-cuda-nvrtc Python wheels).
+# headers in $CUDA_INCLUDE (`eval "$(bash scripts/kernel-check.sh env)"` sets both from pip wheels)
+# and ptxas on PATH (for example from the nvidia-cuda-nvcc wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/kernel-ptx}
