@@ -84,21 +84,28 @@ fn every_kernel_compiles_for_each_architecture() {
             .map(|t| t.join().expect("compile thread"))
             .collect()
     });
-    let mut failures = Vec::new();
+    let failures: Vec<String> = ARCHS
+        .iter()
+        .zip(&compiled)
+        .flat_map(|(arch, results)| {
+            results
+                .iter()
+                .filter_map(move |(_, r)| r.as_ref().err().map(|e| format!("{arch}: {e}")))
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "kernels that do not compile:\n{}",
+        failures.join("\n")
+    );
     // Per module: the entries of the first architecture, which every other one must match.
     let mut first: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
     for (arch, results) in ARCHS.iter().zip(compiled) {
         for (name, result) in results {
-            let compiled = match result {
-                Ok(compiled) => compiled,
-                Err(err) => {
-                    failures.push(format!("{arch}: {err}"));
-                    continue;
-                }
-            };
-            let names = entries(&compiled.ptx);
+            let ptx = result.expect("checked above").ptx;
+            let names = entries(&ptx);
             assert!(
-                compiled.ptx.contains(&format!(".target {arch}")),
+                ptx.contains(&format!(".target {arch}")),
                 "kernels/{name}.cu: the PTX for {arch} names another target"
             );
             assert!(
@@ -117,11 +124,6 @@ fn every_kernel_compiles_for_each_architecture() {
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "kernels that do not compile:\n{}",
-        failures.join("\n")
-    );
     let loaded = loaded_by_name();
     assert!(
         loaded.len() >= 30,
