@@ -434,7 +434,7 @@ impl CudaBackend {
         if self.overlap_launches {
             // SAFETY: as below; the kernel waits in `spx_grid_wait` before it touches anything
             // an earlier kernel writes or reads (every kernel this launches starts with it).
-            return unsafe { launch_overlapping(&self.stream, f, grid, block, args) }
+            return unsafe { launch_overlapping(&self.stream, f, grid, block, 0, args) }
                 .map_err(|e| failed(&e));
         }
         let mut b = self.stream.launch_builder(f);
@@ -559,12 +559,14 @@ impl Drop for CudaBackend {
 /// As a plain launch: `args` are the kernel's parameters, pointers and 32-bit scalars in 8-byte
 /// slots in the order its signature declares, pointing at live buffers of the sizes it uses.
 /// Also, the kernel calls `spx_grid_wait` before any access to memory that another kernel
-/// writes, or reads, on this stream.
-pub(super) unsafe fn launch_overlapping(
+/// writes, or reads, on this stream, and `shared_bytes` of dynamic shared memory are what it
+/// uses and the function is allowed.
+pub unsafe fn launch_overlapping(
     stream: &CudaStream,
     f: &CudaFunction,
     grid: (u32, u32, u32),
     block: u32,
+    shared_bytes: u32,
     args: &[u64],
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     stream.context().bind_to_thread()?;
@@ -586,7 +588,7 @@ pub(super) unsafe fn launch_overlapping(
         blockDimX: block,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: 0,
+        sharedMemBytes: shared_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
         numAttrs: 1,

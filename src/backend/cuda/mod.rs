@@ -36,7 +36,7 @@ mod segments;
 mod slots;
 
 pub use act::{GpuAct, GpuWeight};
-pub use backend::{CudaBackend, HostTiming};
+pub use backend::{launch_overlapping, CudaBackend, HostTiming};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
 pub use graphs::StepGraphStats;
 pub use host::{PinnedBuffer, RegisteredHost};
