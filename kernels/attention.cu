@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     float* __restrict__ part, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
     float scale, int start, int window, int score_stride, const unsigned* __restrict__ start_at,
     unsigned* __restrict__ counters, float* __restrict__ out, int splits) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     __shared__ float red[ATT_WARPS];
     __shared__ unsigned ticket;
     __shared__ float smem_scores[ATT_SMEM_KEYS];
@@ -253,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attention_combine(
     const float* __restrict__ part, float* __restrict__ out, int heads, int v_dim, int start, int window,
     const unsigned* __restrict__ start_at) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const int rh = blockIdx.x, r = rh / heads;
     const int n = att_keys(r, start, window, start_at).y;
     const int chunk = att_chunk(n);

@@ -59,11 +59,22 @@ __device__ __forceinline__ void spx_launch_dependents() {
 #endif
 }
 
-// The start of every kernel: let the next one launch, then wait for the previous ones.
+// The start of a kernel: let the next one launch, then wait for the previous ones.
 #define SPX_PROLOGUE()           \
     do {                         \
         spx_launch_dependents(); \
         spx_grid_wait();         \
+    } while (0)
+
+// The start of a glue kernel (norms, attention, MLA's cache steps, the MoE combine; kernels/ops.cu
+// and attention.cu): wait, then let the next kernel launch. The one-row dense products that
+// follow glue read their first weights before their own wait (gemv_f16.cu, linear_block's
+// EARLY); launched this late, those reads overlap only the glue kernel, which reads little from
+// DRAM, and not the stream of the product before it.
+#define SPX_PROLOGUE_LATE()      \
+    do {                         \
+        spx_grid_wait();         \
+        spx_launch_dependents(); \
     } while (0)
 
 // Asks L2 to fetch `bytes` bytes from `p` (the weights of a block's next work block), one

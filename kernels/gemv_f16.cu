@@ -72,8 +72,10 @@ __device__ __forceinline__ float dot8(const float w[8], const float* __restrict_
 
 // a0[m] += x[m] . w0 and a1[m] += x[m] . w1 (lane partials) over k inputs, for m < min(MT, mr).
 // `xr[m]` points at row m of x. Vector path when k is a multiple of 8 (16-byte aligned rows),
-// scalar otherwise; both give each (row, feature) the same order whatever MT is.
-template <int MT, int UNR = UNROLL>
+// scalar otherwise; both give each (row, feature) the same order whatever MT is. EARLY: the
+// caller has not waited for the previous kernels (spx_grid_wait); the lane issues its first
+// pieces' loads, then waits, then reads x. Where to use it: see linear_block.
+template <int MT, int UNR = UNROLL, bool EARLY = false>
 __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
                                           const float* const* xr, int mr, int k, int lane, float a0[MR],
                                           float a1[MR]) {
@@ -91,6 +93,7 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
                     p1[u] = __ldg(v1 + c);
                 }
             }
+            if (EARLY && c0 == lane) spx_grid_wait();
 #pragma unroll
             for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
@@ -109,7 +112,10 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
                 }
             }
         }
+        // A lane with no pieces still waits: its caller writes the outputs after this returns.
+        if (EARLY && lane >= chunks) spx_grid_wait();
     } else {
+        if (EARLY) spx_grid_wait();
         for (int i = lane; i < k; i += 32) {
             const float f0 = __half2float(w0[i]), f1 = __half2float(w1[i]);
 #pragma unroll
@@ -320,7 +326,12 @@ __device__ __forceinline__ float split_sum(const float p[8], int lane) {
 // b = work / row_groups(rows), whose warp w owns features FEATURES * (b * WARPS + w) and the next,
 // over row group work % row_groups(rows). ONE: every row, one at a time (lane_dot2<1>, as
 // group_dot2 runs a group of one), with more pieces in flight; its work blocks are feature blocks.
-template <bool ONE>
+// ONE and EARLY: the warp's first pieces of weights are loaded before it waits for the previous
+// kernels (lane_dot2's EARLY; the same bits). For the one-row dense products, which follow glue
+// kernels (norms, attention, MLA's latent step) that launch them only after their own wait
+// (SPX_PROLOGUE_LATE): the reads then overlap the glue kernel, which reads little from DRAM,
+// and not an earlier product's stream.
+template <bool ONE, bool EARLY = false>
 __device__ __forceinline__ void linear_block(const float* __restrict__ x, int rows, int k,
                                              const __half* __restrict__ w, int n,
                                              const __half* __restrict__ bias, float* __restrict__ y,
@@ -334,7 +345,7 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
     const __half* w0 = w + (size_t)col * k;
     // Without a second feature the warp computes the first twice and stores it once.
     const __half* w1 = second ? w0 + k : w0;
-    spx_grid_wait();
+    if (!(ONE && EARLY)) spx_grid_wait();
     const float b0 = bias ? __half2float(bias[col]) : 0.0f;
     const float b1 = bias && second ? __half2float(bias[col + 1]) : 0.0f;
     constexpr int M = ONE ? 1 : MR;
@@ -350,7 +361,7 @@ __device__ __forceinline__ void linear_block(const float* __restrict__ x, int ro
         if (ONE) {
             a0[0] = 0.0f;
             a1[0] = 0.0f;
-            lane_dot2<1, UNROLL_ONE>(w0, w1, xr, 1, k, lane, a0, a1);
+            lane_dot2<1, UNROLL_ONE, EARLY>(w0, w1, xr, 1, k, lane, a0, a1);
         } else {
             group_dot2(w0, w1, xr, mr, k, lane, a0, a1);
         }
@@ -401,6 +412,7 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
 // linear2_f16: two products of the same input in one launch, each as linear_f16 computes it:
 // work blocks below `blocks_a` row groups' worth compute ya = x @ wa^T (+ ba), the others
 // yb = x @ wb^T (+ bb); blocks_a = ceil(na / (FEATURES * WARPS)), the feature blocks of ya.
+// The one-row forms read their first weights before their wait (linear_block's EARLY).
 #define LINEAR_KERNELS(SUFFIX, ONE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16##SUFFIX(                      \
         const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,            \
@@ -409,7 +421,7 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
         const int blocks = linear_work<ONE>(rows, n);                                                 \
         for (int b = blockIdx.x; b < blocks; b += gridDim.x) {                                        \
             if (b + (int)gridDim.x < blocks) linear_prefetch<ONE>(w, rows, n, k, b + gridDim.x);      \
-            linear_block<ONE>(x, rows, k, w, n, bias, y, b);                                          \
+            linear_block<ONE, ONE>(x, rows, k, w, n, bias, y, b);                                     \
         }                                                                                             \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear2_f16##SUFFIX(                     \
@@ -427,9 +439,9 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
                 linear_prefetch<ONE>(wb, rows, nb, k, next - work_a);                                 \
             }                                                                                         \
             if (b < work_a) {                                                                         \
-                linear_block<ONE>(x, rows, k, wa, na, ba, ya, b);                                     \
+                linear_block<ONE, ONE>(x, rows, k, wa, na, ba, ya, b);                                \
             } else {                                                                                  \
-                linear_block<ONE>(x, rows, k, wb, nb, bb, yb, b - work_a);                            \
+                linear_block<ONE, ONE>(x, rows, k, wb, nb, bb, yb, b - work_a);                       \
             }                                                                                         \
         }                                                                                             \
     }
@@ -452,16 +464,18 @@ __device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x
     if (j >= inter) return;
     const __half* wg = w + (size_t)j * k;
     const __half* wu = w + (size_t)(inter + j) * k;
-    spx_grid_wait();
     if (ONE) {
+        // The first pieces load before the wait (lane_dot2's EARLY): in a decode step this runs
+        // in route_plan_shared_f16_1, after the router's small product.
         const float* xr[1] = {x};
         float a[1] = {0.0f}, b[1] = {0.0f};
-        lane_dot2<1>(wg, wu, xr, 1, k, lane, a, b);
+        lane_dot2<1, UNROLL, true>(wg, wu, xr, 1, k, lane, a, b);
         const float ga = warp_sum(a[0]);
         const float ub = warp_sum(b[0]);
         if (lane == 0) h[j] = ga / (1.0f + expf(-ga)) * ub;
         return;
     }
+    spx_grid_wait();
     for (int r0 = first; r0 < last; r0 += MR) {
         const int mr = min(MR, last - r0);
         const float* xr[MR];

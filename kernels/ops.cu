@@ -33,7 +33,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 // y[r] = table[ids[r]] (f16 -> f32). Grid: rows; block: any.
 extern "C" __global__ void embedding(const __half* __restrict__ table, const unsigned* __restrict__ ids,
                                      int hidden, float* __restrict__ y) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
     const __half* src = table + (size_t)ids[r] * hidden;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
@@ -143,7 +143,7 @@ __device__ __forceinline__ void rms_norm_group(float* xb, const float* ab, const
 // RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
                                     int group, float* __restrict__ y) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * group;
     const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(y)) & 15) == 0 &&
@@ -155,7 +155,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* _
 // rows of `cols` columns; the same bits as add_f32 followed by rms_norm. One block per row.
 extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* __restrict__ w, float eps,
                                         int cols, float* __restrict__ y) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * cols;
     const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(a) |
@@ -168,7 +168,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* 
 extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half* __restrict__ w,
                                       const __half* __restrict__ b, float eps, int cols,
                                       float* __restrict__ y) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t base = (size_t)blockIdx.x * cols;
     float s = 0.0f;
@@ -193,7 +193,7 @@ extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, in
                                      unsigned long long total, float* __restrict__ y0, int w0,
                                      float* __restrict__ y1, int w1, float* __restrict__ y2, int w2,
                                      float* __restrict__ y3, int w3) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long r = i / width;
@@ -216,14 +216,14 @@ extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, in
 // forward pass, whose position is read on the device at replay. Grid: (ceil(cols / 256), rows).
 extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* __restrict__ dst, int cols,
                                         const unsigned* __restrict__ row_at) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < cols) dst[((size_t)row_at[0] + r) * cols + c] = src[r * cols + c];
 }
 
 extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigned long long n) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         x[i] = fminf(fmaxf(x[i], -limit), limit);
@@ -232,7 +232,7 @@ extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigne
 
 // x += y.
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, unsigned long long n) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         x[i] += y[i];
@@ -243,7 +243,7 @@ extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restric
 extern "C" __global__ void add_sigmoid_gated(float* __restrict__ x, const float* __restrict__ y,
                                              const float* __restrict__ gate, int cols,
                                              unsigned long long n) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const float g = 1.0f / (1.0f + expf(-gate[i / cols]));
@@ -281,7 +281,7 @@ __device__ __forceinline__ void rope_segment(const float* in, float* out, const 
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t,
                                 const float* __restrict__ sin_t, int cols, int heads, int head_stride,
                                 int offset, int rot_dim, int interleaved) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const int half = rot_dim / 2;
     const size_t r = blockIdx.x;
     float* row = x + r * cols;
@@ -309,7 +309,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
 extern "C" __global__ void mla_latent(const float* __restrict__ c, int cols, int rank, const __half* __restrict__ w,
                                       float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                       int rope, int interleaved, float* __restrict__ latent, float* __restrict__ pe) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
     const size_t r = blockIdx.x;
     const float* row = c + r * cols;
@@ -332,7 +332,7 @@ extern "C" __global__ void mla_expand_append(const float* __restrict__ kv, const
                                              const unsigned* __restrict__ start_at, float* __restrict__ q,
                                              const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                              int interleaved) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
     const int h = blockIdx.y;
     const size_t p = (size_t)(start_at ? (int)start_at[0] : start) + r;
@@ -353,7 +353,7 @@ extern "C" __global__ void mla_expand_append(const float* __restrict__ kv, const
 extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const float* __restrict__ k_pe,
                                          int heads, int nope, int rope, int v_dim,
                                          float* __restrict__ keys, float* __restrict__ values) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
     const int h = blockIdx.y;
     const int kw = nope + rope, in_w = nope + v_dim;
@@ -367,7 +367,7 @@ extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const flo
 // h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
 extern "C" __global__ void silu_mul(const float* __restrict__ gu, int inter, unsigned long long n,
                                     float* __restrict__ h) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long r = i / inter, c = i % inter;
@@ -401,7 +401,7 @@ __device__ __forceinline__ unsigned long long key_max(unsigned long long a, unsi
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) argmax_rows(
     const float* __restrict__ x, int cols, unsigned long long* __restrict__ keys,
     unsigned* __restrict__ counts, unsigned* __restrict__ out) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const int row = blockIdx.y;
     const float* r = x + (size_t)row * cols;
     const int begin = blockIdx.x * ARGMAX_CHUNK, end = min(cols, begin + ARGMAX_CHUNK);
@@ -443,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) argmax_rows(
 extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsigned* __restrict__ row_items,
                                        int top_k, int hidden, float* __restrict__ y,
                                        const float* __restrict__ plus) {
-    SPX_PROLOGUE();
+    SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
