@@ -330,7 +330,8 @@ __device__ __forceinline__ float split_sum(const float p[8], int lane) {
 // kernels (lane_dot2's EARLY; the same bits). For the one-row dense products, which follow glue
 // kernels (norms, attention, MLA's latent step) that launch them only after their own wait
 // (SPX_PROLOGUE_LATE): the reads then overlap the glue kernel, which reads little from DRAM,
-// and not an earlier product's stream.
+// and not an earlier product's stream. Also for the shared experts' down rows of
+// moe_f16_down_shared_1, whose blocks start as the routed gate/up's last ones drain.
 template <bool ONE, bool EARLY = false>
 __device__ __forceinline__ void linear_block(const float* __restrict__ x, int rows, int k,
                                              const __half* __restrict__ w, int n,
@@ -734,9 +735,11 @@ MOE_F16_GATE_UP_KERNEL(_1, 1)
 MOE_F16_DOWN_KERNELS(, MR_SPLIT)
 
 // The one-item forms of the down kernels: routed work blocks of DOWN_FEATURES_ONE features a warp
-// (moe_down_block_1), gx1 = ceil(hidden / (DOWN_FEATURES_ONE * WARPS)) per group; in
-// moe_f16_down_shared_1 the shared experts' down product follows as gx = ceil(hidden / (FEATURES
-// * WARPS)) work blocks of linear_block<true>.
+// (moe_down_block_1), gx1 = ceil(hidden / (DOWN_FEATURES_ONE * WARPS)) per group. In
+// moe_f16_down_shared_1 the shared experts' down product comes first, as gx = ceil(hidden /
+// (FEATURES * WARPS)) work blocks of linear_block<true> (the first blocks dispatched): its
+// weights need no routing, so they load their first pieces before the wait (linear_block's
+// EARLY), during the routed gate/up's last blocks.
 extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_1(
     const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
     int num_groups, const float* __restrict__ item_weight, float* __restrict__ out) {
@@ -755,18 +758,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
     spx_launch_dependents();
     const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
     const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);
-    const int routed = gx1 * num_groups, blocks = routed + gx;
+    const int blocks = gx + gx1 * num_groups;
     // The shared rows first, then the routed ones: two loops, so the two kinds of work never hold
     // registers at once.
     const int stride = gridDim.x;
     int v = blockIdx.x;
-    if (v < routed) v += (routed - v + stride - 1) / stride * stride;
-    for (; v < blocks; v += stride) {
-        linear_block<true>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared, v - routed);
+    for (; v < gx; v += stride) {
+        linear_block<true, true>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared, v);
     }
-    if ((int)blockIdx.x >= routed) return;
+    if (v >= blocks) return;
     spx_grid_wait();
-    for (v = blockIdx.x; v < routed; v += stride) {
-        moe_down_block_1(h, hidden, inter, groups, item_weight, out, v % gx1, v / gx1);
+    for (; v < blocks; v += stride) {
+        moe_down_block_1(h, hidden, inter, groups, item_weight, out, (v - gx) % gx1, (v - gx) / gx1);
     }
 }
