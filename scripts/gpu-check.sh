@@ -72,7 +72,7 @@
 # cold runs); $TTFT_REPEATS (3) warm repeats; TTFT_SKIP_COLD=1 / TTFT_SKIP_PEER=1 skip parts.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-CARRY=.carry/gpu
+CARRY=${CARRY:-.carry/gpu}
 
 build() {
     cd "$ROOT"
