@@ -9,10 +9,16 @@
 // blocks), else 16. Both give the same bits for an item (see "Batch invariance").
 //
 // Work split. Block (x, y) owns 64 output columns (one Marlin 16x64 block column) of the expert
-// of group y (gate_up: gate columns 64x..64x+63, then in a second pass the matching up columns).
-// Its 8 warps split K into 8 contiguous ranges of K/128 tile rows (16 input features each). Each
-// warp streams its tile rows through a private STAGES-deep cp.async ring in shared memory (lane
-// i copies, and later reads back, only its own 16 bytes, so no barrier is needed inside a warp).
+// of group y (gate_up: gate columns 64x..64x+63 and the matching up columns). Its 8 warps split K
+// into 8 contiguous ranges of K/128 tile rows (16 input features each). Each warp streams its
+// tile rows through a private ring of RING 512-byte cp.async slots in shared memory (lane i
+// copies, and later reads back, only its own 16 bytes, so no barrier is needed inside a warp).
+// PAIRED variants stream a tile row of gate and the same tile row of up side by side (RING / 2
+// rows of each in flight), so gate_up is one pass over K; the others run gate, then up, in two
+// passes of RING rows in flight. A one-row draft step's block has only 16 (gate/up) or 11
+// (down) tile rows a warp: one pass and a ring that holds nearly all of them keep the weights'
+// loads in flight together instead of two pipeline fills one after the other. Both orders give
+// every output the same arithmetic.
 //
 // The product: mma.sync m16n8k16 (f16 inputs, f32 accumulators) with the weight as the A
 // operand (16 output columns x 16 input features) and the activations as B (16 features x 8
@@ -70,7 +76,11 @@
 // Alignment: qweight and scales must be 16-byte aligned, x and h 8-byte aligned (device
 // allocations are 256-byte aligned; the host checks x and h).
 
+#include <cuda_fp16.h>
+
 #include "common.cuh"
+
+#include "linear_rows.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -78,26 +88,27 @@ typedef unsigned long long u64;
 #define MOE_THREADS 256
 #define MOE_WARPS 8
 #define MOE_COLS 64
-// Tile rows in flight per warp (7 loads of 512 bytes while one is consumed).
-#define MOE_STAGES 8
 // Row stride of the reduction buffer: 68 words puts the 32 lanes' writes in distinct banks.
 #define MOE_RED_STRIDE 68
 // Words per tile row of a warp's staged activations (see "Staged activations"): 8 per item slot
 // plus 8 of padding, so the stride is 8 (mod 32) banks.
 #define MOE_XS_STRIDE(MAXI) (8 * (MAXI) + 8)
 
-// One warp's shared memory: its load ring during the K loop, then its partial sums. The two are
-// never live together (the warp finishes reading the ring before it writes sums).
-template <int MAXI>
-union WarpSpace {
-    uint4 ring[MOE_STAGES][32];
-    float red[MAXI][MOE_RED_STRIDE];
-};
+// One warp's space in the block's dynamic shared memory: its load ring (RING slots of 32 x 16
+// bytes) during the K loop, then its partial sums (red: one [MAXI][MOE_RED_STRIDE] array per
+// matrix of the pass). The two are never live together (the warp finishes reading the ring
+// before it writes sums). src/backend/cuda/moe_int4.rs computes the same size.
+__host__ __device__ constexpr unsigned moe_warp_space_bytes(int maxi, int ring, bool paired) {
+    return 512u * ring > (paired ? 2u : 1u) * maxi * MOE_RED_STRIDE * 4u
+               ? 512u * ring
+               : (paired ? 2u : 1u) * maxi * MOE_RED_STRIDE * 4u;
+}
 
+// The block's static shared memory; the warp spaces, then the staged activations (STAGED), are
+// its dynamic shared memory.
 template <int MAXI>
 struct MoeShared {
-    WarpSpace<MAXI> warp[MOE_WARPS];
-    float gate[MAXI][MOE_COLS];  // gate pre-activations (gate_up only)
+    float gate[MAXI][MOE_COLS];  // gate pre-activations (two-pass gate_up only)
     const float* rows[MAXI];     // activation row of each item of the chunk
 };
 
@@ -228,17 +239,37 @@ __device__ __forceinline__ void stage_activations(u32* xs, const float* const* i
     }
 }
 
-// This warp's sums over its K range for the 64 columns of block column `b` and the chunk's
-// `count` items (rows in sh.rows), written to its sh.warp[].red (the caller synchronises before
-// reading them). NT n8 item tiles cover the chunk (count <= 8 NT). With STAGED the B fragments
-// come from this warp's part of `staged` (the block's dynamic shared memory), which the pass
-// first fills if `stage` (else it holds this chunk's activations from an earlier pass); without,
-// straight from global memory.
-template <int NT, int MAXI, bool STAGED>
+// The dynamic shared memory a block of these kernels is given: MOE_WARPS warp spaces of
+// moe_warp_space_bytes bytes, then (STAGED) the staged activations.
+extern __shared__ uint4 moe_dynamic[];
+
+// Warp w's space (see moe_warp_space_bytes).
+template <int MAXI, int RING, bool PAIRED>
+__device__ __forceinline__ unsigned char* warp_space(u32 w) {
+    return reinterpret_cast<unsigned char*>(moe_dynamic) +
+           w * moe_warp_space_bytes(MAXI, RING, PAIRED);
+}
+
+// The staged activations, after the warp spaces.
+template <int MAXI, int RING, bool PAIRED>
+__device__ __forceinline__ u32* staged_space() {
+    return reinterpret_cast<u32*>(warp_space<MAXI, RING, PAIRED>(MOE_WARPS));
+}
+
+// This warp's sums over its K range for the 64 columns of block column b0 + p b_step of each of
+// the P matrices of the pass (P = 2: gate and up, streamed side by side) and the chunk's `count`
+// items (rows in sh.rows), written to red array p of its warp space (the caller synchronises
+// before reading them). STAGES tile rows of each matrix are in flight (STAGES P ring slots). NT n8
+// item tiles cover the chunk (count <= 8 NT). With STAGED the B fragments come from this warp's
+// part of `staged`, which the pass first fills if `stage` (else it holds this chunk's
+// activations from an earlier pass); without, straight from global memory. Each matrix's
+// arithmetic is the same whatever P and STAGES are.
+template <int NT, int MAXI, bool STAGED, int P, int STAGES, int RING, bool PAIRED>
 __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
                                            const uint4* __restrict__ scales, u32 n, u32 k,
-                                           u32 b, u32 count, MoeShared<MAXI>& sh,
+                                           u32 b0, u32 b_step, u32 count, MoeShared<MAXI>& sh,
                                            u32* staged, bool stage) {
+    static_assert(STAGES * P <= RING, "the ring holds STAGES tile rows of P matrices");
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
     const u32 g = lane >> 2;
@@ -247,21 +278,29 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     const u32 tr_begin = warp * rows;
     const u64 row_vecs = n / 2;    // uint4 per qweight tile row (2n words)
     const u64 scale_vecs = n / 8;  // uint4 per scale row (n halves)
-    const uint4* wp = qweight + (u64)tr_begin * row_vecs + 32u * b + lane;
-    const uint4* sp = scales + 8u * b + g;
-    uint4(&ring)[MOE_STAGES][32] = sh.warp[warp].ring;
-    // Shared address of this lane's 16 bytes in ring slot 0 (slot s: + sizeof(ring[0]) s).
-    const u32 ring_lane = shared_addr(&ring[0][lane]);
+    // Matrix p's pieces and scales are p_weights and p_scales uint4 further than matrix 0's.
+    const u64 p_weights = 32u * (u64)b_step;
+    const u64 p_scales = 8u * (u64)b_step;
+    const uint4* wp = qweight + (u64)tr_begin * row_vecs + 32u * b0 + lane;
+    const uint4* sp = scales + 8u * b0 + g;
+    // Slot s of matrix p: ring[(P s + p) 32 + lane].
+    const uint4* ring = reinterpret_cast<const uint4*>(warp_space<MAXI, RING, PAIRED>(warp));
+    const u32 ring_lane = shared_addr(ring + lane);
     u32* xs = staged + warp * rows * MOE_XS_STRIDE(MAXI);
 
 #pragma unroll
-    for (u32 s = 0; s < MOE_STAGES; ++s) {
-        if (s < rows) copy_async(ring_lane + s * sizeof(ring[0]), wp + (u64)s * row_vecs);
+    for (u32 s = 0; s < STAGES; ++s) {
+        if (s < rows) {
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                copy_async(ring_lane + (P * s + p) * 512u, wp + (u64)s * row_vecs + p * p_weights);
+            }
+        }
         copy_commit();
     }
     // The loop steps these pointers (the refill source; the next group's scales) rather than
     // recomputing them, which keeps its integer work small.
-    const uint4* refill = wp + (u64)MOE_STAGES * row_vecs;
+    const uint4* refill = wp + (u64)STAGES * row_vecs;
     const uint4* next_scales = sp + (u64)(tr_begin / 8 + 1) * scale_vecs;
 
     // Lane's B column: item 8 nt + g of the chunk (null past the chunk: zero operand).
@@ -281,20 +320,25 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     // Lane i's B fragment of tile row r, n8 tile nt: the 8 bytes at xb[r * stride / 2 + 32 nt].
     const uint2* xb = reinterpret_cast<const uint2*>(xs) + lane;
 
-    float acc[NT][4][4];
-    float part[NT][4][4];
+    float acc[P][NT][4][4];
+    float part[P][NT][4][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int p = 0; p < P; ++p) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[nt][j][e] = 0.0f;
-                part[nt][j][e] = 0.0f;
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[p][nt][j][e] = 0.0f;
+                    part[p][nt][j][e] = 0.0f;
+                }
             }
         }
     }
-    uint4 s = __ldg(next_scales - scale_vecs);
+    uint4 s[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) s[p] = __ldg(next_scales - scale_vecs + p * p_scales);
 
 #pragma unroll 1
     for (u32 i = 0; i < rows; ++i) {
@@ -320,83 +364,123 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
         // A new quantization group starts every 8 tile rows; its scales are needed only when
         // the group ends, so the load has time to arrive.
         if ((tr & 7u) == 0u && i != 0) {
-            s = __ldg(next_scales);
+#pragma unroll
+            for (int p = 0; p < P; ++p) s[p] = __ldg(next_scales + p * p_scales);
             next_scales += scale_vecs;
         }
 
-        // Group i is complete once at most STAGES - 1 later groups are pending.
-        copy_wait<MOE_STAGES - 1>();
-        const uint4 w = ring[i % MOE_STAGES][lane];
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        // Row i is complete once at most STAGES - 1 later rows are pending.
+        copy_wait<STAGES - 1>();
+        const u32 slot = i % STAGES;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 hi8 = words[j] >> 8;
-            const u32 a[4] = {codes_low(words[j]), codes_low(hi8), codes_high(words[j]),
-                              codes_high(hi8)};
+        for (int p = 0; p < P; ++p) {
+            const uint4 w = ring[(P * slot + p) * 32u + lane];
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mma16816(part[nt][j], a, bx[nt][0], bx[nt][1]);
+            for (int j = 0; j < 4; ++j) {
+                const u32 hi8 = words[j] >> 8;
+                const u32 a[4] = {codes_low(words[j]), codes_low(hi8), codes_high(words[j]),
+                                  codes_high(hi8)};
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    mma16816(part[p][nt][j], a, bx[nt][0], bx[nt][1]);
+                }
             }
         }
-        // Refill the slot just read (its value is consumed above, so the read has completed).
-        if (i + MOE_STAGES < rows) {
-            copy_async(ring_lane + (i % MOE_STAGES) * sizeof(ring[0]), refill);
+        // Refill the slots just read (their values are consumed above, so the reads have
+        // completed).
+        if (i + STAGES < rows) {
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                copy_async(ring_lane + (P * slot + p) * 512u, refill + p * p_weights);
+            }
         }
         refill += row_vecs;
         copy_commit();
-        if ((tr & 7u) == 7u || i + 1 == rows) flush_group<NT>(s, part, acc);
+        if ((tr & 7u) == 7u || i + 1 == rows) {
+#pragma unroll
+            for (int p = 0; p < P; ++p) flush_group<NT>(s[p], part[p], acc[p]);
+        }
     }
     copy_wait<0>();
     // The ring and red share memory: every lane must be done with the ring first.
     __syncwarp();
 
-    float(&red)[MAXI][MOE_RED_STRIDE] = sh.warp[warp].red;
+    float* red = reinterpret_cast<float*>(warp_space<MAXI, RING, PAIRED>(warp));
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int p = 0; p < P; ++p) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                // c0, c1: column g, items 2t, 2t+1; c2, c3: column g+8.
-                red[8 * nt + 2 * t + (e & 1)][16 * j + g + 8 * (e >> 1)] = acc[nt][j][e];
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    // c0, c1: column g, items 2t, 2t+1; c2, c3: column g+8.
+                    const u32 m = 8 * nt + 2 * t + (e & 1);
+                    red[(p * MAXI + m) * MOE_RED_STRIDE + 16 * j + g + 8 * (e >> 1)] =
+                        acc[p][nt][j][e];
+                }
             }
         }
     }
 }
 
-// Sum of the eight warps' partials for item slot m, column c, in warp order.
-template <int MAXI>
-__device__ __forceinline__ float warps_total(const MoeShared<MAXI>& sh, u32 m, u32 c) {
-    float v = sh.warp[0].red[m][c];
+// Sum of the eight warps' partials of matrix p for item slot m, column c, in warp order.
+template <int MAXI, int RING, bool PAIRED>
+__device__ __forceinline__ float warps_total(u32 p, u32 m, u32 c) {
+    const u32 at = (p * MAXI + m) * MOE_RED_STRIDE + c;
+    float v = reinterpret_cast<const float*>(warp_space<MAXI, RING, PAIRED>(0))[at];
 #pragma unroll
-    for (int w = 1; w < MOE_WARPS; ++w) v = __fadd_rn(v, sh.warp[w].red[m][c]);
+    for (int w = 1; w < MOE_WARPS; ++w) {
+        v = __fadd_rn(v, reinterpret_cast<const float*>(warp_space<MAXI, RING, PAIRED>(w))[at]);
+    }
     return v;
 }
 
 __device__ __forceinline__ float silu(float a) { return a / (1.0f + expf(-a)); }
 
-template <int NT, int MAXI, bool STAGED>
+template <int NT, int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                               const float* __restrict__ x,
                                               const u32* __restrict__ item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
-                                              MoeShared<MAXI>& sh, u32* staged) {
+                                              MoeShared<MAXI>& sh) {
     if (threadIdx.x < count) {
         sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
     }
     __syncthreads();
+    u32* staged = staged_space<MAXI, RING, PAIRED>();
     const uint4* qweight = reinterpret_cast<const uint4*>(g.gate_up);
     const uint4* scales = reinterpret_cast<const uint4*>(g.gate_up_scales);
     const u32 n = 2 * inter;
-    // Pass 0: gate block x; pass 1: the up block inter/64 blocks further, on the same staged x.
-#pragma unroll 1
-    for (u32 pass = 0; pass < 2; ++pass) {
-        const u32 b = blockIdx.x + pass * (inter / MOE_COLS);
-        block_pass<NT, MAXI, STAGED>(qweight, scales, n, hidden, b, count, sh, staged, pass == 0);
+    // The up block column matching gate block column x is inter/64 columns further.
+    const u32 up_step = inter / MOE_COLS;
+    if constexpr (PAIRED) {
+        block_pass<NT, MAXI, STAGED, 2, RING / 2, RING, PAIRED>(qweight, scales, n, hidden,
+                                                                blockIdx.x, up_step, count, sh,
+                                                                staged, true);
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
-            const float v = warps_total(sh, m, c);
+            const float gate = warps_total<MAXI, RING, PAIRED>(0, m, c);
+            const float up = warps_total<MAXI, RING, PAIRED>(1, m, c);
+            h[(u64)(item0 + m) * inter + MOE_COLS * blockIdx.x + c] = __fmul_rn(silu(gate), up);
+        }
+        // The warp spaces are rewritten by the next chunk, as are sh.rows and the staged
+        // activations.
+        __syncthreads();
+        return;
+    }
+    // Pass 0: gate block x; pass 1: the up block, on the same staged x.
+#pragma unroll 1
+    for (u32 pass = 0; pass < 2; ++pass) {
+        const u32 b = blockIdx.x + pass * up_step;
+        block_pass<NT, MAXI, STAGED, 1, RING, RING, PAIRED>(qweight, scales, n, hidden, b, 0,
+                                                            count, sh, staged, pass == 0);
+        __syncthreads();
+        for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
+            const u32 m = o / MOE_COLS, c = o % MOE_COLS;
+            const float v = warps_total<MAXI, RING, PAIRED>(0, m, c);
             if (pass == 0) {
                 sh.gate[m][c] = v;
             } else {
@@ -410,97 +494,123 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     }
 }
 
-template <int NT, int MAXI, bool STAGED>
+template <int NT, int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                            const float* __restrict__ h,
                                            const float* __restrict__ item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
-                                           MoeShared<MAXI>& sh, u32* staged) {
+                                           MoeShared<MAXI>& sh) {
     if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
     __syncthreads();
-    block_pass<NT, MAXI, STAGED>(reinterpret_cast<const uint4*>(g.down),
-                                 reinterpret_cast<const uint4*>(g.down_scales), hidden, inter,
-                                 blockIdx.x, count, sh, staged, true);
+    block_pass<NT, MAXI, STAGED, 1, RING, RING, PAIRED>(
+        reinterpret_cast<const uint4*>(g.down), reinterpret_cast<const uint4*>(g.down_scales),
+        hidden, inter, blockIdx.x, 0, count, sh, staged_space<MAXI, RING, PAIRED>(), true);
     __syncthreads();
     for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
         const u32 item = item0 + m;
         out[(u64)item * hidden + MOE_COLS * blockIdx.x + c] =
-            __fmul_rn(item_weight[item], warps_total(sh, m, c));
+            __fmul_rn(item_weight[item], warps_total<MAXI, RING, PAIRED>(0, m, c));
     }
     __syncthreads();
 }
 
-// The block's dynamic shared memory: the staged activations of its 8 warps, when STAGED.
-extern __shared__ uint4 moe_staged[];
-
 // grid = (inter / 64, groups), block = 256. Chunks of MAXI items; a chunk of at most 8 items
 // takes the one-tile path (same bits, half the mma work).
-template <int MAXI, bool STAGED>
+template <int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* __restrict__ groups,
                                                const float* __restrict__ x,
                                                const u32* __restrict__ item_row,
                                                float* __restrict__ h, u32 hidden, u32 inter) {
+    // Two tiles of gate and up accumulators at once would not fit the registers.
+    static_assert(!(PAIRED && MAXI > 8), "a paired variant takes at most 8 items a chunk");
     __shared__ MoeShared<MAXI> sh;
-    u32* staged = reinterpret_cast<u32*>(moe_staged);
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
-                gate_up_chunk<2, MAXI, STAGED>(g, g.first + done, n, x, item_row, h, hidden,
-                                               inter, sh, staged);
+                gate_up_chunk<2, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, x, item_row,
+                                                             h, hidden, inter, sh);
                 continue;
             }
         }
-        gate_up_chunk<1, MAXI, STAGED>(g, g.first + done, n, x, item_row, h, hidden, inter, sh,
-                                       staged);
+        gate_up_chunk<1, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, x, item_row, h,
+                                                     hidden, inter, sh);
     }
 }
 
 // grid = (hidden / 64, groups), block = 256.
-template <int MAXI, bool STAGED>
+template <int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ groups,
                                             const float* __restrict__ h,
                                             const float* __restrict__ item_weight,
                                             float* __restrict__ out, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
-    u32* staged = reinterpret_cast<u32*>(moe_staged);
     const ExpertGroup g = groups[blockIdx.y];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
-                down_chunk<2, MAXI, STAGED>(g, g.first + done, n, h, item_weight, out, hidden,
-                                            inter, sh, staged);
+                down_chunk<2, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, h, item_weight,
+                                                          out, hidden, inter, sh);
                 continue;
             }
         }
-        down_chunk<1, MAXI, STAGED>(g, g.first + done, n, h, item_weight, out, hidden, inter, sh,
-                                    staged);
+        down_chunk<1, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, h, item_weight, out,
+                                                  hidden, inter, sh);
     }
 }
 
-// Register caps keep several blocks resident per SM, so loads of other blocks overlap one
-// block's reduction and its pipeline start. The 16-item variant stays at 2: its acc and partial
-// fragments alone take 64 registers, and a cap of 3 blocks (80 registers) makes ptxas spill.
-// STAGED (true or false) must match `STAGED` in src/backend/cuda/moe_int4.rs, which sizes the dynamic
-// shared memory of a launch: 2 K (MAXI + 1) bytes when staged, else none.
-#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED)                                                 \
+// The shared experts' down product of one row, s_y = s_h @ s_down^T (s_down: [hidden][s_inter]
+// f16), by the blocks of a gate_up launch past its routed groups (blockIdx.y >= num_groups): it
+// needs no routing, and the one-row gate_up leaves SMs free (132 blocks of 2 an SM at
+// DeepSeek-V2-Lite's shape). A block of 8 warps runs two of linear_f16_1's 4-warp work blocks
+// (linear_block's features follow the warp index), so each output gets linear_f16_1's
+// arithmetic and bits; its first weights load before the wait (EARLY), as linear_f16_1's.
+__device__ __forceinline__ void shared_down_block(u32 num_groups, const float* __restrict__ s_h,
+                                                  u32 s_inter, const __half* __restrict__ s_down,
+                                                  float* __restrict__ s_y, u32 hidden) {
+    const u32 block = (blockIdx.y - num_groups) * gridDim.x + blockIdx.x;
+    linear_block<true, true>(s_h, 1, (int)s_inter, s_down, (int)hidden, nullptr, s_y,
+                             (int)(2 * block));
+}
+
+// MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED): the gate_up and down kernels of one
+// variant. src/backend/cuda/launch_constants.rs mirrors the arguments (MOE_INT4_VARIANTS,
+// _STAGED, _RING, _PAIRED); src/backend/cuda/moe_int4.rs sizes a launch's dynamic shared memory
+// from them: MOE_WARPS moe_warp_space_bytes(MAXI, RING, PAIRED), plus 2 K (MAXI + 1) bytes of
+// staged activations when STAGED. gate_up's grid has num_groups rows of routed blocks, then,
+// when s_down is given, rows of shared_down_block.
+//
+// The 8-item variant, which runs the draft's one-row steps: 16 ring slots (gate_up: 8 tile rows
+// each of gate and up; down: 16 rows, more than the 11 a warp has at DeepSeek-V2-Lite's inter
+// of 1408) and at most 128 registers (its gate and up accumulators take 64); 100 KB of shared
+// memory a block, two blocks an SM, more than the 132 or 192 blocks of a one-row launch need.
+// The 16-item variant: 8 slots and two passes; a cap of 2 blocks (128 registers) as its acc and
+// partial fragments alone take 64 registers, and a cap of 3 (80) makes ptxas spill.
+#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED)                                   \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \
                                 const float* __restrict__ x, const u32* __restrict__ item_row,    \
-                                float* __restrict__ h, u32 hidden, u32 inter) {                   \
-        SPX_PROLOGUE();                                                                           \
-        gate_up_kernel<MAXI, STAGED>(groups, x, item_row, h, hidden, inter);                      \
+                                float* __restrict__ h, u32 hidden, u32 inter, u32 num_groups,     \
+                                const float* __restrict__ s_h, u32 s_inter,                       \
+                                const __half* __restrict__ s_down, float* __restrict__ s_y) {     \
+        spx_launch_dependents();                                                                  \
+        if (blockIdx.y >= num_groups) {                                                           \
+            shared_down_block(num_groups, s_h, s_inter, s_down, s_y, hidden);                     \
+            return;                                                                               \
+        }                                                                                         \
+        spx_grid_wait();                                                                          \
+        gate_up_kernel<MAXI, STAGED, RING, PAIRED>(groups, x, item_row, h, hidden, inter);        \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
         moe_int4_down_##MAXI(const ExpertGroup* __restrict__ groups, const float* __restrict__ h, \
                              const float* __restrict__ item_weight, float* __restrict__ out,      \
                              u32 hidden, u32 inter) {                                             \
         SPX_PROLOGUE();                                                                           \
-        down_kernel<MAXI, STAGED>(groups, h, item_weight, out, hidden, inter);                    \
+        down_kernel<MAXI, STAGED, RING, PAIRED>(groups, h, item_weight, out, hidden, inter);      \
     }
 
-MOE_INT4_KERNELS(8, 3, true)
-MOE_INT4_KERNELS(16, 2, true)
+MOE_INT4_KERNELS(8, 2, true, 16, true)
+MOE_INT4_KERNELS(16, 2, true, 8, false)

@@ -135,8 +135,8 @@ impl CudaBackend {
             Some(u64::MAX),
         )?;
         let k = Kernels::load(&dev)?;
-        let int4 = MoeInt4Kernels::new(&dev)?;
         let overlap_launches = options.overlap_launches && dev.compute_capability().0 >= 9;
+        let int4 = MoeInt4Kernels::new(&dev)?.overlapping(overlap_launches);
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;

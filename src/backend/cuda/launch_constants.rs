@@ -96,12 +96,26 @@ pub(crate) const MOE_INT4_COLS_PER_BLOCK: usize = 64;
 pub(crate) const MOE_INT4_GROUP: usize = 128;
 
 /// Items one INT4 block handles at a time, per kernel variant: the `MAXI` argument of each
-/// `MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED)` line of kernels/moe_int4.cu, in order.
+/// `MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED)` line of kernels/moe_int4.cu, in
+/// order.
 pub(crate) const MOE_INT4_VARIANTS: [usize; 2] = [8, 16];
 
 /// Whether each INT4 variant stages its activations in dynamic shared memory: the `STAGED`
 /// argument of the same lines.
 pub(crate) const MOE_INT4_STAGED: [bool; 2] = [true, true];
+
+/// 512-byte load ring slots per warp of each INT4 variant: the `RING` argument of the same lines.
+pub(crate) const MOE_INT4_RING: [usize; 2] = [16, 8];
+
+/// Whether each INT4 variant streams gate and up in one pass (two reduction arrays a warp): the
+/// `PAIRED` argument of the same lines.
+pub(crate) const MOE_INT4_PAIRED: [bool; 2] = [true, false];
+
+/// Warps per block of the INT4 expert kernels: `MOE_WARPS` in kernels/moe_int4.cu.
+pub(crate) const MOE_INT4_WARPS: usize = 8;
+
+/// Row stride, in floats, of a warp's reduction arrays: `MOE_RED_STRIDE` in kernels/moe_int4.cu.
+pub(crate) const MOE_INT4_RED_STRIDE: usize = 68;
 
 #[cfg(test)]
 mod tests {
@@ -144,9 +158,18 @@ mod tests {
             .unwrap_or_else(|| panic!("kernels/{kernel}.cu has no integer #define {name}"))
     }
 
-    /// Every `MOE_INT4_KERNELS(a, b, c)` instantiation line of kernels/moe_int4.cu, as its
-    /// three arguments.
-    fn int4_instantiations() -> Vec<(usize, usize, bool)> {
+    /// The arguments of one `MOE_INT4_KERNELS` line but MIN_BLOCKS, which only the kernel reads.
+    #[derive(Debug, PartialEq)]
+    struct Int4Instance {
+        maxi: usize,
+        staged: bool,
+        ring: usize,
+        paired: bool,
+    }
+
+    /// Every `MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED)` instantiation line of
+    /// kernels/moe_int4.cu.
+    fn int4_instantiations() -> Vec<Int4Instance> {
         let source = kernel_source("moe_int4")
             .unwrap_or_else(|err| panic!("{err}"))
             .source;
@@ -158,19 +181,20 @@ mod tests {
                     .strip_suffix(')')
                     .unwrap_or_else(|| panic!("unterminated MOE_INT4_KERNELS({args}"));
                 let parts: Vec<&str> = args.split(',').map(str::trim).collect();
-                let [maxi, min_blocks, staged] = parts[..] else {
-                    panic!("MOE_INT4_KERNELS({args}) does not have three arguments");
+                let [maxi, _min_blocks, staged, ring, paired] = parts[..] else {
+                    panic!("MOE_INT4_KERNELS({args}) does not have five arguments");
                 };
-                let staged = match staged {
+                let flag = |name: &str, value: &str| match value {
                     "true" => true,
                     "false" => false,
-                    other => panic!("MOE_INT4_KERNELS staged argument {other:?}"),
+                    other => panic!("MOE_INT4_KERNELS {name} argument {other:?}"),
                 };
-                (
-                    maxi.parse().expect("MAXI is an integer"),
-                    min_blocks.parse().expect("MIN_BLOCKS is an integer"),
-                    staged,
-                )
+                Int4Instance {
+                    maxi: maxi.parse().expect("MAXI is an integer"),
+                    staged: flag("STAGED", staged),
+                    ring: ring.parse().expect("RING is an integer"),
+                    paired: flag("PAIRED", paired),
+                }
             })
             .collect()
     }
@@ -256,15 +280,26 @@ mod tests {
             MOE_INT4_GROUP as i64,
             16 * define(&int4, "moe_int4", "MOE_WARPS")
         );
-        let instantiated: Vec<(usize, bool)> = int4_instantiations()
-            .into_iter()
-            .map(|(maxi, _, staged)| (maxi, staged))
-            .collect();
-        let mirrored: Vec<(usize, bool)> =
-            MOE_INT4_VARIANTS.into_iter().zip(MOE_INT4_STAGED).collect();
         assert_eq!(
-            mirrored, instantiated,
-            "(MAXI, STAGED) of each MOE_INT4_KERNELS line"
+            MOE_INT4_WARPS as i64,
+            define(&int4, "moe_int4", "MOE_WARPS")
+        );
+        assert_eq!(
+            MOE_INT4_RED_STRIDE as i64,
+            define(&int4, "moe_int4", "MOE_RED_STRIDE")
+        );
+        let mirrored: Vec<Int4Instance> = (0..MOE_INT4_VARIANTS.len())
+            .map(|v| Int4Instance {
+                maxi: MOE_INT4_VARIANTS[v],
+                staged: MOE_INT4_STAGED[v],
+                ring: MOE_INT4_RING[v],
+                paired: MOE_INT4_PAIRED[v],
+            })
+            .collect();
+        assert_eq!(
+            mirrored,
+            int4_instantiations(),
+            "MAXI, STAGED, RING and PAIRED of each MOE_INT4_KERNELS line"
         );
     }
 

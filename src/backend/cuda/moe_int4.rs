@@ -7,17 +7,21 @@
 //! block at a time; the launch picks the smallest that covers the largest group, and both compute
 //! the same bits for an item.
 //!
-//! A variant may stage its block's activations in dynamic shared memory (sized per launch from
-//! K); [`MoeInt4Kernels::new`] raises each such function's dynamic shared memory limit to what
-//! the device allows, and a launch that would need more is refused with [`Error::Backend`].
+//! Every variant keeps its warps' load rings, and a staged variant its block's activations, in
+//! dynamic shared memory (sized per launch from K); [`MoeInt4Kernels::new`] raises each
+//! function's dynamic shared memory limit to what the device allows, and a launch that would need
+//! more is refused with [`Error::Backend`].
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
+use super::backend::launch_overlapping;
 use super::driver::guarded;
-use super::experts::{ExpertGroup, MoeLaunch};
+use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
 use super::launch_constants::{
-    MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP, MOE_INT4_STAGED as STAGED,
-    MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
+    GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
+    MOE_INT4_PAIRED as PAIRED, MOE_INT4_RED_STRIDE as RED_STRIDE, MOE_INT4_RING as RING,
+    MOE_INT4_STAGED as STAGED, MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
+    MOE_INT4_WARPS as WARPS,
 };
 use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use crate::{Error, Result};
@@ -41,6 +45,8 @@ struct Kernel {
 pub struct MoeInt4Kernels {
     gate_up: [Kernel; 2],
     down: [Kernel; 2],
+    /// Launch with programmatic dependent launch (see [`Self::overlapping`]).
+    overlap: bool,
 }
 
 impl std::fmt::Debug for MoeInt4Kernels {
@@ -143,28 +149,32 @@ fn variant_for(max_count: usize) -> usize {
         .unwrap_or(VARIANTS.len() - 1)
 }
 
-/// Dynamic shared memory of one block of `variant` for a matrix with `k` input features: when
-/// staged, each of the eight warps holds its `k / 128` tile rows as f16, `8 M + 8` words per tile
-/// row (`MOE_XS_STRIDE`), so 8 (k / 128) (8 M + 8) 4 = 2 k (M + 1) bytes.
+/// Bytes of one warp's space in the dynamic shared memory of `variant` (`moe_warp_space_bytes`
+/// in kernels/moe_int4.cu): its load ring of `RING` 512-byte slots, which its reduction arrays
+/// (one `[M][RED_STRIDE]` f32 array per matrix of a pass, two when `PAIRED`) reuse afterwards.
+fn warp_space_bytes(variant: usize) -> usize {
+    let matrices = if PAIRED[variant] { 2 } else { 1 };
+    (512 * RING[variant]).max(matrices * VARIANTS[variant] * RED_STRIDE * 4)
+}
+
+/// Dynamic shared memory of one block of `variant` for a matrix with `k` input features: the
+/// eight warps' spaces, then, when staged, each warp's `k / 128` tile rows of activations as
+/// f16, `8 M + 8` words per tile row (`MOE_XS_STRIDE`), so 8 (k / 128) (8 M + 8) 4 = 2 k (M + 1)
+/// bytes.
 fn dynamic_shared_bytes(variant: usize, k: usize) -> usize {
-    if STAGED[variant] {
+    let staged = if STAGED[variant] {
         2 * k * (VARIANTS[variant] + 1)
     } else {
         0
-    }
+    };
+    WARPS * warp_space_bytes(variant) + staged
 }
 
 impl Kernel {
-    /// Loads `name` and, if it takes dynamic shared memory, allows it all the device offers a
-    /// block beside the function's static shared memory.
-    fn load(device: &CudaDevice, name: &str, staged: bool) -> Result<Self> {
+    /// Loads `name` and allows it all the dynamic shared memory the device offers a block beside
+    /// the function's static shared memory (every variant keeps its warps' rings there).
+    fn load(device: &CudaDevice, name: &str) -> Result<Self> {
         let func = device.function(MODULE, name)?;
-        if !staged {
-            return Ok(Kernel {
-                func,
-                max_dynamic_shared: 0,
-            });
-        }
         let optin = device
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let fixed = guarded(&format!("static shared memory of {name}"), || {
@@ -206,19 +216,52 @@ impl MoeInt4Kernels {
     /// Loads (compiling on first use) the kernels from `device`.
     pub fn new(device: &CudaDevice) -> Result<Self> {
         let load = |stage: &str| -> Result<[Kernel; 2]> {
-            let f = |v: usize| {
-                Kernel::load(
-                    device,
-                    &format!("moe_int4_{stage}_{}", VARIANTS[v]),
-                    STAGED[v],
-                )
-            };
+            let f = |v: usize| Kernel::load(device, &format!("moe_int4_{stage}_{}", VARIANTS[v]));
             Ok([f(0)?, f(1)?])
         };
         Ok(MoeInt4Kernels {
             gate_up: load("gate_up")?,
             down: load("down")?,
+            overlap: false,
         })
+    }
+
+    /// With `on`, launches let each kernel start while the one before it on the stream drains
+    /// (programmatic dependent launch, sm_90 and newer), as the backend's other launches do
+    /// (`launch_overlapping`): both kernels begin with `SPX_PROLOGUE`, which waits before they
+    /// read anything an earlier kernel writes.
+    pub fn overlapping(mut self, on: bool) -> Self {
+        self.overlap = on;
+        self
+    }
+
+    /// Launches `func` with THREADS-thread blocks and its arguments in 8-byte slots.
+    fn issue(
+        &self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &[u64],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        if self.overlap {
+            // SAFETY: as below; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the
+            // shared experts' blocks) before it touches anything an earlier kernel writes.
+            return unsafe { launch_overlapping(stream, func, grid, THREADS, shared_bytes, args) };
+        }
+        let mut b = stream.launch_builder(func);
+        for a in args {
+            b.arg(a);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared_bytes,
+        };
+        // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
+        // 32-bit scalars each in an 8-byte slot (the driver reads as many bytes as the parameter
+        // has; the target is little-endian).
+        unsafe { b.launch(cfg) }.map(|_| ())
     }
 
     /// Items per block chunk of the kernel variant a launch with largest group `max_count` runs
@@ -237,36 +280,72 @@ impl MoeInt4Kernels {
         self.launch_down(stream, l)
     }
 
+    /// [`Self::launch`] with the shared experts' down product of one row, `shared.y =
+    /// shared.h @ shared.down^T`, run by extra blocks of the gate/up launch: the same bits as
+    /// `linear_f16_1`.
+    pub(crate) fn launch_with_shared_down(
+        &self,
+        stream: &CudaStream,
+        l: &MoeLaunch,
+        shared: &SharedDown,
+    ) -> Result<()> {
+        self.gate_up(stream, l, Some(shared))?;
+        self.launch_down(stream, l)
+    }
+
     /// Issues only the gate/up stage: `h` of every item.
     pub fn launch_gate_up(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
+        self.gate_up(stream, l, None)
+    }
+
+    fn gate_up(
+        &self,
+        stream: &CudaStream,
+        l: &MoeLaunch,
+        shared: Option<&SharedDown>,
+    ) -> Result<()> {
         check_int4_launch(l)?;
         if l.num_groups == 0 || l.items == 0 {
             return Ok(());
         }
-        let (hidden, inter) = (l.hidden as u32, l.inter as u32);
         let variant = variant_for(l.max_count);
         let kernel = &self.gate_up[variant];
-        let cfg = LaunchConfig {
-            grid_dim: ((l.inter / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: kernel.dynamic_shared(variant, l.hidden, "gate/up")?,
+        let grid_x = (l.inter / COLS_PER_BLOCK) as u32;
+        let shared_rows = match shared {
+            Some(sd) => shared_down_rows(sd, l.hidden, grid_x)?,
+            None => 0,
         };
-        let mut b = stream.launch_builder(&kernel.func);
-        b.arg(&l.groups)
-            .arg(&l.x)
-            .arg(&l.item_row)
-            .arg(&l.h)
-            .arg(&hidden)
-            .arg(&inter);
-        // SAFETY: the arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x,
-        // const u32* item_row, float* h, u32 hidden, u32 inter); the shapes were checked above, and
-        // the caller's MoeLaunch promises device buffers of the sizes it documents, groups whose
-        // items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter matrix. The
-        // dynamic shared memory is the staging buffer the variant needs for K = hidden, within
+        let rows = l.num_groups + shared_rows as usize;
+        if rows > MAX_GRID_Y {
+            return Err(Error::Backend(format!(
+                "INT4 gate/up: {rows} grid rows exceed the limit of {MAX_GRID_Y}"
+            )));
+        }
+        let grid = (grid_x, rows as u32, 1);
+        let bytes = kernel.dynamic_shared(variant, l.hidden, "gate/up")?;
+        let args = [
+            l.groups,
+            l.x,
+            l.item_row,
+            l.h,
+            l.hidden as u64,
+            l.inter as u64,
+            l.num_groups as u64,
+            shared.map_or(0, |sd| sd.h),
+            shared.map_or(0, |sd| sd.inter as u64),
+            shared.map_or(0, |sd| sd.down),
+            shared.map_or(0, |sd| sd.y),
+        ];
+        // The arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x, const u32*
+        // item_row, float* h, u32 hidden, u32 inter, u32 num_groups, const float* s_h, u32
+        // s_inter, const __half* s_down, float* s_y); the shapes were checked above, and the
+        // caller's MoeLaunch promises device buffers of the sizes it documents, groups whose
+        // items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter matrix, and a
+        // SharedDown one row of s_inter inputs, a [hidden][s_inter] f16 weight and hidden
+        // outputs. The dynamic shared memory is what the variant needs for K = hidden, within
         // the limit set on the function at load.
-        unsafe { b.launch(cfg) }
-            .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))?;
-        Ok(())
+        self.issue(stream, &kernel.func, grid, bytes, &args)
+            .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))
     }
 
     /// Issues only the down stage: `out` of every item, from `h`.
@@ -275,29 +354,54 @@ impl MoeInt4Kernels {
         if l.num_groups == 0 || l.items == 0 {
             return Ok(());
         }
-        let (hidden, inter) = (l.hidden as u32, l.inter as u32);
         let variant = variant_for(l.max_count);
         let kernel = &self.down[variant];
-        let cfg = LaunchConfig {
-            grid_dim: ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: kernel.dynamic_shared(variant, l.inter, "down")?,
-        };
-        let mut b = stream.launch_builder(&kernel.func);
-        b.arg(&l.groups)
-            .arg(&l.h)
-            .arg(&l.item_weight)
-            .arg(&l.out)
-            .arg(&hidden)
-            .arg(&inter);
-        // SAFETY: the arguments match moe_int4_down_<M>(const ExpertGroup*, const float* h,
-        // const float* item_weight, float* out, u32 hidden, u32 inter); shapes checked above and
-        // buffers as MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix);
-        // dynamic shared memory as the variant needs for K = inter, within the function's limit.
-        unsafe { b.launch(cfg) }
-            .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))?;
-        Ok(())
+        let grid = ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1);
+        let bytes = kernel.dynamic_shared(variant, l.inter, "down")?;
+        let args = [
+            l.groups,
+            l.h,
+            l.item_weight,
+            l.out,
+            l.hidden as u64,
+            l.inter as u64,
+        ];
+        // The arguments match moe_int4_down_<M>(const ExpertGroup*, const float* h, const float*
+        // item_weight, float* out, u32 hidden, u32 inter); shapes checked above and buffers as
+        // MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix); dynamic
+        // shared memory as the variant needs for K = inter, within the function's limit.
+        self.issue(stream, &kernel.func, grid, bytes, &args)
+            .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))
     }
+}
+
+/// Grid rows of shared-down blocks a gate/up launch of `grid_x` columns adds: each block of
+/// eight warps runs two of `linear_f16_1`'s four-warp work blocks of `hidden` outputs.
+fn shared_down_rows(sd: &SharedDown, hidden: usize, grid_x: u32) -> Result<u32> {
+    let bad = |what: String| {
+        Err(Error::Backend(format!(
+            "INT4 gate/up with shared down: {what}"
+        )))
+    };
+    if sd.rows != 1 {
+        return bad(format!("{} rows; the launch runs one", sd.rows));
+    }
+    if sd.inter == 0 || u32::try_from(sd.inter).is_err() {
+        return bad(format!(
+            "shared inter={} is not a positive 32-bit size",
+            sd.inter
+        ));
+    }
+    if sd.h == 0 || sd.down == 0 || sd.y == 0 {
+        return bad("a device pointer is null".into());
+    }
+    let work = hidden.div_ceil(GEMV_FEATURES * GEMV_WARPS);
+    let blocks = work.div_ceil(2);
+    let rows = blocks.div_ceil(grid_x.max(1) as usize);
+    u32::try_from(rows)
+        .ok()
+        .filter(|r| (*r as usize) <= MAX_GRID_Y)
+        .map_or_else(|| bad(format!("{rows} grid rows")), Ok)
 }
 
 #[cfg(test)]
@@ -363,11 +467,17 @@ mod tests {
     #[test]
     fn dynamic_shared_memory_fits_the_model_shapes() {
         // DeepSeek-V2-Lite: gate/up K = 2048, down K = 1408.
-        assert_eq!(dynamic_shared_bytes(1, 2048), 69_632);
-        assert_eq!(dynamic_shared_bytes(1, 1408), 47_872);
-        assert_eq!(dynamic_shared_bytes(0, 2048), 36_864);
-        // Within an H100/H200 block's 227 KiB beside the ~38 KB of static shared memory.
-        assert!(dynamic_shared_bytes(1, 2048) + 39_040 <= 227 * 1024);
+        // 16 items: eight warp spaces of 4352 bytes (the reduction array outgrows the 4 KiB
+        // ring), then 2 K (16 + 1) bytes of staged activations.
+        assert_eq!(dynamic_shared_bytes(1, 2048), 34_816 + 69_632);
+        assert_eq!(dynamic_shared_bytes(1, 1408), 34_816 + 47_872);
+        // 8 items: eight 8 KiB rings, then 2 K (8 + 1) bytes.
+        assert_eq!(dynamic_shared_bytes(0, 2048), 65_536 + 36_864);
+        assert_eq!(dynamic_shared_bytes(0, 1408), 65_536 + 25_344);
+        // Within an H100/H200 block's 227 KiB beside the ~4 KB of static shared memory; the
+        // 8-item variant's two blocks an SM within its 228 KiB.
+        assert!(dynamic_shared_bytes(1, 2048) + 4_224 <= 227 * 1024);
+        assert!(2 * (dynamic_shared_bytes(0, 2048) + 2_112 + 1024) <= 228 * 1024);
     }
 
     #[test]
