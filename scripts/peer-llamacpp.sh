@@ -37,6 +37,8 @@
 #   PEER_THREADS [16]  PEER_NEW_TOKENS [128]  PEER_BENCH_REPS [2]  (llama-bench -r)
 #   PEER_PROMPT [ABCDEFGHIJKLMNOP]  prompt text; the synthesized tokenizer gives one id a byte
 #   PEER_TIME_S [540]  the whole run's time; steps that would not fit are skipped and said so
+#   PEER_ROWS [all]  `gpu` measures row 1 and the greedy check only (both engines all on the GPU:
+#       the decode step's comparison, about 6 minutes, most of it llama.cpp's build)
 #   SPECTER_MIN  generate arguments of Specter's run at the smallest residency (default: target-only
 #       lru with 1 expert slot per MoE layer; "--host-experts auto" adds the host path). The
 #       defaults wait for the expert sections' registration before the first token
@@ -255,8 +257,9 @@ run() {
             cp "$LOG/specter-$1$2.out" "$LOG/specter-$1$2.json"
     }
     kill -0 "$BUILD_PID" 2>/dev/null && renice -n 19 -g "$BUILD_PID" > /dev/null 2>&1 || true
-    local s
-    for s in resident min high low; do
+    local s runs=(resident min high low)
+    [ "${PEER_ROWS:-all}" = gpu ] && runs=(resident)
+    for s in "${runs[@]}"; do
         specter_run "$s" "" || FAILED=1
     done
     [ -f "$LOG/specter-resident.json" ] || die "Specter's all-resident run failed"
@@ -299,15 +302,21 @@ run() {
     local rows=()
     step llama-gpu 180 "$lbench" "${lb[@]}" -ngl 99 || FAILED=1
     rows+=("all on the GPU|-ngl 99|llama-gpu|resident")
-    step llama-cpu-experts 240 "$lbench" "${lb[@]}" -ngl 99 -ot "exps=CPU" || FAILED=1
-    rows+=("routed experts on the CPU / smallest residency|-ngl 99 -ot exps=CPU|llama-cpu-experts|min")
+    local budgets=(high low)
+    if [ "${PEER_ROWS:-all}" = gpu ]; then
+        budgets=()
+        note "PEER_ROWS=gpu: only the all-on-the-GPU row was measured."
+    else
+        step llama-cpu-experts 240 "$lbench" "${lb[@]}" -ngl 99 -ot "exps=CPU" || FAILED=1
+        rows+=("routed experts on the CPU / smallest residency|-ngl 99 -ot exps=CPU|llama-cpu-experts|min")
+    fi
 
     # --n-cpu-moe: N estimated from the two ends, then the nearest one or two values measured.
     local v_all v_none
     v_all=$(vram_mib llama-gpu 2>/dev/null || true)
     v_none=$(vram_mib llama-cpu-experts 2>/dev/null || true)
     local budget
-    for budget in high low; do
+    for budget in "${budgets[@]}"; do
         if [ ! -f "$LOG/specter-$budget.json" ] || [ -z "$v_all" ] || [ -z "$v_none" ]; then
             note "$budget budget: not compared (a run it depends on failed)."
             FAILED=1
@@ -345,7 +354,9 @@ run() {
     # Specter again on an idle machine, as far as time allows (most CPU-sensitive first: the
     # smallest residency computes the most experts on the host).
     local quiet=()
-    for s in min low high resident; do
+    local again=(min low high resident)
+    [ "${PEER_ROWS:-all}" = gpu ] && again=(resident)
+    for s in "${again[@]}"; do
         local need=50
         [ "$s" = min ] && need=70
         if [ "$(left)" -ge "$need" ] && specter_run "$s" -quiet; then quiet+=("$s"); fi

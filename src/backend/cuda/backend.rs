@@ -15,7 +15,7 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, LaunchConfig, Pus
 use half::f16;
 
 use super::act::{GpuAct, GpuWeight};
-use super::driver::guarded;
+use super::driver::{guarded, launch_overlapping};
 use super::experts::ExpertGroup;
 use super::graphs;
 use super::host::PinnedBuffer;
@@ -93,6 +93,8 @@ pub struct CudaBackend {
     /// launches (kernels/ops.cu).
     pub(super) argmax_keys: CudaSlice<u64>,
     pub(super) argmax_counts: CudaSlice<u32>,
+    /// `add_rms_norm_linear_1`'s ticket, zero between launches (kernels/ops.cu).
+    pub(super) norm_linear_ticket: CudaSlice<u32>,
     /// Page-locked landing space for reads to the host (src/backend/cuda/moe.rs `read_back`):
     /// several activations arrive with one wait for the device.
     pub(super) readback: Mutex<Option<PinnedBuffer>>,
@@ -154,6 +156,9 @@ impl CudaBackend {
                     stream.alloc_zeros::<u32>(ARGMAX_ROWS)?,
                 ))
             })?;
+        let norm_linear_ticket = guarded("cuda: cannot allocate the norm ticket", || {
+            stream.alloc_zeros::<u32>(1)
+        })?;
         let readback_done = guarded("cuda: cannot create an event", || {
             dev.context().new_event(None)
         })?;
@@ -186,6 +191,7 @@ impl CudaBackend {
             attention_counters,
             argmax_keys,
             argmax_counts,
+            norm_linear_ticket,
             readback: Mutex::new(None),
             readback_done,
             host_outputs: Mutex::new(None),
@@ -548,60 +554,4 @@ impl Drop for CudaBackend {
         // that may still use them finish first. Errors cannot be reported from here.
         let _ = self.stream.synchronize();
     }
-}
-
-/// Launches `f` on `stream` with programmatic stream serialisation: the kernel may begin once
-/// every block of the kernel before it has called `spx_launch_dependents` (or finished), and
-/// waits for that kernel's completion on the device, in `spx_grid_wait`. Recorded into a graph,
-/// the edge keeps that meaning.
-///
-/// # Safety
-/// As a plain launch: `args` are the kernel's parameters, pointers and 32-bit scalars in 8-byte
-/// slots in the order its signature declares, pointing at live buffers of the sizes it uses.
-/// Also, the kernel calls `spx_grid_wait` before any access to memory that another kernel
-/// writes, or reads, on this stream, and `shared_bytes` of dynamic shared memory are what it
-/// uses and the function is allowed.
-pub unsafe fn launch_overlapping(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    grid: (u32, u32, u32),
-    block: u32,
-    shared_bytes: u32,
-    args: &[u64],
-) -> std::result::Result<(), cudarc::driver::DriverError> {
-    stream.context().bind_to_thread()?;
-    let mut params: Vec<*mut std::ffi::c_void> = args
-        .iter()
-        .map(|a| a as *const u64 as *mut std::ffi::c_void)
-        .collect();
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue {
-            programmaticStreamSerializationAllowed: 1,
-        },
-    };
-    let cfg = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: shared_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    // SAFETY: `cfg`, `attr` and `params` outlive the call, which copies what it needs; the
-    // parameters are as the caller promises.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &cfg,
-            f.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
 }

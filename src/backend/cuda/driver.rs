@@ -1,9 +1,11 @@
 //! Driver calls made safe to fail: cudarc turns some driver failures (a symbol missing from an
 //! old driver) into panics; [`guarded`] maps those and ordinary errors to [`Error::Backend`].
+//! Also the launch every kernel of the backend goes through, [`launch_overlapping`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use cudarc::driver::result as drv;
+use cudarc::driver::{sys, CudaFunction, CudaStream};
 
 use crate::{Error, Result};
 
@@ -28,4 +30,60 @@ pub(crate) fn guarded<T>(
         Ok(Err(err)) => Err(Error::Backend(format!("{what}: {err}"))),
         Err(panic) => Err(Error::Backend(format!("{what}: {}", panic_text(&panic)))),
     }
+}
+
+/// Launches `f` on `stream` with programmatic stream serialisation: the kernel may begin once
+/// every block of the kernel before it has called `spx_launch_dependents` (or finished), and
+/// waits for that kernel's completion on the device, in `spx_grid_wait`. Recorded into a graph,
+/// the edge keeps that meaning.
+///
+/// # Safety
+/// As a plain launch: `args` are the kernel's parameters, pointers and 32-bit scalars in 8-byte
+/// slots in the order its signature declares, pointing at live buffers of the sizes it uses.
+/// Also, the kernel calls `spx_grid_wait` before any access to memory that another kernel
+/// writes, or reads, on this stream, and `shared_bytes` of dynamic shared memory are what it
+/// uses and the function is allowed.
+pub unsafe fn launch_overlapping(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    shared_bytes: u32,
+    args: &[u64],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    stream.context().bind_to_thread()?;
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .iter()
+        .map(|a| a as *const u64 as *mut std::ffi::c_void)
+        .collect();
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: shared_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `cfg`, `attr` and `params` outlive the call, which copies what it needs; the
+    // parameters are as the caller promises.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }

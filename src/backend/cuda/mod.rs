@@ -36,8 +36,9 @@ mod segments;
 mod slots;
 
 pub use act::{GpuAct, GpuWeight};
-pub use backend::{launch_overlapping, CudaBackend, HostTiming};
+pub use backend::{CudaBackend, HostTiming};
 pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
+pub use driver::launch_overlapping;
 pub use graphs::StepGraphStats;
 pub use host::{PinnedBuffer, RegisteredHost};
 pub use load::{LoadIo, LoadReport};

@@ -14,8 +14,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
-use super::backend::launch_overlapping;
-use super::driver::guarded;
+use super::driver::{guarded, launch_overlapping};
 use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
 use super::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
