@@ -9,8 +9,6 @@
 
 #include "common.cuh"
 
-#include "linear_rows.cuh"
-
 #define ROW_THREADS 256
 
 // Sum of `v` over the block's ROW_THREADS threads in a fixed order; every thread gets the result.
@@ -164,78 +162,6 @@ extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* 
                            reinterpret_cast<size_t>(y) | (size_t)cols * 4) & 15) == 0 &&
                          (reinterpret_cast<size_t>(w) & 7) == 0;
     rms_norm_group<true>(x + base, a + base, w, eps, cols, y + base, aligned, shared);
-}
-
-// Columns add_rms_norm_linear_1 takes: its row's normed values stay in registers (RMS_CACHE
-// float4 a thread) and in shared memory.
-#define NORM_LINEAR_MAX_COLS (4 * RMS_CACHE * ROW_THREADS)
-
-// A one-row decoder layer's residual add and the norm before its MoE block, then the router's
-// product of the normed row: x += a, y = RMSNorm(x) times w (add_rms_norm's bits), and
-// out = y @ wr^T ([n][cols] f16; linear_f16_1's bits). cols a multiple of 4, at most
-// NORM_LINEAR_MAX_COLS. Block b of ceil(n / 16) computes the norm itself (the same code in every
-// block, so the same bits) into shared memory, then out's features 16 b .. 16 b + 15 as two of
-// linear_f16_1's 4-warp work blocks (linear_block). One launch replaces two, and the router's
-// blocks need not wait for a norm kernel's stores. Block 0 alone stores y and the new x; it
-// stores x only after every other block has read it (a ticket in `ticket`, zero between
-// launches: the others add one once their loads are done, block 0 waits for gridDim.x - 1 and
-// resets it). The blocks are all resident by then: the next kernel launches only after every
-// block has started (SPX_PROLOGUE_LATE), so none waits behind it.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) add_rms_norm_linear_1(
-    float* x, const float* a, const __half* __restrict__ w, float eps, int cols, float* __restrict__ y,
-    const __half* __restrict__ wr, int n, float* __restrict__ out, unsigned* ticket) {
-    SPX_PROLOGUE_LATE();
-    __shared__ float shared[ROW_THREADS / 32 + 1];
-    __shared__ float4 normed[NORM_LINEAR_MAX_COLS / 4];
-    const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(a) |
-                           reinterpret_cast<size_t>(y)) & 15) == 0 &&
-                         (reinterpret_cast<size_t>(w) & 7) == 0;
-    const int n4 = cols >> 2;
-    // rms_norm_group<true>'s arithmetic, the sums kept in registers rather than stored.
-    float4 cache[RMS_CACHE];
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RMS_CACHE; ++i) {
-        const int c = threadIdx.x + i * ROW_THREADS;
-        if (c < n4) {
-            const float4 v = load_float4(x + 4 * c, aligned);
-            const float4 t = load_float4(a + 4 * c, aligned);
-            cache[i] = make_float4(v.x + t.x, v.y + t.y, v.z + t.z, v.w + t.w);
-            ss = fmaf(cache[i].x, cache[i].x, ss);
-            ss = fmaf(cache[i].y, cache[i].y, ss);
-            ss = fmaf(cache[i].z, cache[i].z, ss);
-            ss = fmaf(cache[i].w, cache[i].w, ss);
-        }
-    }
-    ss = block_sum(ss, shared);
-    // Every load of x in this block is done (block_sum's barriers follow their uses).
-    if (blockIdx.x != 0 && threadIdx.x == 0) atomicAdd(ticket, 1u);
-    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-#pragma unroll
-    for (int i = 0; i < RMS_CACHE; ++i) {
-        const int c = threadIdx.x + i * ROW_THREADS;
-        if (c < n4) {
-            const float4 v = norm4(cache[i], w + 4 * c, inv, aligned);
-            normed[c] = v;
-            if (blockIdx.x == 0) store4(y + 4 * c, v, aligned);
-        }
-    }
-    __syncthreads();
-    linear_block<true, false>(reinterpret_cast<const float*>(normed), 1, cols, wr, n, nullptr, out,
-                              2 * blockIdx.x);
-    if (blockIdx.x != 0) return;
-    if (threadIdx.x == 0) {
-        volatile unsigned* t = ticket;
-        while (*t != gridDim.x - 1) {
-        }
-        *t = 0u;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < RMS_CACHE; ++i) {
-        const int c = threadIdx.x + i * ROW_THREADS;
-        if (c < n4) store4(x + 4 * c, cache[i], aligned);
-    }
 }
 
 // LayerNorm of each row (width `cols`) with weight and bias. One block per row.

@@ -633,26 +633,6 @@ impl<B: Backend> MoeModel<B> {
         }
     }
 
-    /// [`Self::add_norm`], then `router`'s logits of the normed rows: one call where the
-    /// backend fuses them. Returns (normed, logits).
-    fn add_norm_router(
-        &self,
-        x: &mut B::Act,
-        y: &B::Act,
-        n: &Norm<B>,
-        router: &B::Weight,
-    ) -> Result<(B::Act, B::Act)> {
-        let be = &self.backend;
-        match &n.bias {
-            Some(_) => {
-                let h = self.add_norm(x, y, n)?;
-                let logits = be.linear(&h, router, None)?;
-                Ok((h, logits))
-            }
-            None => be.add_rms_norm_linear(x, y, &n.weight, self.cfg.norm_eps, router),
-        }
-    }
-
     /// The MoE block of `layer` over `h`, whose router logits `logits` the segment before it
     /// computed.
     fn moe(

@@ -269,22 +269,6 @@ pub trait Backend: Send + Sync {
         self.rms_norm(x, weight, eps, cols)
     }
 
-    /// [`Self::add_rms_norm`], then the normed rows times `router^T` (no bias): the residual add
-    /// and norm before a decoder layer's MoE block, and its router's logits. Returns (normed,
-    /// logits). The default runs the two; a backend may fuse them, with the same bits.
-    fn add_rms_norm_linear(
-        &self,
-        x: &mut Self::Act,
-        y: &Self::Act,
-        weight: &Self::Weight,
-        eps: f32,
-        router: &Self::Weight,
-    ) -> Result<(Self::Act, Self::Act)> {
-        let normed = self.add_rms_norm(x, y, weight, eps)?;
-        let logits = self.linear(&normed, router, None)?;
-        Ok((normed, logits))
-    }
-
     /// `(x @ a^T, x @ b^T)`, no bias: two products of one input (MLA's query and compressed
     /// key/value projections). The default runs [`Self::linear`] twice; a backend may run both
     /// in one launch, with the same bits.

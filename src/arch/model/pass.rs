@@ -131,14 +131,11 @@ impl<B: Backend> MoeModel<B> {
                 positions,
                 scales,
             )?;
+            let h = self.add_norm(x, &a, &layer.post_attention_norm)?;
             match &layer.mlp {
-                Mlp::Dense(mlp) => {
-                    let h = self.add_norm(x, &a, &layer.post_attention_norm)?;
-                    dense = Some(be.gated_mlp(&h, mlp)?);
-                }
+                Mlp::Dense(mlp) => dense = Some(be.gated_mlp(&h, mlp)?),
                 Mlp::Moe(block) => {
-                    let (h, logits) =
-                        self.add_norm_router(x, &a, &layer.post_attention_norm, &block.router)?;
+                    let logits = be.linear(&h, &block.router, None)?;
                     return Ok(vec![h, logits]);
                 }
             }

@@ -93,8 +93,6 @@ pub struct CudaBackend {
     /// launches (kernels/ops.cu).
     pub(super) argmax_keys: CudaSlice<u64>,
     pub(super) argmax_counts: CudaSlice<u32>,
-    /// `add_rms_norm_linear_1`'s ticket, zero between launches (kernels/ops.cu).
-    pub(super) norm_linear_ticket: CudaSlice<u32>,
     /// Page-locked landing space for reads to the host (src/backend/cuda/moe.rs `read_back`):
     /// several activations arrive with one wait for the device.
     pub(super) readback: Mutex<Option<PinnedBuffer>>,
@@ -156,9 +154,6 @@ impl CudaBackend {
                     stream.alloc_zeros::<u32>(ARGMAX_ROWS)?,
                 ))
             })?;
-        let norm_linear_ticket = guarded("cuda: cannot allocate the norm ticket", || {
-            stream.alloc_zeros::<u32>(1)
-        })?;
         let readback_done = guarded("cuda: cannot create an event", || {
             dev.context().new_event(None)
         })?;
@@ -191,7 +186,6 @@ impl CudaBackend {
             attention_counters,
             argmax_keys,
             argmax_counts,
-            norm_linear_ticket,
             readback: Mutex::new(None),
             readback_done,
             host_outputs: Mutex::new(None),

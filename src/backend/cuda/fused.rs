@@ -10,7 +10,7 @@ use super::act::{GpuAct, GpuWeight};
 use super::backend::CudaBackend;
 use super::kernels::*;
 use crate::arch::RopeStyle;
-use crate::backend::{check, Backend, MlaShape, RopeSpec};
+use crate::backend::{check, MlaShape, RopeSpec};
 use crate::Result;
 
 impl CudaBackend {
@@ -64,54 +64,6 @@ impl CudaBackend {
             )?;
         }
         Ok(out)
-    }
-
-    /// [`Self::add_rms_norm_op`] and the router's product of the normed row, in one launch for
-    /// one row (`add_rms_norm_linear_1`: same bits); other shapes run the two ops.
-    pub(super) fn add_rms_norm_linear_op(
-        &self,
-        x: &mut GpuAct,
-        y: &GpuAct,
-        weight: &GpuWeight,
-        eps: f32,
-        router: &GpuWeight,
-    ) -> Result<(GpuAct, GpuAct)> {
-        let fused = match self.f16_matrix(router, "add_rms_norm_linear") {
-            Ok((wr, n, k)) if x.rows == 1 && y.rows == 1 && x.cols == y.cols && k == x.cols => {
-                let fits = x.cols > 0 && x.cols.is_multiple_of(4) && x.cols <= NORM_LINEAR_MAX_COLS;
-                (fits && n > 0).then_some((wr, n))
-            }
-            _ => None,
-        };
-        let Some((wr, n)) = fused else {
-            let normed = self.add_rms_norm_op(x, y, weight, eps)?;
-            let logits = self.linear(&normed, router, None)?;
-            return Ok((normed, logits));
-        };
-        let w = self.f16_vector(weight, x.cols, "add_rms_norm_linear")?;
-        let (normed, logits) = (self.alloc(1, x.cols)?, self.alloc(1, n)?);
-        let s = &self.stream;
-        // Each block: two of linear_f16_1's work blocks of FEATURES * WARPS features.
-        let blocks = grid_for(n, 2 * (GEMV_FEATURES * GEMV_WARPS) as u32);
-        self.launch(
-            &self.k.add_rms_norm_linear_1,
-            "add_rms_norm + router",
-            (blocks, 1, 1),
-            ROW_THREADS,
-            &[
-                ptr(&x.buf, s),
-                ptr(&y.buf, s),
-                ptr(w, s),
-                float(eps),
-                int(x.cols, "cols")?,
-                ptr(&normed.buf, s),
-                ptr(wr, s),
-                int(n, "router rows")?,
-                ptr(&logits.buf, s),
-                ptr(&self.norm_linear_ticket, s),
-            ],
-        )?;
-        Ok((normed, logits))
     }
 
     pub(super) fn linear_pair_op(

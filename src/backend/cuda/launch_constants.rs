@@ -6,10 +6,6 @@
 /// Threads of the row-wise kernels: `ROW_THREADS` in kernels/ops.cu.
 pub(crate) const ROW_THREADS: u32 = 256;
 
-/// Most columns `add_rms_norm_linear_1` takes: `NORM_LINEAR_MAX_COLS` in kernels/ops.cu,
-/// `4 * RMS_CACHE * ROW_THREADS`.
-pub(crate) const NORM_LINEAR_MAX_COLS: usize = 4096;
-
 /// Columns of a row one `argmax_rows` block reads: `ARGMAX_CHUNK` in kernels/ops.cu.
 pub(crate) const ARGMAX_CHUNK: usize = 4096;
 
@@ -207,10 +203,6 @@ mod tests {
     fn row_kernels_match_ops_cu() {
         let ops = integer_defines("ops");
         assert_eq!(i64::from(ROW_THREADS), define(&ops, "ops", "ROW_THREADS"));
-        assert_eq!(
-            NORM_LINEAR_MAX_COLS as i64,
-            4 * define(&ops, "ops", "RMS_CACHE") * i64::from(ROW_THREADS)
-        );
         assert_eq!(ARGMAX_CHUNK as i64, define(&ops, "ops", "ARGMAX_CHUNK"));
         let gemv = integer_defines("gemv_f16");
         assert_eq!(

@@ -376,17 +376,6 @@ impl Backend for CudaBackend {
         self.add_rms_norm_op(x, y, weight, eps)
     }
 
-    fn add_rms_norm_linear(
-        &self,
-        x: &mut GpuAct,
-        y: &GpuAct,
-        weight: &GpuWeight,
-        eps: f32,
-        router: &GpuWeight,
-    ) -> Result<(GpuAct, GpuAct)> {
-        self.add_rms_norm_linear_op(x, y, weight, eps, router)
-    }
-
     fn linear_pair(&self, x: &GpuAct, a: &GpuWeight, b: &GpuWeight) -> Result<(GpuAct, GpuAct)> {
         self.linear_pair_op(x, a, b)
     }

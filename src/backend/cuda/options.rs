@@ -60,7 +60,6 @@ pub struct CudaOptions {
 pub const LAUNCH_LABELS: &[&str] = &[
     "add",
     "add_rms_norm",
-    "add_rms_norm + router",
     "add_sigmoid_gated",
     "argmax",
     "attention",
