@@ -374,20 +374,7 @@ impl CudaBackend {
         };
         let shared_y = match (extra, &shared_h) {
             (Extra::Shared(sh, mlp), Some(hs)) => {
-                if int4 && rows == 1 {
-                    // One row (a draft step): the shared down runs in the gate/up launch's
-                    // spare blocks, with linear_f16_1's bits.
-                    let y = self.alloc(rows, hidden)?;
-                    let down = SharedDown {
-                        h: ptr(&hs.buf, s),
-                        rows,
-                        inter: sh.inter,
-                        down: sh.down,
-                        y: ptr(&y.buf, s),
-                    };
-                    self.int4.launch_with_shared_down(s, &launch, &down)?;
-                    Some(y)
-                } else if int4 {
+                if int4 && rows != 1 {
                     self.launch_moe(&launch, int4)?;
                     Some(self.linear(hs, &mlp.down, None)?)
                 } else {
@@ -399,7 +386,13 @@ impl CudaBackend {
                         down: sh.down,
                         y: ptr(&y.buf, s),
                     };
-                    self.launch_moe_f16(&launch, Some(&down))?;
+                    if int4 {
+                        // One row (a draft step): the shared down runs in the gate/up launch's
+                        // spare blocks, with linear_f16_1's bits.
+                        self.int4.launch_with_shared_down(s, &launch, &down)?;
+                    } else {
+                        self.launch_moe_f16(&launch, Some(&down))?;
+                    }
                     Some(y)
                 }
             }

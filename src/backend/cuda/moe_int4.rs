@@ -297,17 +297,22 @@ impl MoeInt4Kernels {
         self.gate_up(stream, l, None)
     }
 
+    /// The variant a launch of `l` runs, once its shapes are checked; `None` when it has no work.
+    fn checked_variant(l: &MoeLaunch) -> Result<Option<usize>> {
+        check_int4_launch(l)?;
+        let empty = l.num_groups == 0 || l.items == 0;
+        Ok((!empty).then(|| variant_for(l.max_count)))
+    }
+
     fn gate_up(
         &self,
         stream: &CudaStream,
         l: &MoeLaunch,
         shared: Option<&SharedDown>,
     ) -> Result<()> {
-        check_int4_launch(l)?;
-        if l.num_groups == 0 || l.items == 0 {
+        let Some(variant) = Self::checked_variant(l)? else {
             return Ok(());
-        }
-        let variant = variant_for(l.max_count);
+        };
         let kernel = &self.gate_up[variant];
         let grid_x = (l.inter / COLS_PER_BLOCK) as u32;
         let shared_rows = match shared {
@@ -349,11 +354,9 @@ impl MoeInt4Kernels {
 
     /// Issues only the down stage: `out` of every item, from `h`.
     pub fn launch_down(&self, stream: &CudaStream, l: &MoeLaunch) -> Result<()> {
-        check_int4_launch(l)?;
-        if l.num_groups == 0 || l.items == 0 {
+        let Some(variant) = Self::checked_variant(l)? else {
             return Ok(());
-        }
-        let variant = variant_for(l.max_count);
+        };
         let kernel = &self.down[variant];
         let grid = ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1);
         let bytes = kernel.dynamic_shared(variant, l.inter, "down")?;
