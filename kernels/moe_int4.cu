@@ -42,8 +42,8 @@
 // touches 8 item rows, about 8 L1 wavefronts, for each n8 tile and tile row; at 16 items that
 // L1 traffic, not DRAM, bounds the kernel. So once per chunk each warp converts the activations
 // of its own K range (whole-sector reads, the same f16 rounding) into its part of the block's
-// dynamic shared memory, which only it reads (__syncwarp suffices; gate_up's two passes share
-// one staging). Per tile row it holds 8 words per item slot, the item's 16 features as f16 in
+// dynamic shared memory, which only it reads (__syncwarp suffices; the two passes of a two-pass
+// gate_up share one staging). Per tile row it holds 8 words per item slot, the item's 16 features as f16 in
 // the order 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15, so lane 4g + t finds b0, b1 of item
 // slot 8 nt + g in the 8 bytes at 32 (8 nt + g) + 8 t = 256 nt + 8 lane: one 64-bit load per
 // n8 tile, 256 contiguous bytes per warp, free of bank conflicts. Tile rows are 8 M + 8 words
