@@ -11,11 +11,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use half::f16;
 
 use super::act::{GpuAct, GpuWeight};
-use super::driver::{guarded, launch_overlapping};
+use super::driver::{guarded, launch_kernel};
 use super::experts::ExpertGroup;
 use super::graphs;
 use super::host::PinnedBuffer;
@@ -431,25 +431,13 @@ impl CudaBackend {
         if self.skip_launches.iter().any(|s| s.matches(what, grid.0)) {
             return Ok(());
         }
-        if self.overlap_launches {
-            // SAFETY: as below; the kernel waits in `spx_grid_wait` before it touches anything
-            // an earlier kernel writes or reads (every kernel this launches starts with it).
-            return unsafe { launch_overlapping(&self.stream, f, grid, block, 0, args) }
-                .map_err(|e| failed(&e));
-        }
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            b.arg(a);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
         // slots in the order its signature declares (checked by the callers below); pointers
-        // address live device buffers of the sizes the kernel reads and writes.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| failed(&e))
+        // address live device buffers of the sizes the kernel reads and writes; every kernel this
+        // launches waits in `spx_grid_wait` before it touches anything an earlier kernel writes
+        // or reads, and takes no dynamic shared memory.
+        unsafe { launch_kernel(&self.stream, f, grid, block, 0, args, self.overlap_launches) }
+            .map_err(|e| failed(&e))
     }
 
     pub(super) fn alloc(&self, rows: usize, cols: usize) -> Result<GpuAct> {

@@ -1,11 +1,12 @@
 //! Driver calls made safe to fail: cudarc turns some driver failures (a symbol missing from an
 //! old driver) into panics; [`guarded`] maps those and ordinary errors to [`Error::Backend`].
-//! Also the launch every kernel of the backend goes through, [`launch_overlapping`].
+//! Also the launch every kernel of the backend goes through: [`launch_kernel`], overlapped
+//! ([`launch_overlapping`]) or plain.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use cudarc::driver::result as drv;
-use cudarc::driver::{sys, CudaFunction, CudaStream};
+use cudarc::driver::{sys, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::{Error, Result};
 
@@ -86,4 +87,37 @@ pub unsafe fn launch_overlapping(
         )
     }
     .result()
+}
+
+/// Launches `f` on `stream` with `block`-thread blocks, overlapped ([`launch_overlapping`]) when
+/// `overlap`, else as a plain launch that starts once the kernel before it has finished.
+///
+/// # Safety
+/// As [`launch_overlapping`] (whose waiting condition matters only when `overlap`).
+pub unsafe fn launch_kernel(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    shared_bytes: u32,
+    args: &[u64],
+    overlap: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    if overlap {
+        // SAFETY: the caller's promise, as this function's.
+        return unsafe { launch_overlapping(stream, f, grid, block, shared_bytes, args) };
+    }
+    let mut b = stream.launch_builder(f);
+    for a in args {
+        b.arg(a);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared_bytes,
+    };
+    // SAFETY: the parameters are the kernel's, pointers and 32-bit scalars in 8-byte slots in
+    // its declared order (the driver reads as many bytes as each has; the target is
+    // little-endian), addressing live buffers, as the caller promises.
+    unsafe { b.launch(cfg) }.map(|_| ())
 }

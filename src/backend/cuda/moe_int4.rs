@@ -14,7 +14,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
-use super::driver::{guarded, launch_overlapping};
+use super::driver::{guarded, launch_kernel};
 use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
 use super::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
@@ -22,7 +22,7 @@ use super::launch_constants::{
     MOE_INT4_STAGED as STAGED, MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
     MOE_INT4_WARPS as WARPS,
 };
-use super::{CudaDevice, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use super::{CudaDevice, CudaFunction, CudaStream};
 use crate::{Error, Result};
 
 /// The kernel file (`kernels/moe_int4.cu`).
@@ -243,24 +243,21 @@ impl MoeInt4Kernels {
         shared_bytes: u32,
         args: &[u64],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        if self.overlap {
-            // SAFETY: as below; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the
-            // shared experts' blocks) before it touches anything an earlier kernel writes.
-            return unsafe { launch_overlapping(stream, func, grid, THREADS, shared_bytes, args) };
-        }
-        let mut b = stream.launch_builder(func);
-        for a in args {
-            b.arg(a);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: shared_bytes,
-        };
         // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
-        // 32-bit scalars each in an 8-byte slot (the driver reads as many bytes as the parameter
-        // has; the target is little-endian).
-        unsafe { b.launch(cfg) }.map(|_| ())
+        // 32-bit scalars each in an 8-byte slot, and the dynamic shared memory the function was
+        // allowed; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the shared
+        // experts' blocks) before it touches anything an earlier kernel writes.
+        unsafe {
+            launch_kernel(
+                stream,
+                func,
+                grid,
+                THREADS,
+                shared_bytes,
+                args,
+                self.overlap,
+            )
+        }
     }
 
     /// Items per block chunk of the kernel variant a launch with largest group `max_count` runs
