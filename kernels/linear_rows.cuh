@@ -50,15 +50,22 @@ __device__ __forceinline__ float dot8(const float w[8], const float* __restrict_
     return s;
 }
 
+// What lane_dot2's EARLY waits for by default: the previous kernels' completion.
+struct GridWait {
+    __device__ __forceinline__ void operator()() const { spx_grid_wait(); }
+};
+
 // a0[m] += x[m] . w0 and a1[m] += x[m] . w1 (lane partials) over k inputs, for m < min(MT, mr).
 // `xr[m]` points at row m of x. Vector path when k is a multiple of 8 (16-byte aligned rows),
 // scalar otherwise; both give each (row, feature) the same order whatever MT is. EARLY: the
 // caller has not waited for the previous kernels (spx_grid_wait); the lane issues its first
-// pieces' loads, then waits, then reads x. Where to use it: see linear_block.
-template <int MT, int UNR = UNROLL, bool EARLY = false>
+// pieces' loads, then calls `wait`, then reads x. Where to use it: see linear_block. A `wait`
+// that also fills x (mla_kv_append_1, kernels/ops.cu) may use the whole warp: with k a multiple
+// of 8 and at least 256, every lane calls it at the same point.
+template <int MT, int UNR = UNROLL, bool EARLY = false, class Wait = GridWait>
 __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
                                           const float* const* xr, int mr, int k, int lane, float a0[MR],
-                                          float a1[MR]) {
+                                          float a1[MR], Wait wait = Wait()) {
     if ((k & 7) == 0) {
         const int chunks = k >> 3;
         const uint4* v0 = reinterpret_cast<const uint4*>(w0);
@@ -73,7 +80,7 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
                     p1[u] = __ldg(v1 + c);
                 }
             }
-            if (EARLY && c0 == lane) spx_grid_wait();
+            if (EARLY && c0 == lane) wait();
 #pragma unroll
             for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
@@ -93,9 +100,9 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
             }
         }
         // A lane with no pieces still waits: its caller writes the outputs after this returns.
-        if (EARLY && lane >= chunks) spx_grid_wait();
+        if (EARLY && lane >= chunks) wait();
     } else {
-        if (EARLY) spx_grid_wait();
+        if (EARLY) wait();
         for (int i = lane; i < k; i += 32) {
             const float f0 = __half2float(w0[i]), f1 = __half2float(w1[i]);
 #pragma unroll

@@ -9,6 +9,8 @@
 
 #include "common.cuh"
 
+#include "linear_rows.cuh"
+
 #define ROW_THREADS 256
 
 // Sum of `v` over the block's ROW_THREADS threads in a fixed order; every thread gets the result.
@@ -345,6 +347,103 @@ extern "C" __global__ void mla_expand_append(const float* __restrict__ kv, const
     const int half = rope / 2;
     float* qh = q + (r * heads + h) * kw + nope;
     rope_segment(qh, qh, cos_t + r * half, sin_t + r * half, half, interleaved, threadIdx.x, blockDim.x);
+}
+
+// Most latent columns mla_kv_append_1 takes: each warp keeps its own normed copy in shared memory
+// (8 KB a block at 512, DeepSeek-V2's and V3's rank).
+#define MLA_APPEND_MAX_RANK 512
+
+// The wait of mla_kv_append_1's product: after the previous kernels, the warp writes the row's
+// normed latent into its own shared copy, with rms_norm_group's arithmetic for ROW_THREADS
+// threads: lane l stands for threads l + 32 j, whose sums of squares run in their order (float4
+// pieces t, t + ROW_THREADS, ...) and combine by block_sum's tree; each element is w * (v * inv).
+struct LatentWait {
+    const float* c;
+    const __half* w;
+    float eps;
+    int rank;
+    float* latent;
+    __device__ __forceinline__ void operator()() const {
+        static_assert(ROW_THREADS == 256, "the tree below is block_sum's for 8 warps");
+        spx_grid_wait();
+        const int lane = threadIdx.x & 31;
+        const int n4 = rank >> 2;
+        float ws[ROW_THREADS / 32];
+#pragma unroll
+        for (int j = 0; j < ROW_THREADS / 32; ++j) {
+            float ss = 0.0f;
+            for (int i = lane + 32 * j; i < n4; i += ROW_THREADS) {
+                const float4 v = reinterpret_cast<const float4*>(c)[i];
+                ss = fmaf(v.x, v.x, ss);
+                ss = fmaf(v.y, v.y, ss);
+                ss = fmaf(v.z, v.z, ss);
+                ss = fmaf(v.w, v.w, ss);
+            }
+            ws[j] = warp_sum(ss);
+        }
+        // block_sum: lanes 0..7 hold the warps' sums, then xor 4, 2, 1; lane 0's order.
+        const float total = ((ws[0] + ws[4]) + (ws[2] + ws[6])) + ((ws[1] + ws[5]) + (ws[3] + ws[7]));
+        const float inv = 1.0f / sqrtf(total / (float)rank + eps);
+        for (int i = lane; i < rank; i += 32) latent[i] = __half2float(w[i]) * (c[i] * inv);
+        __syncwarp();
+    }
+};
+
+// The key or value slot of kv_b's output feature j (head j / (nope + v_dim): its nope key
+// channels, then its values), as mla_expand_append places it.
+__device__ __forceinline__ float* mla_kv_slot(int j, int heads, int nope, int kw, int v_dim, size_t p,
+                                              float* keys, float* values) {
+    const int in_w = nope + v_dim, h = j / in_w, cc = j % in_w;
+    return cc < nope ? keys + (p * heads + h) * kw + cc : values + (p * heads + h) * v_dim + (cc - nope);
+}
+
+// MLA from the compressed projection to the caches for one row (decode): the same bits as
+// mla_latent, linear_f16_1 of kv_b and mla_expand_append, in one launch. Block 0 rotates the
+// shared key part c[rank, rank + rope) into every head's key (channels nope..) and the query's
+// rope channels in place. The other blocks are linear_f16_1's work blocks of kv = latent @
+// w_kv^T: each warp loads its first pieces of weights, waits, norms the latent itself
+// (LatentWait), and stores its features straight into their key or value slots at position
+// p = (start_at ? start_at[0] : start). c: [1, rank + rope], 16-byte aligned; rank a multiple of 8
+// from 256 to MLA_APPEND_MAX_RANK; w_kv: [heads * (nope + v_dim), rank].
+// Grid: 1 + ceil(heads * (nope + v_dim) / (FEATURES * WARPS)); block: 32 * WARPS.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) mla_kv_append_1(
+    const float* __restrict__ c, int rank, const __half* __restrict__ w_norm, float eps,
+    const __half* __restrict__ w_kv, int heads, int nope, int rope, int v_dim, float* __restrict__ keys,
+    float* __restrict__ values, int start, const unsigned* __restrict__ start_at, float* __restrict__ q,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int interleaved) {
+    __shared__ __align__(16) float latent[WARPS][MLA_APPEND_MAX_RANK];
+    spx_launch_dependents();
+    const int kw = nope + rope, n = heads * (nope + v_dim);
+    if (blockIdx.x == 0) {
+        spx_grid_wait();
+        const size_t p = (size_t)(start_at ? (int)start_at[0] : start);
+        const int half = rope / 2;
+        for (int h = 0; h < heads; ++h) {
+            rope_segment(c + rank, keys + (p * heads + h) * kw + nope, cos_t, sin_t, half, interleaved,
+                         threadIdx.x, blockDim.x);
+            float* qh = q + (size_t)h * kw + nope;
+            rope_segment(qh, qh, cos_t, sin_t, half, interleaved, threadIdx.x, blockDim.x);
+        }
+        return;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = FEATURES * ((blockIdx.x - 1) * WARPS + warp);
+    if (col >= n) return;
+    const bool second = col + 1 < n;
+    const __half* w0 = w_kv + (size_t)col * rank;
+    // Without a second feature the warp computes the first twice and stores it once.
+    const __half* w1 = second ? w0 + rank : w0;
+    float* x = latent[warp];
+    const float* xr[1] = {x};
+    float a0[1] = {0.0f}, a1[1] = {0.0f};
+    lane_dot2<1, UNROLL_ONE, true>(w0, w1, xr, 1, rank, lane, a0, a1, LatentWait{c, w_norm, eps, rank, x});
+    const float s0 = warp_sum(a0[0]);
+    const float s1 = warp_sum(a1[0]);
+    if (lane == 0) {
+        const size_t p = (size_t)(start_at ? (int)start_at[0] : start);
+        *mla_kv_slot(col, heads, nope, kw, v_dim, p, keys, values) = s0;
+        if (second) *mla_kv_slot(col + 1, heads, nope, kw, v_dim, p, keys, values) = s1;
+    }
 }
 
 // MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and

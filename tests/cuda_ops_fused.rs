@@ -8,7 +8,8 @@ mod common;
 use common::ops::*;
 use specter::arch::RopeStyle;
 use specter::backend::cpu::Cpu;
-use specter::backend::{Backend, MlaShape, RopeSpec};
+use specter::backend::cuda::{CudaBackend, CudaOptions, SkipLaunch};
+use specter::backend::{mla_kv_append_ops, Backend, MlaShape, RopeSpec};
 
 /// The fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against
 /// the GPU's own unfused sequence of the ops each replaces.
@@ -193,4 +194,161 @@ fn fused() {
         }
     }
     p.finish();
+}
+
+/// MLA from the compressed projection to the caches (`mla_kv_append`): for one row the CUDA
+/// backend runs it as one launch (`mla_kv_append_1`), checked against the CPU reference and bit
+/// for bit against the GPU's three ops (`mla_latent`, `linear`, `mla_expand_append`); a backend
+/// that skips that launch must then leave the new cache row unwritten, which shows the fused
+/// launch ran. Several rows, and ranks the kernel does not take, run the three ops.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn mla_kv_append() {
+    let mut p = Family::new("mla_kv_append", 37);
+    let skip = CudaBackend::with_device(
+        std::sync::Arc::new(common::gpu::device()),
+        None,
+        &CudaOptions {
+            skip_launches: vec![SkipLaunch {
+                kernel: "mla_kv_append".into(),
+                blocks: None,
+            }],
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a second CUDA backend");
+    const START: usize = 40;
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        // DeepSeek-V2-Lite's widths; a key/value boundary inside a warp's pair of features and a
+        // last warp with one feature (5 heads of 19 + 17); rank 96 and 1024 and 3 rows, which
+        // the fused kernel does not take.
+        for &(rows, heads, nope, rope, v_dim, rank) in &[
+            (1usize, 16usize, 128usize, 64usize, 128usize, 512usize),
+            (1, 5, 19, 8, 17, 264),
+            (1, 4, 32, 16, 32, 96),
+            (1, 2, 16, 8, 16, 1024),
+            (3, 4, 32, 16, 32, 256),
+        ] {
+            let fused = rows == 1 && rank % 8 == 0 && (256..=512).contains(&rank);
+            let label = format!("{rows}x{heads}x({nope}+{rope}, {v_dim}) rank {rank}, {style:?}");
+            let half = rope / 2;
+            let inv: Vec<f32> = (0..half)
+                .map(|i| 10000f32.powf(-(2.0 * i as f32) / rope as f32))
+                .collect();
+            let pos: Vec<usize> = (0..rows).map(|r| START + r).collect();
+            let scales = vec![1.0f32; rows];
+            let k_rope = RopeSpec {
+                heads: 1,
+                head_stride: rope,
+                offset: 0,
+                rot_dim: rope,
+                style,
+            };
+            let q_rope = RopeSpec {
+                heads,
+                head_stride: nope + rope,
+                offset: nope,
+                rot_dim: rope,
+                style,
+            };
+            let mla = MlaShape { heads, nope, v_dim };
+            let (cc, cg, cv) = p.act(rows, rank + rope);
+            let (nc, ng, ns) = weight_on_both(&mut p, &skip, "kv_a_norm", &[rank], 1.0);
+            let kv_b = [heads * (nope + v_dim), rank];
+            let (bc, bg, bs) = weight_on_both(&mut p, &skip, "kv_b", &kv_b, 0.05);
+            let (mut qc, mut qg, qv) = p.act(rows, heads * (nope + rope));
+            let cap = START + rows + 3;
+            let (mut kc, mut kg, kv0) = p.act(cap, heads * (nope + rope));
+            let (mut vc, mut vg, vv0) = p.act(cap, heads * v_dim);
+            Cpu.mla_kv_append(
+                &cc, &nc, 1e-6, rank, k_rope, &bc, mla, &mut kc, &mut vc, START, &mut qc, q_rope,
+                &inv, &pos, &scales,
+            )
+            .unwrap();
+            let r = p.gpu.mla_kv_append(
+                &cg, &ng, 1e-6, rank, k_rope, &bg, mla, &mut kg, &mut vg, START, &mut qg, q_rope,
+                &inv, &pos, &scales,
+            );
+            p.check_in_place(&format!("{label} keys"), r, &kg, &kc);
+            let gv = {
+                let view = p.gpu.head_rows(&vg, cap);
+                p.check(&format!("{label} values"), view, &vc)
+            };
+            let gq = {
+                let view = p.gpu.head_rows(&qg, rows);
+                p.check(&format!("{label} query"), view, &qc)
+            };
+            // The GPU's three ops on the same inputs.
+            let mut ks = p.gpu.upload(cap, heads * (nope + rope), &kv0).unwrap();
+            let mut vs = p.gpu.upload(cap, heads * v_dim, &vv0).unwrap();
+            let mut qs = p.gpu.upload(rows, heads * (nope + rope), &qv).unwrap();
+            let plain = mla_kv_append_ops(
+                &p.gpu, &cg, &ng, 1e-6, rank, k_rope, &bg, mla, &mut ks, &mut vs, START, &mut qs,
+                q_rope, &inv, &pos, &scales,
+            );
+            let fused_k = p.gpu.to_host(&kg).unwrap();
+            p.same_bits(
+                &format!("{label} keys = three ops"),
+                plain.and_then(|()| p.gpu.to_host(&ks)),
+                &fused_k,
+            );
+            if let (Some(gv), Some(gq)) = (gv, gq) {
+                p.same_bits(
+                    &format!("{label} values = three ops"),
+                    p.gpu.to_host(&vs),
+                    &gv,
+                );
+                p.same_bits(
+                    &format!("{label} query = three ops"),
+                    p.gpu.to_host(&qs),
+                    &gq,
+                );
+            }
+            // The backend that skips the fused launch: the new row keeps its old keys where the
+            // fused kernel is the one that writes them.
+            let upload = |rows, cols, v: &[f32]| skip.upload(rows, cols, v).unwrap();
+            let cs = upload(rows, rank + rope, &cv);
+            let mut k2 = upload(cap, heads * (nope + rope), &kv0);
+            let mut v2 = upload(cap, heads * v_dim, &vv0);
+            let mut q2 = upload(rows, heads * (nope + rope), &qv);
+            let skipped = skip
+                .mla_kv_append(
+                    &cs, &ns, 1e-6, rank, k_rope, &bs, mla, &mut k2, &mut v2, START, &mut q2,
+                    q_rope, &inv, &pos, &scales,
+                )
+                .and_then(|()| skip.to_host(&k2));
+            let untouched = skipped.as_ref().is_ok_and(|k| k == &kv0);
+            p.expect(
+                &format!("{label} fused launch ran: {fused}"),
+                untouched == fused,
+                || match &skipped {
+                    Ok(_) if fused => "skipping mla_kv_append left the keys written".into(),
+                    Ok(_) => "skipping mla_kv_append changed a path that does not use it".into(),
+                    Err(err) => format!("GPU error: {err}"),
+                },
+            );
+        }
+    }
+    p.finish();
+}
+
+/// [`Family::weight`] with the same values also on `other`.
+fn weight_on_both(
+    p: &mut Family,
+    other: &CudaBackend,
+    name: &str,
+    shape: &[usize],
+    scale: f32,
+) -> (CpuWeight, GpuWeight, GpuWeight) {
+    let n: usize = shape.iter().product();
+    let v: Vec<half::f16> = p
+        .values(n, scale)
+        .into_iter()
+        .map(half::f16::from_f32)
+        .collect();
+    (
+        Cpu.weight_f16(name, shape, &v).unwrap(),
+        p.gpu.weight_f16(name, shape, &v).expect("GPU weight"),
+        other.weight_f16(name, shape, &v).expect("GPU weight"),
+    )
 }

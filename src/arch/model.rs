@@ -556,20 +556,13 @@ impl<B: Backend> MoeModel<B> {
                     rot_dim: rope,
                     style: cfg.rope.style,
                 };
-                let (latent, pe) = be.mla_latent(
+                be.mla_kv_append(
                     &compressed,
                     kv_a_norm,
                     MLA_LATENT_NORM_EPS,
                     *kv_lora_rank,
                     k_spec,
-                    &self.rope.inv_freq,
-                    positions,
-                    scales,
-                )?;
-                let expanded = be.linear(&latent, kv_b, None)?;
-                be.mla_expand_append(
-                    &expanded,
-                    &pe,
+                    kv_b,
                     MlaShape {
                         heads: cfg.num_heads,
                         nope,

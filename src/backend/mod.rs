@@ -335,6 +335,35 @@ pub trait Backend: Send + Sync {
         self.rope(q, q_rope, inv_freq, positions, scales)
     }
 
+    /// MLA from the compressed projection to the caches: [`Self::mla_latent`], `kv_b`'s product
+    /// of the latent (no bias), then [`Self::mla_expand_append`] (keys and values written at row
+    /// `start`, the query rotated in place). The default runs those three ops
+    /// ([`mla_kv_append_ops`]); a backend may fuse them, with the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_kv_append(
+        &self,
+        compressed: &Self::Act,
+        norm: &Self::Weight,
+        eps: f32,
+        rank: usize,
+        k_rope: RopeSpec,
+        kv_b: &Self::Weight,
+        mla: MlaShape,
+        keys: &mut Self::Act,
+        values: &mut Self::Act,
+        start: usize,
+        q: &mut Self::Act,
+        q_rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        mla_kv_append_ops(
+            self, compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q, q_rope,
+            inv_freq, positions, scales,
+        )
+    }
+
     /// Routed expert `expert` of model layer `layer`. `load` reads and uploads it like any other
     /// weights (the default); a backend that offloads experts returns a handle instead and
     /// copies the expert in when a pass needs it.
@@ -519,6 +548,36 @@ pub trait Backend: Send + Sync {
         let _ = x;
         0
     }
+}
+
+/// [`Backend::mla_kv_append`] as its three ops: the default, and a backend's path where its
+/// fused form does not apply.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_kv_append_ops<B: Backend + ?Sized>(
+    be: &B,
+    compressed: &B::Act,
+    norm: &B::Weight,
+    eps: f32,
+    rank: usize,
+    k_rope: RopeSpec,
+    kv_b: &B::Weight,
+    mla: MlaShape,
+    keys: &mut B::Act,
+    values: &mut B::Act,
+    start: usize,
+    q: &mut B::Act,
+    q_rope: RopeSpec,
+    inv_freq: &[f32],
+    positions: &[usize],
+    scales: &[f32],
+) -> Result<()> {
+    let (latent, pe) = be.mla_latent(
+        compressed, norm, eps, rank, k_rope, inv_freq, positions, scales,
+    )?;
+    let kv = be.linear(&latent, kv_b, None)?;
+    be.mla_expand_append(
+        &kv, &pe, mla, keys, values, start, q, q_rope, inv_freq, positions, scales,
+    )
 }
 
 /// Shape checks every backend makes before an op, so that both refuse the same calls with the

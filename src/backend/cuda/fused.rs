@@ -1,6 +1,7 @@
 //! Fused forms of op sequences the forward pass runs back to back (see the [`Backend`] defaults
 //! they replace): the residual add with the next RMSNorm, MLA's two projections of one input, its
-//! latent step (split, norm, rope) and its cache append (expand, two row writes, query rope).
+//! latent step (split, norm, rope), its cache append (expand, two row writes, query rope), and
+//! for one row both with kv_b's product between them.
 //! Each kernel does the same per-element arithmetic as the ops it replaces, so the bits are the
 //! same; what it saves is launches and the round trips of intermediates through memory.
 //!
@@ -10,7 +11,7 @@ use super::act::{GpuAct, GpuWeight};
 use super::backend::CudaBackend;
 use super::kernels::*;
 use crate::arch::RopeStyle;
-use crate::backend::{check, MlaShape, RopeSpec};
+use crate::backend::{check, mla_kv_append_ops, MlaShape, RopeSpec};
 use crate::Result;
 
 impl CudaBackend {
@@ -33,6 +34,15 @@ impl CudaBackend {
                 Ok((ptr(&t.cos, s), ptr(&t.sin, s)))
             }
         }
+    }
+
+    /// Where `mla_expand_append` writes new rows at `start`: in a recorded pass, the position
+    /// the step buffer holds at replay (a device pointer); else 0, and the kernel takes `start`.
+    fn append_position(&self, start: usize, rows: usize) -> Result<u64> {
+        Ok(self
+            .step_args()?
+            .filter(|a| a.start == start && a.rows == rows)
+            .map_or(0, |a| a.positions))
     }
 
     pub(super) fn add_rms_norm_op(
@@ -139,27 +149,7 @@ impl CudaBackend {
         scales: &[f32],
     ) -> Result<(GpuAct, GpuAct)> {
         let rot = rope.rot_dim;
-        if rope.heads != 1
-            || rope.offset != 0
-            || rope.head_stride != rot
-            || rank + rot != compressed.cols
-        {
-            return Err(shape_err(
-                "mla_latent",
-                format!(
-                    "a [{}, {}] input does not split into a latent of {rank} and one rotated head of {rot}",
-                    compressed.rows, compressed.cols
-                ),
-            ));
-        }
-        check::rope(
-            &rope,
-            (compressed.rows, rot),
-            inv_freq.len(),
-            positions.len(),
-            scales.len(),
-        )
-        .map_err(|d| shape_err("mla_latent", d))?;
+        check_latent(compressed, rank, &rope, inv_freq, positions, scales)?;
         let w = self.f16_vector(norm, rank, "mla_latent")?;
         let latent = self.alloc(compressed.rows, rank)?;
         let pe = self.alloc(compressed.rows, rot)?;
@@ -206,53 +196,17 @@ impl CudaBackend {
     ) -> Result<()> {
         let MlaShape { heads, nope, v_dim } = mla;
         let rope = k_pe.cols;
-        check::mla_expand(
-            (kv.rows, kv.cols),
-            (k_pe.rows, k_pe.cols),
-            heads,
-            nope,
-            v_dim,
-        )
-        .map_err(|d| shape_err("mla_expand_append", d))?;
-        check::write_rows(
-            (keys.rows, keys.cols),
+        let new = ExpandShape {
+            kv: (kv.rows, kv.cols),
+            k_pe: (k_pe.rows, k_pe.cols),
+            mla,
             start,
-            (kv.rows, heads * (nope + rope)),
-        )
-        .map_err(|d| shape_err("mla_expand_append keys", d))?;
-        check::write_rows((values.rows, values.cols), start, (kv.rows, heads * v_dim))
-            .map_err(|d| shape_err("mla_expand_append values", d))?;
-        check::rope(
-            &q_rope,
-            (q.rows, q.cols),
-            inv_freq.len(),
-            positions.len(),
-            scales.len(),
-        )
-        .map_err(|d| shape_err("mla_expand_append query", d))?;
-        let fits = q_rope.heads == heads
-            && q_rope.head_stride == nope + rope
-            && q_rope.offset == nope
-            && q_rope.rot_dim == rope
-            && q.rows == kv.rows
-            && q.cols == heads * (nope + rope);
-        if !fits {
-            return Err(shape_err(
-                "mla_expand_append",
-                format!(
-                    "the query [{}, {}] does not rotate as the keys do",
-                    q.rows, q.cols
-                ),
-            ));
-        }
+        };
+        check_expand(&new, keys, values, q, &q_rope, inv_freq, positions, scales)?;
         if kv.rows == 0 {
             return Ok(());
         }
-        // A recorded pass appends at the position the step buffer holds at replay.
-        let start_at = self
-            .step_args()?
-            .filter(|a| a.start == start && a.rows == kv.rows)
-            .map_or(0, |a| a.positions);
+        let start_at = self.append_position(start, kv.rows)?;
         let (cos, sin) = self.rope_tables(inv_freq, positions, scales)?;
         let s = &self.stream;
         let h = u32::try_from(heads)
@@ -280,6 +234,181 @@ impl CudaBackend {
             ],
         )
     }
+}
+
+impl CudaBackend {
+    /// `mla_kv_append` in one launch (`mla_kv_append_1`, kernels/ops.cu) where it applies: one
+    /// row, FP16 `kv_b` and norm, a rank the kernel takes, one rotation style. Else the three
+    /// ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mla_kv_append_op(
+        &self,
+        compressed: &GpuAct,
+        norm: &GpuWeight,
+        eps: f32,
+        rank: usize,
+        k_rope: RopeSpec,
+        kv_b: &GpuWeight,
+        mla: MlaShape,
+        keys: &mut GpuAct,
+        values: &mut GpuAct,
+        start: usize,
+        q: &mut GpuAct,
+        q_rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        let MlaShape { heads, nope, v_dim } = mla;
+        let n = heads * (nope + v_dim);
+        let s = &self.stream;
+        let w_kv = self
+            .f16_matrix(kv_b, "mla_kv_append")
+            .ok()
+            .filter(|&(_, rows, cols)| rows == n && cols == rank);
+        let w_norm = self.f16_vector(norm, rank, "mla_kv_append").ok();
+        let takes = compressed.rows == 1
+            && rank.is_multiple_of(8)
+            && (MLA_APPEND_MIN_RANK..=MLA_APPEND_MAX_RANK).contains(&rank)
+            && k_rope.style == q_rope.style
+            && ptr(&compressed.buf, s).is_multiple_of(16);
+        let (Some((w_kv, _, _)), Some(w_norm), true) = (w_kv, w_norm, takes) else {
+            return mla_kv_append_ops(
+                self, compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q,
+                q_rope, inv_freq, positions, scales,
+            );
+        };
+        check_latent(compressed, rank, &k_rope, inv_freq, positions, scales)?;
+        let rot = k_rope.rot_dim;
+        let new = ExpandShape {
+            kv: (1, n),
+            k_pe: (1, rot),
+            mla,
+            start,
+        };
+        check_expand(&new, keys, values, q, &q_rope, inv_freq, positions, scales)?;
+        let start_at = self.append_position(start, 1)?;
+        let (cos, sin) = self.rope_tables(inv_freq, positions, scales)?;
+        let blocks = 1 + grid_for(n, (GEMV_WARPS * GEMV_FEATURES) as u32);
+        self.launch(
+            &self.k.mla_kv_append,
+            "mla_kv_append",
+            (blocks, 1, 1),
+            32 * GEMV_WARPS as u32,
+            &[
+                ptr(&compressed.buf, s),
+                int(rank, "rank")?,
+                ptr(w_norm, s),
+                float(eps),
+                ptr(w_kv, s),
+                int(heads, "heads")?,
+                int(nope, "nope")?,
+                int(rot, "rope")?,
+                int(v_dim, "v_dim")?,
+                ptr(&keys.buf, s),
+                ptr(&values.buf, s),
+                int(start, "start")?,
+                start_at,
+                ptr(&q.buf, s),
+                cos,
+                sin,
+                u64::from(q_rope.style == RopeStyle::Interleaved),
+            ],
+        )
+    }
+}
+
+/// The shapes of the rows `mla_expand_append` writes: `kv` and `k_pe` of the new rows, and the
+/// cache row they go to.
+struct ExpandShape {
+    kv: (usize, usize),
+    k_pe: (usize, usize),
+    mla: MlaShape,
+    start: usize,
+}
+
+/// `mla_latent`'s checks: `compressed` splits into a latent of `rank` and one rotated head.
+fn check_latent(
+    compressed: &GpuAct,
+    rank: usize,
+    rope: &RopeSpec,
+    inv_freq: &[f32],
+    positions: &[usize],
+    scales: &[f32],
+) -> Result<()> {
+    let rot = rope.rot_dim;
+    if rope.heads != 1
+        || rope.offset != 0
+        || rope.head_stride != rot
+        || rank + rot != compressed.cols
+    {
+        return Err(shape_err(
+            "mla_latent",
+            format!(
+                "a [{}, {}] input does not split into a latent of {rank} and one rotated head of {rot}",
+                compressed.rows, compressed.cols
+            ),
+        ));
+    }
+    check::rope(
+        rope,
+        (compressed.rows, rot),
+        inv_freq.len(),
+        positions.len(),
+        scales.len(),
+    )
+    .map_err(|d| shape_err("mla_latent", d))
+}
+
+/// `mla_expand_append`'s checks: the new rows fit the caches at `start`, and the query rotates
+/// as the keys do.
+#[allow(clippy::too_many_arguments)]
+fn check_expand(
+    new: &ExpandShape,
+    keys: &GpuAct,
+    values: &GpuAct,
+    q: &GpuAct,
+    q_rope: &RopeSpec,
+    inv_freq: &[f32],
+    positions: &[usize],
+    scales: &[f32],
+) -> Result<()> {
+    let MlaShape { heads, nope, v_dim } = new.mla;
+    let (rows, rope) = (new.kv.0, new.k_pe.1);
+    check::mla_expand(new.kv, new.k_pe, heads, nope, v_dim)
+        .map_err(|d| shape_err("mla_expand_append", d))?;
+    check::write_rows(
+        (keys.rows, keys.cols),
+        new.start,
+        (rows, heads * (nope + rope)),
+    )
+    .map_err(|d| shape_err("mla_expand_append keys", d))?;
+    check::write_rows((values.rows, values.cols), new.start, (rows, heads * v_dim))
+        .map_err(|d| shape_err("mla_expand_append values", d))?;
+    check::rope(
+        q_rope,
+        (q.rows, q.cols),
+        inv_freq.len(),
+        positions.len(),
+        scales.len(),
+    )
+    .map_err(|d| shape_err("mla_expand_append query", d))?;
+    let fits = q_rope.heads == heads
+        && q_rope.head_stride == nope + rope
+        && q_rope.offset == nope
+        && q_rope.rot_dim == rope
+        && q.rows == rows
+        && q.cols == heads * (nope + rope);
+    if !fits {
+        return Err(shape_err(
+            "mla_expand_append",
+            format!(
+                "the query [{}, {}] does not rotate as the keys do",
+                q.rows, q.cols
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn rows_grid(rows: usize, op: &str) -> Result<u32> {

@@ -14,6 +14,8 @@ pub(super) struct Kernels {
     pub(super) add_rms_norm: CudaFunction,
     pub(super) mla_latent: CudaFunction,
     pub(super) mla_expand_append: CudaFunction,
+    /// mla_latent, kv_b's product and mla_expand_append of one row in one launch.
+    pub(super) mla_kv_append: CudaFunction,
     pub(super) linear2: GridStride,
     pub(super) layer_norm: CudaFunction,
     pub(super) copy_cols: CudaFunction,
@@ -62,6 +64,7 @@ impl Kernels {
             add_rms_norm: ops("add_rms_norm")?,
             mla_latent: ops("mla_latent")?,
             mla_expand_append: ops("mla_expand_append")?,
+            mla_kv_append: ops("mla_kv_append_1")?,
             linear2: GridStride::load(dev, gemv("linear2_f16")?)?,
             layer_norm: ops("layer_norm")?,
             copy_cols: ops("copy_cols")?,

@@ -66,6 +66,15 @@ pub(crate) const ATT_COUNTERS: usize = 8192;
 /// kernel strides by `blockDim.x`, so any block size computes the same values.
 pub(crate) const MLA_THREADS: u32 = 128;
 
+/// Most latent columns `mla_kv_append_1` takes (each warp's shared copy): `MLA_APPEND_MAX_RANK`
+/// in kernels/ops.cu.
+pub(crate) const MLA_APPEND_MAX_RANK: usize = 512;
+
+/// Fewest latent columns `mla_kv_append_1` takes: its product waits, and norms the latent, at
+/// the first pieces every lane loads, which needs 32 pieces of 8 (kernels/linear_rows.cuh,
+/// `lane_dot2`). A property of that code, not a define.
+pub(crate) const MLA_APPEND_MIN_RANK: usize = 256;
+
 /// Threads of the fused routing + work-list kernel `route_plan`: `32 * ROUTE_PLAN_WARPS` in
 /// kernels/routing.cu (its `__launch_bounds__`, and one warp's `MAX_TOP_K` shared slots each).
 pub(crate) const ROUTE_PLAN_THREADS: u32 = 256;
@@ -204,6 +213,10 @@ mod tests {
         let ops = integer_defines("ops");
         assert_eq!(i64::from(ROW_THREADS), define(&ops, "ops", "ROW_THREADS"));
         assert_eq!(ARGMAX_CHUNK as i64, define(&ops, "ops", "ARGMAX_CHUNK"));
+        assert_eq!(
+            MLA_APPEND_MAX_RANK as i64,
+            define(&ops, "ops", "MLA_APPEND_MAX_RANK")
+        );
         let gemv = integer_defines("gemv_f16");
         assert_eq!(
             GEMV_WORK_ROWS as i64,

@@ -415,6 +415,30 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn mla_kv_append(
+        &self,
+        compressed: &GpuAct,
+        norm: &GpuWeight,
+        eps: f32,
+        rank: usize,
+        k_rope: RopeSpec,
+        kv_b: &GpuWeight,
+        mla: MlaShape,
+        keys: &mut GpuAct,
+        values: &mut GpuAct,
+        start: usize,
+        q: &mut GpuAct,
+        q_rope: RopeSpec,
+        inv_freq: &[f32],
+        positions: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        self.mla_kv_append_op(
+            compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q, q_rope,
+            inv_freq, positions, scales,
+        )
+    }
+
     fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
         check::split(widths, x.cols).map_err(|d| shape_err("split_cols", d))?;
         let outs = widths

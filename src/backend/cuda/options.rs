@@ -73,6 +73,7 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "linear_pair",
     "mla_expand_append",
     "mla_expand_kv",
+    "mla_kv_append",
     "mla_latent",
     "moe combine",
     "moe down",
