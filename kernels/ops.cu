@@ -259,22 +259,26 @@ __device__ __forceinline__ float2 rope_pair(float a, float b, float c, float s, 
     return make_float2(a * c - b * s, b * c + a * s);
 }
 
+// Pair i of rope_segment.
+__device__ __forceinline__ void rope_pair_at(const float* in, float* out, const float* cs, const float* sn,
+                                             int half, int interleaved, int i) {
+    const float c = cs[i], s = sn[i];
+    if (interleaved) {
+        const float2 r = rope_pair(in[2 * i], in[2 * i + 1], c, s, 1);
+        out[2 * i] = r.x;
+        out[2 * i + 1] = r.y;
+    } else {
+        const float2 r = rope_pair(in[i], in[i + half], c, s, 0);
+        out[i] = r.x;
+        out[i + half] = r.y;
+    }
+}
+
 // Rotates channels [offset, offset + rot_dim) of one head segment `in` into `out` (the same
 // place for an in-place rotation) by the row's cos/sin (`half` each). Threads t, t + step, ...
 __device__ __forceinline__ void rope_segment(const float* in, float* out, const float* cs, const float* sn,
                                              int half, int interleaved, int t, int step) {
-    for (int i = t; i < half; i += step) {
-        const float c = cs[i], s = sn[i];
-        if (interleaved) {
-            const float2 r = rope_pair(in[2 * i], in[2 * i + 1], c, s, 1);
-            out[2 * i] = r.x;
-            out[2 * i + 1] = r.y;
-        } else {
-            const float2 r = rope_pair(in[i], in[i + half], c, s, 0);
-            out[i] = r.x;
-            out[i + half] = r.y;
-        }
-    }
+    for (int i = t; i < half; i += step) rope_pair_at(in, out, cs, sn, half, interleaved, i);
 }
 
 // Rotates each head's channels [offset, offset + rot_dim) of row r by the host-computed
@@ -355,8 +359,9 @@ extern "C" __global__ void mla_expand_append(const float* __restrict__ kv, const
 
 // The wait of mla_kv_append_1's product: after the previous kernels, the warp writes the row's
 // normed latent into its own shared copy, with rms_norm_group's arithmetic for ROW_THREADS
-// threads: lane l stands for threads l + 32 j, whose sums of squares run in their order (float4
-// pieces t, t + ROW_THREADS, ...) and combine by block_sum's tree; each element is w * (v * inv).
+// threads. Thread t of rms_norm_group sums the squares of float4 piece t (rank <= 4 ROW_THREADS:
+// one piece each at most); lane l holds pieces l + 32 j, all loaded at once with their weights,
+// and the warps' sums combine by block_sum's tree. Each element is w * (v * inv).
 struct LatentWait {
     const float* c;
     const __half* w;
@@ -365,26 +370,47 @@ struct LatentWait {
     float* latent;
     __device__ __forceinline__ void operator()() const {
         static_assert(ROW_THREADS == 256, "the tree below is block_sum's for 8 warps");
+        static_assert(MLA_APPEND_MAX_RANK <= 4 * ROW_THREADS, "one float4 piece a thread");
+        constexpr int PIECES = MLA_APPEND_MAX_RANK / 128;  // float4 pieces a lane holds
         spx_grid_wait();
         const int lane = threadIdx.x & 31;
         const int n4 = rank >> 2;
+        float4 v[PIECES];
+        uint2 wv[PIECES];
+#pragma unroll
+        for (int j = 0; j < PIECES; ++j) {
+            const int i = lane + 32 * j;
+            if (i < n4) {
+                v[j] = reinterpret_cast<const float4*>(c)[i];
+                wv[j] = reinterpret_cast<const uint2*>(w)[i];
+            }
+        }
         float ws[ROW_THREADS / 32];
 #pragma unroll
         for (int j = 0; j < ROW_THREADS / 32; ++j) {
             float ss = 0.0f;
-            for (int i = lane + 32 * j; i < n4; i += ROW_THREADS) {
-                const float4 v = reinterpret_cast<const float4*>(c)[i];
-                ss = fmaf(v.x, v.x, ss);
-                ss = fmaf(v.y, v.y, ss);
-                ss = fmaf(v.z, v.z, ss);
-                ss = fmaf(v.w, v.w, ss);
+            if (j < PIECES && lane + 32 * j < n4) {
+                ss = fmaf(v[j].x, v[j].x, ss);
+                ss = fmaf(v[j].y, v[j].y, ss);
+                ss = fmaf(v[j].z, v[j].z, ss);
+                ss = fmaf(v[j].w, v[j].w, ss);
             }
-            ws[j] = warp_sum(ss);
+            ws[j] = j < PIECES ? warp_sum(ss) : 0.0f;
         }
         // block_sum: lanes 0..7 hold the warps' sums, then xor 4, 2, 1; lane 0's order.
         const float total = ((ws[0] + ws[4]) + (ws[2] + ws[6])) + ((ws[1] + ws[5]) + (ws[3] + ws[7]));
         const float inv = 1.0f / sqrtf(total / (float)rank + eps);
-        for (int i = lane; i < rank; i += 32) latent[i] = __half2float(w[i]) * (c[i] * inv);
+#pragma unroll
+        for (int j = 0; j < PIECES; ++j) {
+            const int i = lane + 32 * j;
+            if (i < n4) {
+                const __half2* h2 = reinterpret_cast<const __half2*>(&wv[j]);
+                const float2 wa = __half22float2(h2[0]), wb = __half22float2(h2[1]);
+                reinterpret_cast<float4*>(latent)[i] =
+                    make_float4(wa.x * (v[j].x * inv), wa.y * (v[j].y * inv), wb.x * (v[j].z * inv),
+                                wb.y * (v[j].w * inv));
+            }
+        }
         __syncwarp();
     }
 };
@@ -403,8 +429,8 @@ __device__ __forceinline__ float* mla_kv_slot(int j, int heads, int nope, int kw
 // rope channels in place. The other blocks are linear_f16_1's work blocks of kv = latent @
 // w_kv^T: each warp loads its first pieces of weights, waits, norms the latent itself
 // (LatentWait), and stores its features straight into their key or value slots at position
-// p = (start_at ? start_at[0] : start). c: [1, rank + rope], 16-byte aligned; rank a multiple of 8
-// from 256 to MLA_APPEND_MAX_RANK; w_kv: [heads * (nope + v_dim), rank].
+// p = (start_at ? start_at[0] : start). c: [1, rank + rope], 16-byte aligned; w_norm 8-byte aligned;
+// rank a multiple of 8 from 256 to MLA_APPEND_MAX_RANK; w_kv: [heads * (nope + v_dim), rank].
 // Grid: 1 + ceil(heads * (nope + v_dim) / (FEATURES * WARPS)); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) mla_kv_append_1(
     const float* __restrict__ c, int rank, const __half* __restrict__ w_norm, float eps,
@@ -418,11 +444,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) mla_kv_append_1(
         spx_grid_wait();
         const size_t p = (size_t)(start_at ? (int)start_at[0] : start);
         const int half = rope / 2;
-        for (int h = 0; h < heads; ++h) {
-            rope_segment(c + rank, keys + (p * heads + h) * kw + nope, cos_t, sin_t, half, interleaved,
-                         threadIdx.x, blockDim.x);
+        // Every head's pairs at once (thread t: head t / half, pair t % half), each rotated as
+        // rope_segment rotates it.
+        for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+            const int h = t / half, i = t % half;
+            rope_pair_at(c + rank, keys + (p * heads + h) * kw + nope, cos_t, sin_t, half, interleaved, i);
             float* qh = q + (size_t)h * kw + nope;
-            rope_segment(qh, qh, cos_t, sin_t, half, interleaved, threadIdx.x, blockDim.x);
+            rope_pair_at(qh, qh, cos_t, sin_t, half, interleaved, i);
         }
         return;
     }

@@ -271,7 +271,8 @@ impl CudaBackend {
             && rank.is_multiple_of(8)
             && (MLA_APPEND_MIN_RANK..=MLA_APPEND_MAX_RANK).contains(&rank)
             && k_rope.style == q_rope.style
-            && ptr(&compressed.buf, s).is_multiple_of(16);
+            && ptr(&compressed.buf, s).is_multiple_of(16)
+            && w_norm.is_some_and(|w| ptr(w, s).is_multiple_of(8));
         let (Some((w_kv, _, _)), Some(w_norm), true) = (w_kv, w_norm, takes) else {
             return mla_kv_append_ops(
                 self, compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q,
