@@ -202,10 +202,104 @@ __device__ void plan_list(const unsigned* ids, const float* weights, int rows, i
     }
 }
 
+// route_plan_block for one row of at most 32 * ROUTE_CACHE experts, by one warp in registers (a
+// decode step's routing is a latency chain: no shared memory, barriers or reloads here). The
+// routing is route_row's (its probabilities, picks and weights, in its order); the work list is
+// the one plan_list gives one row: the picked experts (all different) a group of one item each,
+// groups and items in ascending expert id, and row_items 0 .. top_k - 1 (ascending item).
+__device__ __forceinline__ void route_plan_one(const float* __restrict__ row, int experts, int top_k,
+                                               int renormalize, float scale, unsigned* __restrict__ ids,
+                                               float* __restrict__ weights, const ExpertGroup* __restrict__ table,
+                                               int max_groups, ExpertGroup* __restrict__ groups,
+                                               unsigned* __restrict__ item_row, float* __restrict__ item_weight,
+                                               unsigned* __restrict__ row_items) {
+    const int lane = threadIdx.x & 31;
+    float x[ROUTE_CACHE];
+#pragma unroll
+    for (int u = 0; u < ROUTE_CACHE; ++u) {
+        const int e = lane + 32 * u;
+        x[u] = e < experts ? row[e] : 0.0f;
+    }
+    float m = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int u = 0; u < ROUTE_CACHE; ++u) {
+        if (lane + 32 * u < experts) m = fmaxf(m, x[u]);
+    }
+    m = warp_max(m);
+    float total = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ROUTE_CACHE; ++u) {
+        if (lane + 32 * u < experts) total += expf(x[u] - m);
+    }
+    total = warp_sum(total);
+    float pc[ROUTE_CACHE];
+#pragma unroll
+    for (int u = 0; u < ROUTE_CACHE; ++u) {
+        pc[u] = lane + 32 * u < experts ? expf(x[u] - m) / total : 0.0f;
+    }
+    // Lane j keeps pick j.
+    unsigned taken_bits = 0;
+    int my_e = experts;
+    float my_p = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        float best = -1.0f;
+        int best_e = experts;
+#pragma unroll
+        for (int u = 0; u < ROUTE_CACHE; ++u) {
+            const int e = lane + 32 * u;
+            if (e >= experts || ((taken_bits >> u) & 1u)) continue;
+            if (pc[u] > best || (pc[u] == best && e < best_e)) {
+                best = pc[u];
+                best_e = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) {
+                best = ob;
+                best_e = oe;
+            }
+        }
+        if (best_e < experts && (best_e & 31) == lane) taken_bits |= 1u << (best_e >> 5);
+        if (lane == j) {
+            my_e = best_e;
+            my_p = best;
+        }
+    }
+    float s = 0.0f;
+    int rank = 0;
+    for (int j = 0; j < top_k; ++j) {
+        s += __shfl_sync(0xffffffffu, my_p, j);
+        rank += __shfl_sync(0xffffffffu, my_e, j) < my_e;
+    }
+    if (lane < top_k) {
+        float w = my_p;
+        if (renormalize) w /= s;
+        if (scale != 1.0f) w *= scale;
+        ids[lane] = (unsigned)my_e;
+        weights[lane] = w;
+        ExpertGroup grp = table[my_e];
+        grp.first = (unsigned)rank;
+        grp.count = 1;
+        groups[rank] = grp;
+        item_row[rank] = 0;
+        item_weight[rank] = w;
+        row_items[lane] = (unsigned)lane;
+    }
+    for (int g = top_k + lane; g < max_groups; g += 32) {
+        ExpertGroup grp = table[0];
+        grp.first = 0;
+        grp.count = 0;
+        groups[g] = grp;
+    }
+}
+
 // Routing of `rows` rows (warp w of the block's RW routes rows w, w + RW, ...: the per-row code of
 // route_softmax_topk), then, after the block barrier makes ids/weights visible, the work list as
-// moe_plan builds it. The body of route_plan (routing.cu) and of block 0 of
-// route_plan_shared_f16 (gemv_f16.cu); the block has 32 * RW threads.
+// moe_plan builds it (one row: route_plan_one, the same values). The body of route_plan
+// (routing.cu) and of block 0 of route_plan_shared_f16 (gemv_f16.cu); the block has 32 * RW
+// threads.
 template <int RW>
 __device__ __forceinline__ void route_plan_block(const float* __restrict__ logits, int experts, int top_k,
                                                  int renormalize, float scale, unsigned* ids, float* weights,
@@ -216,6 +310,13 @@ __device__ __forceinline__ void route_plan_block(const float* __restrict__ logit
     __shared__ float chosen_p[RW][MAX_TOP_K];
     __shared__ PlanShared sh;
     const int warp = threadIdx.x >> 5;
+    if (rows == 1 && experts <= 32 * ROUTE_CACHE && top_k <= min(experts, 32)) {
+        if (warp == 0) {
+            route_plan_one(logits, experts, top_k, renormalize, scale, ids, weights, table, max_groups, groups,
+                           item_row, item_weight, row_items);
+        }
+        return;
+    }
     for (int r = warp; r < rows; r += RW) {
         route_row(logits + (size_t)r * experts, experts, top_k, renormalize, scale, chosen[warp], chosen_p[warp],
                   ids + (size_t)r * top_k, weights + (size_t)r * top_k);
