@@ -296,16 +296,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
         const int h = t / half, i = t % half;
         float* seg = row + h * head_stride + offset;
-        const float c = cs[i], s = sn[i];
-        if (interleaved) {
-            const float2 v = rope_pair(seg[2 * i], seg[2 * i + 1], c, s, 1);
-            seg[2 * i] = v.x;
-            seg[2 * i + 1] = v.y;
-        } else {
-            const float2 v = rope_pair(seg[i], seg[i + half], c, s, 0);
-            seg[i] = v.x;
-            seg[i + half] = v.y;
-        }
+        rope_pair_at(seg, seg, cs, sn, half, interleaved, i);
     }
 }
 

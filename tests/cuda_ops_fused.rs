@@ -9,7 +9,7 @@ use common::ops::*;
 use specter::arch::RopeStyle;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{CudaBackend, CudaOptions, SkipLaunch};
-use specter::backend::{mla_kv_append_ops, Backend, MlaShape, RopeSpec};
+use specter::backend::{mla_kv_append_ops, Backend, MlaAppend, MlaShape, RopeSpec};
 
 /// The fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against
 /// the GPU's own unfused sequence of the ops each replaces.
@@ -260,15 +260,26 @@ fn mla_kv_append() {
             let cap = START + rows + 3;
             let (mut kc, mut kg, kv0) = p.act(cap, heads * (nope + rope));
             let (mut vc, mut vg, vv0) = p.act(cap, heads * v_dim);
-            Cpu.mla_kv_append(
-                &cc, &nc, 1e-6, rank, k_rope, &bc, mla, &mut kc, &mut vc, START, &mut qc, q_rope,
-                &inv, &pos, &scales,
-            )
-            .unwrap();
-            let r = p.gpu.mla_kv_append(
-                &cg, &ng, 1e-6, rank, k_rope, &bg, mla, &mut kg, &mut vg, START, &mut qg, q_rope,
-                &inv, &pos, &scales,
-            );
+            let cpu_step = MlaAppend {
+                norm: &nc,
+                eps: 1e-6,
+                rank,
+                k_rope,
+                kv_b: &bc,
+                shape: mla,
+                start: START,
+                q_rope,
+                inv_freq: &inv,
+                positions: &pos,
+                scales: &scales,
+            };
+            Cpu.mla_kv_append(&cc, &cpu_step, &mut kc, &mut vc, &mut qc)
+                .unwrap();
+            let gpu_step = with_weights(&cpu_step, &ng, &bg);
+            let skip_step = with_weights(&cpu_step, &ns, &bs);
+            let r = p
+                .gpu
+                .mla_kv_append(&cg, &gpu_step, &mut kg, &mut vg, &mut qg);
             p.check_in_place(&format!("{label} keys"), r, &kg, &kc);
             let gv = {
                 let view = p.gpu.head_rows(&vg, cap);
@@ -282,10 +293,7 @@ fn mla_kv_append() {
             let mut ks = p.gpu.upload(cap, heads * (nope + rope), &kv0).unwrap();
             let mut vs = p.gpu.upload(cap, heads * v_dim, &vv0).unwrap();
             let mut qs = p.gpu.upload(rows, heads * (nope + rope), &qv).unwrap();
-            let plain = mla_kv_append_ops(
-                &p.gpu, &cg, &ng, 1e-6, rank, k_rope, &bg, mla, &mut ks, &mut vs, START, &mut qs,
-                q_rope, &inv, &pos, &scales,
-            );
+            let plain = mla_kv_append_ops(&p.gpu, &cg, &gpu_step, &mut ks, &mut vs, &mut qs);
             let fused_k = p.gpu.to_host(&kg).unwrap();
             p.same_bits(
                 &format!("{label} keys = three ops"),
@@ -312,10 +320,7 @@ fn mla_kv_append() {
             let mut v2 = upload(cap, heads * v_dim, &vv0);
             let mut q2 = upload(rows, heads * (nope + rope), &qv);
             let skipped = skip
-                .mla_kv_append(
-                    &cs, &ns, 1e-6, rank, k_rope, &bs, mla, &mut k2, &mut v2, START, &mut q2,
-                    q_rope, &inv, &pos, &scales,
-                )
+                .mla_kv_append(&cs, &skip_step, &mut k2, &mut v2, &mut q2)
                 .and_then(|()| skip.to_host(&k2));
             let untouched = skipped.as_ref().is_ok_and(|k| k == &kv0);
             p.expect(
@@ -351,4 +356,21 @@ fn weight_on_both(
         p.gpu.weight_f16(name, shape, &v).expect("GPU weight"),
         other.weight_f16(name, shape, &v).expect("GPU weight"),
     )
+}
+
+/// `step` with another backend's norm and kv_b weights.
+fn with_weights<'a, W, V>(step: &MlaAppend<'a, V>, norm: &'a W, kv_b: &'a W) -> MlaAppend<'a, W> {
+    MlaAppend {
+        norm,
+        eps: step.eps,
+        rank: step.rank,
+        k_rope: step.k_rope,
+        kv_b,
+        shape: step.shape,
+        start: step.start,
+        q_rope: step.q_rope,
+        inv_freq: step.inv_freq,
+        positions: step.positions,
+        scales: step.scales,
+    }
 }

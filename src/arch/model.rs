@@ -12,7 +12,7 @@ use super::tensors::{
     shared_expert_gate_name, shared_expert_prefix,
 };
 use super::{Proj, TensorSpec};
-use crate::backend::{AttentionSpec, Backend, GatedMlp, MlaShape, RopeSpec, RouteSpec};
+use crate::backend::{AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, RopeSpec, RouteSpec};
 use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
 use crate::weights::WeightStore;
 use crate::{Error, Result};
@@ -556,27 +556,24 @@ impl<B: Backend> MoeModel<B> {
                     rot_dim: rope,
                     style: cfg.rope.style,
                 };
-                be.mla_kv_append(
-                    &compressed,
-                    kv_a_norm,
-                    MLA_LATENT_NORM_EPS,
-                    *kv_lora_rank,
-                    k_spec,
+                let step = MlaAppend {
+                    norm: kv_a_norm,
+                    eps: MLA_LATENT_NORM_EPS,
+                    rank: *kv_lora_rank,
+                    k_rope: k_spec,
                     kv_b,
-                    MlaShape {
+                    shape: MlaShape {
                         heads: cfg.num_heads,
                         nope,
                         v_dim: vd,
                     },
-                    keys,
-                    values,
                     start,
-                    &mut qs,
-                    q_spec,
-                    &self.rope.inv_freq,
+                    q_rope: q_spec,
+                    inv_freq: &self.rope.inv_freq,
                     positions,
                     scales,
-                )?;
+                };
+                be.mla_kv_append(&compressed, &step, keys, values, &mut qs)?;
                 let out = be.attention(
                     &qs,
                     keys,

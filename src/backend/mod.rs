@@ -37,6 +37,28 @@ pub struct MlaShape {
     pub v_dim: usize,
 }
 
+/// What [`Backend::mla_kv_append`] reads besides the compressed projection and writes into:
+/// the latent's norm, kv_b, both rotations and the cache row.
+pub struct MlaAppend<'a, W> {
+    /// The latent's RMSNorm weight (`[rank]`) and epsilon.
+    pub norm: &'a W,
+    pub eps: f32,
+    /// The latent's width: the compressed projection is `[rows, rank + k_rope.rot_dim]`.
+    pub rank: usize,
+    /// The shared key part's rotation: one head of `rot_dim` channels.
+    pub k_rope: RopeSpec,
+    /// kv_b's weight, `[heads * (nope + v_dim), rank]` (no bias).
+    pub kv_b: &'a W,
+    pub shape: MlaShape,
+    /// The cache row the new rows go to.
+    pub start: usize,
+    /// The query's rotation (each head's rope channels).
+    pub q_rope: RopeSpec,
+    pub inv_freq: &'a [f32],
+    pub positions: &'a [usize],
+    pub scales: &'a [f32],
+}
+
 /// Shapes and masking of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionSpec {
@@ -335,33 +357,20 @@ pub trait Backend: Send + Sync {
         self.rope(q, q_rope, inv_freq, positions, scales)
     }
 
-    /// MLA from the compressed projection to the caches: [`Self::mla_latent`], `kv_b`'s product
-    /// of the latent (no bias), then [`Self::mla_expand_append`] (keys and values written at row
-    /// `start`, the query rotated in place). The default runs those three ops
-    /// ([`mla_kv_append_ops`]); a backend may fuse them, with the same bits.
-    #[allow(clippy::too_many_arguments)]
+    /// MLA from the compressed projection to the caches: [`Self::mla_latent`] of `compressed`,
+    /// `kv_b`'s product of the latent (no bias), then [`Self::mla_expand_append`] (keys and
+    /// values written at row `start`, `q` rotated in place), as `step` describes them. The
+    /// default runs those three ops ([`mla_kv_append_ops`]); a backend may fuse them, with the
+    /// same bits.
     fn mla_kv_append(
         &self,
         compressed: &Self::Act,
-        norm: &Self::Weight,
-        eps: f32,
-        rank: usize,
-        k_rope: RopeSpec,
-        kv_b: &Self::Weight,
-        mla: MlaShape,
+        step: &MlaAppend<'_, Self::Weight>,
         keys: &mut Self::Act,
         values: &mut Self::Act,
-        start: usize,
         q: &mut Self::Act,
-        q_rope: RopeSpec,
-        inv_freq: &[f32],
-        positions: &[usize],
-        scales: &[f32],
     ) -> Result<()> {
-        mla_kv_append_ops(
-            self, compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q, q_rope,
-            inv_freq, positions, scales,
-        )
+        mla_kv_append_ops(self, compressed, step, keys, values, q)
     }
 
     /// Routed expert `expert` of model layer `layer`. `load` reads and uploads it like any other
@@ -552,31 +561,37 @@ pub trait Backend: Send + Sync {
 
 /// [`Backend::mla_kv_append`] as its three ops: the default, and a backend's path where its
 /// fused form does not apply.
-#[allow(clippy::too_many_arguments)]
 pub fn mla_kv_append_ops<B: Backend + ?Sized>(
     be: &B,
     compressed: &B::Act,
-    norm: &B::Weight,
-    eps: f32,
-    rank: usize,
-    k_rope: RopeSpec,
-    kv_b: &B::Weight,
-    mla: MlaShape,
+    step: &MlaAppend<'_, B::Weight>,
     keys: &mut B::Act,
     values: &mut B::Act,
-    start: usize,
     q: &mut B::Act,
-    q_rope: RopeSpec,
-    inv_freq: &[f32],
-    positions: &[usize],
-    scales: &[f32],
 ) -> Result<()> {
     let (latent, pe) = be.mla_latent(
-        compressed, norm, eps, rank, k_rope, inv_freq, positions, scales,
+        compressed,
+        step.norm,
+        step.eps,
+        step.rank,
+        step.k_rope,
+        step.inv_freq,
+        step.positions,
+        step.scales,
     )?;
-    let kv = be.linear(&latent, kv_b, None)?;
+    let kv = be.linear(&latent, step.kv_b, None)?;
     be.mla_expand_append(
-        &kv, &pe, mla, keys, values, start, q, q_rope, inv_freq, positions, scales,
+        &kv,
+        &pe,
+        step.shape,
+        keys,
+        values,
+        step.start,
+        q,
+        step.q_rope,
+        step.inv_freq,
+        step.positions,
+        step.scales,
     )
 }
 

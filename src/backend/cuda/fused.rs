@@ -11,7 +11,7 @@ use super::act::{GpuAct, GpuWeight};
 use super::backend::CudaBackend;
 use super::kernels::*;
 use crate::arch::RopeStyle;
-use crate::backend::{check, mla_kv_append_ops, MlaShape, RopeSpec};
+use crate::backend::{check, mla_kv_append_ops, MlaAppend, MlaShape, RopeSpec};
 use crate::Result;
 
 impl CudaBackend {
@@ -194,7 +194,7 @@ impl CudaBackend {
         positions: &[usize],
         scales: &[f32],
     ) -> Result<()> {
-        let MlaShape { heads, nope, v_dim } = mla;
+        let heads = mla.heads;
         let rope = k_pe.cols;
         let new = ExpandShape {
             kv: (kv.rows, kv.cols),
@@ -211,28 +211,47 @@ impl CudaBackend {
         let s = &self.stream;
         let h = u32::try_from(heads)
             .map_err(|_| shape_err("mla_expand_append", "too many heads".into()))?;
+        let mut args = vec![ptr(&kv.buf, s), ptr(&k_pe.buf, s)];
+        let rotation = (cos, sin, q_rope.style);
+        args.extend(self.append_args(mla, rope, keys, values, (start, start_at), q, rotation)?);
         self.launch(
             &self.k.mla_expand_append,
             "mla_expand_append",
             (rows_grid(kv.rows, "mla_expand_append")?, h, 1),
             MLA_THREADS,
-            &[
-                ptr(&kv.buf, s),
-                ptr(&k_pe.buf, s),
-                int(heads, "heads")?,
-                int(nope, "nope")?,
-                int(rope, "rope")?,
-                int(v_dim, "v_dim")?,
-                ptr(&keys.buf, s),
-                ptr(&values.buf, s),
-                int(start, "start")?,
-                start_at,
-                ptr(&q.buf, s),
-                cos,
-                sin,
-                u64::from(q_rope.style == RopeStyle::Interleaved),
-            ],
+            &args,
         )
+    }
+
+    /// The arguments `mla_expand_append` and `mla_kv_append_1` share, in their order: the
+    /// shape, the caches and where the rows go (`start`, or the step buffer's position), the
+    /// query and its rotation tables and style.
+    #[allow(clippy::too_many_arguments)]
+    fn append_args(
+        &self,
+        mla: MlaShape,
+        rope: usize,
+        keys: &GpuAct,
+        values: &GpuAct,
+        (start, start_at): (usize, u64),
+        q: &GpuAct,
+        (cos, sin, style): (u64, u64, RopeStyle),
+    ) -> Result<[u64; 12]> {
+        let s = &self.stream;
+        Ok([
+            int(mla.heads, "heads")?,
+            int(mla.nope, "nope")?,
+            int(rope, "rope")?,
+            int(mla.v_dim, "v_dim")?,
+            ptr(&keys.buf, s),
+            ptr(&values.buf, s),
+            int(start, "start")?,
+            start_at,
+            ptr(&q.buf, s),
+            cos,
+            sin,
+            u64::from(style == RopeStyle::Interleaved),
+        ])
     }
 }
 
@@ -240,81 +259,69 @@ impl CudaBackend {
     /// `mla_kv_append` in one launch (`mla_kv_append_1`, kernels/ops.cu) where it applies: one
     /// row, FP16 `kv_b` and norm, a rank the kernel takes, one rotation style. Else the three
     /// ops.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn mla_kv_append_op(
         &self,
         compressed: &GpuAct,
-        norm: &GpuWeight,
-        eps: f32,
-        rank: usize,
-        k_rope: RopeSpec,
-        kv_b: &GpuWeight,
-        mla: MlaShape,
+        step: &MlaAppend<'_, GpuWeight>,
         keys: &mut GpuAct,
         values: &mut GpuAct,
-        start: usize,
         q: &mut GpuAct,
-        q_rope: RopeSpec,
-        inv_freq: &[f32],
-        positions: &[usize],
-        scales: &[f32],
     ) -> Result<()> {
-        let MlaShape { heads, nope, v_dim } = mla;
-        let n = heads * (nope + v_dim);
+        let MlaShape { heads, nope, v_dim } = step.shape;
+        let (rank, n) = (step.rank, heads * (nope + v_dim));
         let s = &self.stream;
         let w_kv = self
-            .f16_matrix(kv_b, "mla_kv_append")
+            .f16_matrix(step.kv_b, "mla_kv_append")
             .ok()
             .filter(|&(_, rows, cols)| rows == n && cols == rank);
-        let w_norm = self.f16_vector(norm, rank, "mla_kv_append").ok();
+        let w_norm = self.f16_vector(step.norm, rank, "mla_kv_append").ok();
         let takes = compressed.rows == 1
             && rank.is_multiple_of(8)
             && (MLA_APPEND_MIN_RANK..=MLA_APPEND_MAX_RANK).contains(&rank)
-            && k_rope.style == q_rope.style
+            && step.k_rope.style == step.q_rope.style
             && ptr(&compressed.buf, s).is_multiple_of(16)
             && w_norm.is_some_and(|w| ptr(w, s).is_multiple_of(8));
         let (Some((w_kv, _, _)), Some(w_norm), true) = (w_kv, w_norm, takes) else {
-            return mla_kv_append_ops(
-                self, compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q,
-                q_rope, inv_freq, positions, scales,
-            );
+            return mla_kv_append_ops(self, compressed, step, keys, values, q);
         };
-        check_latent(compressed, rank, &k_rope, inv_freq, positions, scales)?;
-        let rot = k_rope.rot_dim;
+        let (inv_freq, positions, scales) = (step.inv_freq, step.positions, step.scales);
+        check_latent(compressed, rank, &step.k_rope, inv_freq, positions, scales)?;
+        let rot = step.k_rope.rot_dim;
         let new = ExpandShape {
             kv: (1, n),
             k_pe: (1, rot),
-            mla,
-            start,
+            mla: step.shape,
+            start: step.start,
         };
-        check_expand(&new, keys, values, q, &q_rope, inv_freq, positions, scales)?;
-        let start_at = self.append_position(start, 1)?;
+        check_expand(
+            &new,
+            keys,
+            values,
+            q,
+            &step.q_rope,
+            inv_freq,
+            positions,
+            scales,
+        )?;
+        let start_at = self.append_position(step.start, 1)?;
         let (cos, sin) = self.rope_tables(inv_freq, positions, scales)?;
         let blocks = 1 + grid_for(n, (GEMV_WARPS * GEMV_FEATURES) as u32);
+        let mut args = vec![
+            ptr(&compressed.buf, s),
+            int(rank, "rank")?,
+            ptr(w_norm, s),
+            float(step.eps),
+            ptr(w_kv, s),
+        ];
+        let rotation = (cos, sin, step.q_rope.style);
+        let at = (step.start, start_at);
+        args.extend(self.append_args(step.shape, rot, keys, values, at, q, rotation)?);
         self.launch(
             &self.k.mla_kv_append,
             "mla_kv_append",
             (blocks, 1, 1),
             32 * GEMV_WARPS as u32,
-            &[
-                ptr(&compressed.buf, s),
-                int(rank, "rank")?,
-                ptr(w_norm, s),
-                float(eps),
-                ptr(w_kv, s),
-                int(heads, "heads")?,
-                int(nope, "nope")?,
-                int(rot, "rope")?,
-                int(v_dim, "v_dim")?,
-                ptr(&keys.buf, s),
-                ptr(&values.buf, s),
-                int(start, "start")?,
-                start_at,
-                ptr(&q.buf, s),
-                cos,
-                sin,
-                u64::from(q_rope.style == RopeStyle::Interleaved),
-            ],
+            &args,
         )
     }
 }

@@ -10,7 +10,7 @@ use super::driver::guarded;
 use super::kernels::*;
 use super::load::{LoadIo, PendingLoad};
 use crate::backend::{
-    check, AttentionSpec, Backend, GatedMlp, MlaShape, RopeSpec, RouteSpec, Routing,
+    check, AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, RopeSpec, RouteSpec, Routing,
 };
 use crate::backend::{SegmentStart, StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
@@ -418,25 +418,12 @@ impl Backend for CudaBackend {
     fn mla_kv_append(
         &self,
         compressed: &GpuAct,
-        norm: &GpuWeight,
-        eps: f32,
-        rank: usize,
-        k_rope: RopeSpec,
-        kv_b: &GpuWeight,
-        mla: MlaShape,
+        step: &MlaAppend<'_, GpuWeight>,
         keys: &mut GpuAct,
         values: &mut GpuAct,
-        start: usize,
         q: &mut GpuAct,
-        q_rope: RopeSpec,
-        inv_freq: &[f32],
-        positions: &[usize],
-        scales: &[f32],
     ) -> Result<()> {
-        self.mla_kv_append_op(
-            compressed, norm, eps, rank, k_rope, kv_b, mla, keys, values, start, q, q_rope,
-            inv_freq, positions, scales,
-        )
+        self.mla_kv_append_op(compressed, step, keys, values, q)
     }
 
     fn split_cols(&self, x: &GpuAct, widths: &[usize]) -> Result<Vec<GpuAct>> {
