@@ -43,14 +43,7 @@ extern "C" __global__ void route_sparse_mixer(const float* __restrict__ logits, 
                 best_e = e;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) {
-                best = ob;
-                best_e = oe;
-            }
-        }
+        warp_best(best, best_e);
         const float threshold = row[best_e];
         float m = neg_inf;
         for (int e = lane; e < experts; e += 32) {

@@ -8,6 +8,39 @@
 // Probabilities per lane kept in registers by route_row (experts <= 32 * ROUTE_CACHE).
 #define ROUTE_CACHE 4
 
+// The warp's largest (value, id), ties to the lower id, by a xor butterfly: every lane gets it.
+__device__ __forceinline__ void warp_best(float& best, int& best_e) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+        if (ob > best || (ob == best && oe < best_e)) {
+            best = ob;
+            best_e = oe;
+        }
+    }
+}
+
+// One top-k pick from the probabilities a lane keeps (expert lane + 32 u in pc[u]), the experts
+// already taken marked in the lane's taken_bits: the warp's largest, ties to the lower id, then
+// marked taken by its lane. Every lane gets (best, best_e).
+__device__ __forceinline__ void pick_cached(const float pc[ROUTE_CACHE], unsigned& taken_bits, int experts,
+                                            float& best, int& best_e) {
+    const int lane = threadIdx.x & 31;
+    best = -1.0f;
+    best_e = experts;
+#pragma unroll
+    for (int u = 0; u < ROUTE_CACHE; ++u) {
+        const int e = lane + 32 * u;
+        if (e >= experts || ((taken_bits >> u) & 1u)) continue;
+        if (pc[u] > best || (pc[u] == best && e < best_e)) {
+            best = pc[u];
+            best_e = e;
+        }
+    }
+    warp_best(best, best_e);
+    if (best_e < experts && (best_e & 31) == lane) taken_bits |= 1u << (best_e >> 5);
+}
+
 // Router softmax and top-k of one row by one warp (largest probability first, ties to the lower
 // id), then optional renormalisation over the chosen k and scaling; as the CPU reference's
 // SoftmaxTopK. `chosen`/`chosen_p`: the warp's own MAX_TOP_K shared slots.
@@ -37,16 +70,7 @@ __device__ __forceinline__ void route_row(const float* row, int experts, int top
         float best = -1.0f;
         int best_e = experts;
         if (cached) {
-#pragma unroll
-            for (int u = 0; u < ROUTE_CACHE; ++u) {
-                const int e = lane + 32 * u;
-                if (e >= experts || ((taken_bits >> u) & 1u)) continue;
-                const float p = pc[u];
-                if (p > best || (p == best && e < best_e)) {
-                    best = p;
-                    best_e = e;
-                }
-            }
+            pick_cached(pc, taken_bits, experts, best, best_e);
         } else {
             for (int e = lane; e < experts; e += 32) {
                 bool taken = false;
@@ -58,16 +82,8 @@ __device__ __forceinline__ void route_row(const float* row, int experts, int top
                     best_e = e;
                 }
             }
+            warp_best(best, best_e);
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) {
-                best = ob;
-                best_e = oe;
-            }
-        }
-        if (best_e < experts && (best_e & 31) == lane) taken_bits |= 1u << (best_e >> 5);
         if (lane == 0) {
             chosen[j] = best_e;
             chosen_p[j] = best;
@@ -242,26 +258,9 @@ __device__ __forceinline__ void route_plan_one(const float* __restrict__ row, in
     int my_e = experts;
     float my_p = 0.0f;
     for (int j = 0; j < top_k; ++j) {
-        float best = -1.0f;
-        int best_e = experts;
-#pragma unroll
-        for (int u = 0; u < ROUTE_CACHE; ++u) {
-            const int e = lane + 32 * u;
-            if (e >= experts || ((taken_bits >> u) & 1u)) continue;
-            if (pc[u] > best || (pc[u] == best && e < best_e)) {
-                best = pc[u];
-                best_e = e;
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ob > best || (ob == best && oe < best_e)) {
-                best = ob;
-                best_e = oe;
-            }
-        }
-        if (best_e < experts && (best_e & 31) == lane) taken_bits |= 1u << (best_e >> 5);
+        float best;
+        int best_e;
+        pick_cached(pc, taken_bits, experts, best, best_e);
         if (lane == j) {
             my_e = best_e;
             my_p = best;
