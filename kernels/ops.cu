@@ -465,6 +465,156 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) mla_kv_append_1(
     }
 }
 
+// Most columns add_norm_linear_1 takes: each block keeps the normed row in shared memory (16 KB
+// at 4096), and rms_norm_group keeps a row of that width in registers (RMS_CACHE pieces a thread).
+#define ADD_NORM_MAX_COLS 4096
+// Its register cap: four blocks an SM (<= 128 registers), as linear2_f16_1, whose grid it runs.
+#define ADD_NORM_MIN_BLOCKS 4
+
+// 16 bytes from global to shared memory without passing through registers (sm_80 and newer),
+// read through L2: other kernels wrote them.
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+// Waits for the thread's cp_async16 copies.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// The wait of add_norm_linear_1's products: after the previous kernels, the block adds the
+// residual and its update and norms the sum into its shared copy `xs`, with rms_norm_group's
+// arithmetic for ROW_THREADS threads; `x_out` and `h_out`, where given (one block), get the sum
+// and the normed row. Thread u of the block's 128 plays rms_norm_group's threads u and u + 128:
+// thread T sums the squares of float4 pieces T + ROW_THREADS i in ascending i, so u sums pieces
+// u + 128 h + ROW_THREADS i (h = 0, 1) apart, and the eight warp sums combine by block_sum's
+// tree. Every thread of the block calls it once.
+struct AddNormWait {
+    const float* x;
+    const float* a;
+    const __half* w;
+    float eps;
+    int cols;
+    float* xs;
+    float* ds;
+    float* sums;
+    float* x_out;
+    float* h_out;
+    __device__ __forceinline__ void operator()() const {
+        constexpr int THREADS = 32 * WARPS;
+        static_assert(ROW_THREADS == 2 * THREADS, "two of rms_norm_group's threads a thread");
+        static_assert(ROW_THREADS == 256, "the tree below is block_sum's for 8 warps");
+        static_assert(ADD_NORM_MAX_COLS <= 4 * ROW_THREADS * RMS_CACHE, "rms_norm_group's cache");
+        // The norm weights of the thread's first pieces (t + THREADS j), which no kernel writes:
+        // read before the wait.
+        const int t = threadIdx.x, lane = t & 31, warp = t >> 5, n4 = cols >> 2;
+        constexpr int EARLY_W = 4;
+        uint2 wv[EARLY_W];
+#pragma unroll
+        for (int j = 0; j < EARLY_W; ++j) {
+            if (t + THREADS * j < n4) wv[j] = reinterpret_cast<const uint2*>(w)[t + THREADS * j];
+        }
+        spx_grid_wait();
+        // The row and its update into shared memory in one round trip (no registers held);
+        // thread t copies, and later reads, only its own pieces t + THREADS j.
+        for (int p = t; p < n4; p += THREADS) {
+            cp_async16(xs + 4 * p, x + 4 * p);
+            cp_async16(ds + 4 * p, a + 4 * p);
+        }
+        cp_async_wait_all();
+        float ss[2] = {0.0f, 0.0f};
+        for (int i = 0; 4 * ROW_THREADS * i < cols; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int p = t + THREADS * h + ROW_THREADS * i;
+                if (p < n4) {
+                    const float4 v = reinterpret_cast<const float4*>(xs)[p];
+                    const float4 d = reinterpret_cast<const float4*>(ds)[p];
+                    const float4 s = make_float4(v.x + d.x, v.y + d.y, v.z + d.z, v.w + d.w);
+                    reinterpret_cast<float4*>(xs)[p] = s;
+                    ss[h] = fmaf(s.x, s.x, ss[h]);
+                    ss[h] = fmaf(s.y, s.y, ss[h]);
+                    ss[h] = fmaf(s.z, s.z, ss[h]);
+                    ss[h] = fmaf(s.w, s.w, ss[h]);
+                }
+            }
+        }
+        const float low = warp_sum(ss[0]), high = warp_sum(ss[1]);
+        if (lane == 0) {
+            sums[warp] = low;
+            sums[warp + WARPS] = high;
+        }
+        __syncthreads();
+        // block_sum: lanes 0..7 hold the warps' sums, then xor 4, 2, 1; lane 0's order.
+        const float total = ((sums[0] + sums[4]) + (sums[2] + sums[6])) + ((sums[1] + sums[5]) + (sums[3] + sums[7]));
+        const float inv = 1.0f / sqrtf(total / (float)cols + eps);
+        // Each thread normalises the pieces it stored (no other thread's): w * (v * inv), as
+        // norm4 computes it.
+        const auto normalise = [&](int p, uint2 wp) {
+            const float4 sum = reinterpret_cast<const float4*>(xs)[p];
+            const __half2* h2 = reinterpret_cast<const __half2*>(&wp);
+            const float2 wa = __half22float2(h2[0]), wb = __half22float2(h2[1]);
+            const float4 y = make_float4(wa.x * (sum.x * inv), wa.y * (sum.y * inv), wb.x * (sum.z * inv),
+                                         wb.y * (sum.w * inv));
+            reinterpret_cast<float4*>(xs)[p] = y;
+            if (x_out) reinterpret_cast<float4*>(x_out)[p] = sum;
+            if (h_out) reinterpret_cast<float4*>(h_out)[p] = y;
+        };
+#pragma unroll
+        for (int j = 0; j < EARLY_W; ++j) {
+            if (t + THREADS * j < n4) normalise(t + THREADS * j, wv[j]);
+        }
+        for (int p = t + THREADS * EARLY_W; p < n4; p += THREADS) {
+            normalise(p, reinterpret_cast<const uint2*>(w)[p]);
+        }
+        __syncthreads();
+    }
+};
+
+// The residual add, the RMSNorm after it and one or two products of the normed row, for one row
+// (decode): the same bits as add_rms_norm followed by linear_f16_1 (nb = 0) or linear2_f16_1.
+// Blocks below blocks_a are linear_f16_1's work blocks of ya = h @ wa^T, the others those of
+// yb = h @ wb^T; each warp loads its first weights, waits, and the block computes h itself
+// (AddNormWait) before the warps read it. The sum x + a goes to x_out and h to h_out (block 0):
+// x is not written, as other blocks read it. x, a, x_out, h_out 16-byte aligned; w_norm 8-byte
+// aligned; cols a multiple of 8 from 256 to ADD_NORM_MAX_COLS; wa: [na, cols], wb: [nb, cols].
+// Grid: blocks_a + ceil(nb / (FEATURES * WARPS)), blocks_a = ceil(na / (FEATURES * WARPS));
+// block: 32 * WARPS.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, ADD_NORM_MIN_BLOCKS) add_norm_linear_1(
+    const float* __restrict__ x, const float* __restrict__ a, const __half* __restrict__ w_norm, float eps,
+    int cols, float* __restrict__ x_out, float* __restrict__ h_out, const __half* __restrict__ wa, int na,
+    float* __restrict__ ya, const __half* __restrict__ wb, int nb, float* __restrict__ yb, int blocks_a) {
+    __shared__ __align__(16) float xs[ADD_NORM_MAX_COLS];
+    __shared__ __align__(16) float ds[ADD_NORM_MAX_COLS];
+    __shared__ float sums[2 * WARPS];
+    spx_launch_dependents();
+    const bool in_a = (int)blockIdx.x < blocks_a;
+    const int block = in_a ? (int)blockIdx.x : (int)blockIdx.x - blocks_a;
+    const __half* w = in_a ? wa : wb;
+    const int n = in_a ? na : nb;
+    float* y = in_a ? ya : yb;
+    const bool lead = blockIdx.x == 0;
+    const AddNormWait wait{x, a, w_norm, eps, cols, xs, ds, sums, lead ? x_out : nullptr, lead ? h_out : nullptr};
+    const int lane = threadIdx.x & 31;
+    const int col = FEATURES * (block * WARPS + (threadIdx.x >> 5));
+    if (col >= n) {
+        wait();  // the block's barriers count every thread
+        return;
+    }
+    const bool second = col + 1 < n;
+    const __half* w0 = w + (size_t)col * cols;
+    // Without a second feature the warp computes the first twice and stores it once.
+    const __half* w1 = second ? w0 + cols : w0;
+    const float* xr[1] = {xs};
+    float a0[1] = {0.0f}, a1[1] = {0.0f};
+    lane_dot2<1, UNROLL_ONE, true>(w0, w1, xr, 1, cols, lane, a0, a1, wait);
+    const float s0 = warp_sum(a0[0]);
+    const float s1 = warp_sum(a1[0]);
+    if (lane == 0) {
+        y[col] = s0;
+        if (second) y[col + 1] = s1;
+    }
+}
+
 // MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and
 // values [len, heads * v_dim] from kv [len, heads * (nope + v_dim)] and k_pe [len, rope].
 // Grid: (len, heads); block: any.

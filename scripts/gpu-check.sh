@@ -53,8 +53,8 @@
 #             each set of launches left out (bench_step --skip-launches; a measurement, the
 #             outputs are meaningless) against none left out, $REPEATS runs (default 2); sets in
 #             $INCOST_SETS separated by ';' (default: attention, MLA's latent step, kv_b and
-#             cache append (one launch for one row), the MoE combine, add + RMSNorm, the router's
-#             product, attention's q/kv_a and o_proj products, the MoE down)
+#             cache append (one launch for one row), the MoE combine, add + RMSNorm with the
+#             router's product, add + RMSNorm with attention's q/kv_a products, the MoE down)
 #   cases     on the bench model: the paper's ds_high and ds_low cases through `specter-run bench`
 #             ($MODES, default lru,ondemand,specter,auto; $PROMPTS prompts, default 2), and the
 #             lossless check on 10 prompts (specter against target-only, all resident; LOSSLESS=0
@@ -337,7 +337,7 @@ EOF
 incost() {
     local dir=$1 out=$2 sets=()
     bench_model "$dir" "$out"
-    IFS=';' read -ra sets <<< "${INCOST_SETS:-attention;mla_kv_append;moe combine;add_rms_norm;linear@8;linear_pair,linear@256;moe down}"
+    IFS=';' read -ra sets <<< "${INCOST_SETS:-attention;mla_kv_append;moe combine;add_rms_norm_linear@8;add_rms_norm_linear@456;moe down}"
     sets=("" "${sets[@]}")
     : > "$out/incost.tsv"
     for rep in $(seq "${REPEATS:-2}"); do

@@ -9,7 +9,9 @@ use common::ops::*;
 use specter::arch::RopeStyle;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{CudaBackend, CudaOptions, SkipLaunch};
-use specter::backend::{mla_kv_append_ops, Backend, MlaAppend, MlaShape, RopeSpec};
+use specter::backend::{
+    add_rms_norm_linear_ops, mla_kv_append_ops, Backend, MlaAppend, MlaShape, RopeSpec,
+};
 
 /// The fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against
 /// the GPU's own unfused sequence of the ops each replaces.
@@ -333,6 +335,123 @@ fn mla_kv_append() {
                 },
             );
         }
+    }
+    p.finish();
+}
+
+/// The residual add, the norm after it and the products of the normed row
+/// (`add_rms_norm_linear`): for one row the CUDA backend runs it as one launch
+/// (`add_norm_linear_1`), checked against the CPU reference and bit for bit against the GPU's
+/// ops (`add_rms_norm`, then `linear` or `linear_pair`); a backend that skips that launch must
+/// then not hold the sum in `x`, which shows the fused launch ran. Several rows, and widths the
+/// kernel does not take, run the ops.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn add_rms_norm_linear() {
+    let mut p = Family::new("add_rms_norm_linear", 41);
+    let skip = CudaBackend::with_device(
+        std::sync::Arc::new(common::gpu::device()),
+        None,
+        &CudaOptions {
+            skip_launches: vec![SkipLaunch {
+                kernel: "add_rms_norm_linear".into(),
+                blocks: None,
+            }],
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a second CUDA backend");
+    // DeepSeek-V2-Lite's query and compressed projections and its router; the widest row the
+    // kernel takes, with a last warp of one feature in each product; a row shorter than the
+    // block's pieces; then a row too wide, one not a multiple of 8, one too short and 3 rows,
+    // which run the ops.
+    for &(rows, cols, na, nb) in &[
+        (1usize, 2048usize, 3072usize, Some(576usize)),
+        (1, 2048, 64, None),
+        (1, 4096, 61, Some(13)),
+        (1, 264, 7, None),
+        (1, 4104, 16, Some(8)),
+        (1, 1028, 9, None),
+        (1, 248, 16, None),
+        (3, 2048, 64, Some(32)),
+    ] {
+        let fused = rows == 1 && cols % 8 == 0 && (256..=4096).contains(&cols);
+        let label = format!("{rows}x{cols} -> {na}, {nb:?}");
+        let (mut xc, mut xg, xv) = p.act(rows, cols);
+        let (yc, yg, yv) = p.act(rows, cols);
+        let (nc, ng, ns) = weight_on_both(&mut p, &skip, "norm", &[cols], 1.0);
+        let (ac, ag, as_) = weight_on_both(&mut p, &skip, "a", &[na, cols], 0.05);
+        let b = nb.map(|nb| weight_on_both(&mut p, &skip, "b", &[nb, cols], 0.05));
+        let (bc, bg, bs) = match &b {
+            Some((c, g, s)) => (Some(c), Some(g), Some(s)),
+            None => (None, None, None),
+        };
+        let cpu = Cpu
+            .add_rms_norm_linear(&mut xc, &yc, &nc, 1e-6, &ac, bc)
+            .unwrap();
+        let gpu = match p.gpu.add_rms_norm_linear(&mut xg, &yg, &ng, 1e-6, &ag, bg) {
+            Ok(n) => n,
+            Err(err) => {
+                p.checks += 1;
+                p.fail(&label, format!("GPU error: {err}"));
+                continue;
+            }
+        };
+        let gx = p.check(&format!("{label} sum"), Ok(xg), &xc);
+        let gh = p.check(&format!("{label} norm"), Ok(gpu.h), &cpu.h);
+        let ga = p.check(&format!("{label} a"), Ok(gpu.a), &cpu.a);
+        let gb = match (gpu.b, &cpu.b) {
+            (Some(g), Some(c)) => p.check(&format!("{label} b"), Ok(g), c),
+            (None, None) => None,
+            _ => {
+                p.checks += 1;
+                p.fail(
+                    &label,
+                    "the GPU and the CPU disagree on a second product".into(),
+                );
+                None
+            }
+        };
+        // The GPU's ops on the same inputs.
+        let mut xs = p.gpu.upload(rows, cols, &xv).unwrap();
+        match add_rms_norm_linear_ops(&p.gpu, &mut xs, &yg, &ng, 1e-6, &ag, bg) {
+            Ok(plain) => {
+                let pairs = [
+                    ("sum", Some(xs), gx),
+                    ("norm", Some(plain.h), gh),
+                    ("a", Some(plain.a), ga),
+                    ("b", plain.b, gb),
+                ];
+                for (what, plain, fused) in pairs {
+                    if let (Some(plain), Some(fused)) = (plain, fused) {
+                        let case = format!("{label} {what} = ops");
+                        p.same_bits(&case, p.gpu.to_host(&plain), &fused);
+                    }
+                }
+            }
+            Err(err) => {
+                p.checks += 1;
+                p.fail(&format!("{label} ops"), format!("GPU error: {err}"));
+            }
+        }
+        // The backend that skips the fused launch: `x` then does not hold the sum where the
+        // fused kernel is the one that writes it.
+        let sum: Vec<f32> = xv.iter().zip(&yv).map(|(x, y)| x + y).collect();
+        let mut x2 = skip.upload(rows, cols, &xv).unwrap();
+        let y2 = skip.upload(rows, cols, &yv).unwrap();
+        let skipped = skip
+            .add_rms_norm_linear(&mut x2, &y2, &ns, 1e-6, &as_, bs)
+            .and_then(|_| skip.to_host(&x2));
+        let untouched = skipped.as_ref().is_ok_and(|x| x != &sum);
+        p.expect(
+            &format!("{label} fused launch ran: {fused}"),
+            untouched == fused,
+            || match &skipped {
+                Ok(_) if fused => "skipping add_rms_norm_linear left the sum written".into(),
+                Ok(_) => "skipping add_rms_norm_linear changed a path that does not use it".into(),
+                Err(err) => format!("GPU error: {err}"),
+            },
+        );
     }
     p.finish();
 }

@@ -429,10 +429,12 @@ impl<B: Backend> MoeModel<B> {
         self.backend.linear(x, &l.weight, l.bias.as_ref())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         attn: &Attention<B>,
         h: &B::Act,
+        projected: Option<(B::Act, B::Act)>,
         kv: &mut LayerKv<B>,
         start: usize,
         positions: &[usize],
@@ -544,10 +546,12 @@ impl<B: Backend> MoeModel<B> {
                     rot_dim: rope,
                     style: cfg.rope.style,
                 };
-                let (mut qs, compressed) = match (q, &kv_a.bias) {
+                let (mut qs, compressed) = match (projected, q, &kv_a.bias) {
+                    // Computed with the norm before (see `input_products`).
+                    (Some(p), _, _) => p,
                     // No q_lora and no bias: both projections of `h` in one call.
-                    (MlaQuery::Full(w), None) => be.linear_pair(h, w, &kv_a.weight)?,
-                    (q, _) => (self.mla_query(q, h)?, self.linear(h, kv_a)?),
+                    (None, MlaQuery::Full(w), None) => be.linear_pair(h, w, &kv_a.weight)?,
+                    (None, q, _) => (self.mla_query(q, h)?, self.linear(h, kv_a)?),
                 };
                 let k_spec = RopeSpec {
                     heads: 1,
@@ -594,6 +598,23 @@ impl<B: Backend> MoeModel<B> {
             _ => Err(Error::Backend(
                 "attention weights and cache do not match the configuration".into(),
             )),
+        }
+    }
+
+    /// The products of a layer's attention input that can run with the norm before them (the
+    /// backend's `add_rms_norm_linear`): MLA's query and compressed projections, where the
+    /// query has no q_lora, neither has a bias and the norm is an RMSNorm.
+    fn input_products<'l>(&self, layer: &'l Layer<B>) -> Option<(&'l B::Weight, &'l B::Weight)> {
+        match (&layer.attention, &layer.input_norm.bias) {
+            (
+                Attention::Mla {
+                    q: MlaQuery::Full(w),
+                    kv_a,
+                    ..
+                },
+                None,
+            ) if kv_a.bias.is_none() => Some((w, &kv_a.weight)),
+            _ => None,
         }
     }
 

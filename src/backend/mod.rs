@@ -59,6 +59,16 @@ pub struct MlaAppend<'a, W> {
     pub scales: &'a [f32],
 }
 
+/// What [`Backend::add_rms_norm_linear`] returns: the normed rows and their products.
+pub struct NormedProducts<A> {
+    /// The RMSNorm of the residual after the add.
+    pub h: A,
+    /// `h @ a^T`.
+    pub a: A,
+    /// `h @ b^T`, where a second weight was given.
+    pub b: Option<A>,
+}
+
 /// Shapes and masking of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionSpec {
@@ -301,6 +311,23 @@ pub trait Backend: Send + Sync {
         b: &Self::Weight,
     ) -> Result<(Self::Act, Self::Act)> {
         Ok((self.linear(x, a, None)?, self.linear(x, b, None)?))
+    }
+
+    /// `x += y`, the RMSNorm `h` of `x` times `norm` ([`Self::add_rms_norm`]), and `h`'s
+    /// products with `a` and, where given, `b` (no bias): a residual add, the norm after it and
+    /// the products that read the norm (MLA's query and compressed projections, an MoE layer's
+    /// router). The default runs those ops ([`add_rms_norm_linear_ops`]); a backend may fuse
+    /// them, with the same bits.
+    fn add_rms_norm_linear(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        norm: &Self::Weight,
+        eps: f32,
+        a: &Self::Weight,
+        b: Option<&Self::Weight>,
+    ) -> Result<NormedProducts<Self::Act>> {
+        add_rms_norm_linear_ops(self, x, y, norm, eps, a, b)
     }
 
     /// MLA's latent step: `compressed` (`[rows, rank + rope]`) split into the latent, RMS-normed
@@ -557,6 +584,29 @@ pub trait Backend: Send + Sync {
         let _ = x;
         0
     }
+}
+
+/// [`Backend::add_rms_norm_linear`] as its ops ([`Backend::add_rms_norm`], then
+/// [`Backend::linear`] or [`Backend::linear_pair`]): the default, and a backend's path where its
+/// fused form does not apply.
+pub fn add_rms_norm_linear_ops<B: Backend + ?Sized>(
+    be: &B,
+    x: &mut B::Act,
+    y: &B::Act,
+    norm: &B::Weight,
+    eps: f32,
+    a: &B::Weight,
+    b: Option<&B::Weight>,
+) -> Result<NormedProducts<B::Act>> {
+    let h = be.add_rms_norm(x, y, norm, eps)?;
+    let (a, b) = match b {
+        Some(b) => {
+            let (pa, pb) = be.linear_pair(&h, a, b)?;
+            (pa, Some(pb))
+        }
+        None => (be.linear(&h, a, None)?, None),
+    };
+    Ok(NormedProducts { h, a, b })
 }
 
 /// [`Backend::mla_kv_append`] as its three ops: the default, and a backend's path where its

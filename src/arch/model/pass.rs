@@ -119,18 +119,36 @@ impl<B: Backend> MoeModel<B> {
         for l in from..end {
             let layer = &self.layers[l];
             let m = if l == from { pending } else { dense.as_ref() };
-            let h = match m {
-                None => self.norm(x, &layer.input_norm)?,
-                Some(m) => self.add_norm(x, m, &layer.input_norm)?,
+            let (h, projected) = match (m, self.input_products(layer)) {
+                (Some(m), Some((q, kv_a))) => {
+                    let eps = self.cfg.norm_eps;
+                    let n =
+                        be.add_rms_norm_linear(x, m, &layer.input_norm.weight, eps, q, Some(kv_a))?;
+                    let kv_a = n
+                        .b
+                        .ok_or_else(|| Error::Model("add_rms_norm_linear lost a product".into()))?;
+                    (n.h, Some((n.a, kv_a)))
+                }
+                (Some(m), None) => (self.add_norm(x, m, &layer.input_norm)?, None),
+                (None, _) => (self.norm(x, &layer.input_norm)?, None),
             };
             let a = self.attention(
                 &layer.attention,
                 &h,
+                projected,
                 &mut kv.layers[l],
                 start,
                 positions,
                 scales,
             )?;
+            // An MoE layer's router reads the norm after the attention: one call where the
+            // backend fuses them.
+            if let (Mlp::Moe(block), None) = (&layer.mlp, &layer.post_attention_norm.bias) {
+                let n = &layer.post_attention_norm.weight;
+                let eps = self.cfg.norm_eps;
+                let r = be.add_rms_norm_linear(x, &a, n, eps, &block.router, None)?;
+                return Ok(vec![r.h, r.a]);
+            }
             let h = self.add_norm(x, &a, &layer.post_attention_norm)?;
             match &layer.mlp {
                 Mlp::Dense(mlp) => dense = Some(be.gated_mlp(&h, mlp)?),

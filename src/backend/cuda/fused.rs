@@ -1,5 +1,6 @@
 //! Fused forms of op sequences the forward pass runs back to back (see the [`Backend`] defaults
-//! they replace): the residual add with the next RMSNorm, MLA's two projections of one input, its
+//! they replace): the residual add with the next RMSNorm, and for one row with the products that
+//! read the norm, MLA's two projections of one input, its
 //! latent step (split, norm, rope), its cache append (expand, two row writes, query rope), and
 //! for one row both with kv_b's product between them.
 //! Each kernel does the same per-element arithmetic as the ops it replaces, so the bits are the
@@ -7,11 +8,17 @@
 //!
 //! [`Backend`]: crate::backend::Backend
 
+use cudarc::driver::CudaSlice;
+use half::f16;
+
 use super::act::{GpuAct, GpuWeight};
 use super::backend::CudaBackend;
 use super::kernels::*;
 use crate::arch::RopeStyle;
-use crate::backend::{check, mla_kv_append_ops, MlaAppend, MlaShape, RopeSpec};
+use crate::backend::{
+    add_rms_norm_linear_ops, check, mla_kv_append_ops, MlaAppend, MlaShape, NormedProducts,
+    RopeSpec,
+};
 use crate::Result;
 
 impl CudaBackend {
@@ -256,6 +263,90 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// `add_rms_norm_linear` in one launch (`add_norm_linear_1`, kernels/ops.cu) where it
+    /// applies: one row of a width the kernel takes, FP16 norm and products over that width,
+    /// aligned rows. Else the ops. The sum goes to a new buffer that then replaces `x`: the
+    /// kernel's blocks all read the old one.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_rms_norm_linear_op(
+        &self,
+        x: &mut GpuAct,
+        y: &GpuAct,
+        norm: &GpuWeight,
+        eps: f32,
+        a: &GpuWeight,
+        b: Option<&GpuWeight>,
+    ) -> Result<NormedProducts<GpuAct>> {
+        let cols = x.cols;
+        let s = &self.stream;
+        let (wa, wb) = (
+            self.product_over(a, cols),
+            b.map(|b| self.product_over(b, cols)),
+        );
+        let w_norm = self.f16_vector(norm, cols, "add_rms_norm_linear").ok();
+        let takes = x.rows == 1
+            && (y.rows, y.cols) == (1, cols)
+            && cols.is_multiple_of(8)
+            && (ADD_NORM_MIN_COLS..=ADD_NORM_MAX_COLS).contains(&cols)
+            && ptr(&x.buf, s).is_multiple_of(16)
+            && ptr(&y.buf, s).is_multiple_of(16)
+            && w_norm.is_some_and(|w| ptr(w, s).is_multiple_of(8));
+        let (Some((wa, na)), Some(w_norm), true) = (wa, w_norm, takes) else {
+            return add_rms_norm_linear_ops(self, x, y, norm, eps, a, b);
+        };
+        let wb = match wb {
+            None => None,
+            Some(Some(w)) => Some(w),
+            Some(None) => return add_rms_norm_linear_ops(self, x, y, norm, eps, a, b),
+        };
+        let per_block = (GEMV_WARPS * GEMV_FEATURES) as u32;
+        let blocks_a = grid_for(na, per_block);
+        let blocks_b = wb.map_or(0, |(_, nb)| grid_for(nb, per_block));
+        let sum = self.alloc(1, cols)?;
+        let h = self.alloc(1, cols)?;
+        let ya = self.alloc(1, na)?;
+        let yb = match wb {
+            Some((_, nb)) => Some(self.alloc(1, nb)?),
+            None => None,
+        };
+        self.launch(
+            &self.k.add_norm_linear,
+            "add_rms_norm_linear",
+            (blocks_a + blocks_b, 1, 1),
+            32 * GEMV_WARPS as u32,
+            &[
+                ptr(&x.buf, s),
+                ptr(&y.buf, s),
+                ptr(w_norm, s),
+                float(eps),
+                int(cols, "cols")?,
+                ptr(&sum.buf, s),
+                ptr(&h.buf, s),
+                ptr(wa, s),
+                int(na, "out")?,
+                ptr(&ya.buf, s),
+                wb.map_or(0, |(w, _)| ptr(w, s)),
+                int(wb.map_or(0, |(_, n)| n), "out")?,
+                yb.as_ref().map_or(0, |y| ptr(&y.buf, s)),
+                u64::from(blocks_a),
+            ],
+        )?;
+        *x = sum;
+        Ok(NormedProducts { h, a: ya, b: yb })
+    }
+
+    /// `w` as an FP16 matrix of `cols` columns: its buffer and rows.
+    fn product_over<'w>(
+        &self,
+        w: &'w GpuWeight,
+        cols: usize,
+    ) -> Option<(&'w CudaSlice<f16>, usize)> {
+        match self.f16_matrix(w, "add_rms_norm_linear") {
+            Ok((buf, n, k)) if k == cols => Some((buf, n)),
+            _ => None,
+        }
+    }
+
     /// `mla_kv_append` in one launch (`mla_kv_append_1`, kernels/ops.cu) where it applies: one
     /// row, FP16 `kv_b` and norm, a rank the kernel takes, one rotation style. Else the three
     /// ops.

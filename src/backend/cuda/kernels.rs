@@ -12,6 +12,8 @@ pub(super) struct Kernels {
     pub(super) embedding: CudaFunction,
     pub(super) rms_norm: CudaFunction,
     pub(super) add_rms_norm: CudaFunction,
+    /// add_rms_norm and one or two products of the normed row, for one row.
+    pub(super) add_norm_linear: CudaFunction,
     pub(super) mla_latent: CudaFunction,
     pub(super) mla_expand_append: CudaFunction,
     /// mla_latent, kv_b's product and mla_expand_append of one row in one launch.
@@ -62,6 +64,7 @@ impl Kernels {
             embedding: ops("embedding")?,
             rms_norm: ops("rms_norm")?,
             add_rms_norm: ops("add_rms_norm")?,
+            add_norm_linear: ops("add_norm_linear_1")?,
             mla_latent: ops("mla_latent")?,
             mla_expand_append: ops("mla_expand_append")?,
             mla_kv_append: ops("mla_kv_append_1")?,

@@ -75,6 +75,14 @@ pub(crate) const MLA_APPEND_MAX_RANK: usize = 512;
 /// `lane_dot2`). A property of that code, not a define.
 pub(crate) const MLA_APPEND_MIN_RANK: usize = 256;
 
+/// Most columns `add_norm_linear_1` takes (the block's shared copies of the row and its update):
+/// `ADD_NORM_MAX_COLS` in kernels/ops.cu.
+pub(crate) const ADD_NORM_MAX_COLS: usize = 4096;
+
+/// Fewest columns `add_norm_linear_1` takes: its products wait, and the block norms the row, at
+/// the first pieces every lane loads (as `MLA_APPEND_MIN_RANK`).
+pub(crate) const ADD_NORM_MIN_COLS: usize = 256;
+
 /// Threads of the fused routing + work-list kernel `route_plan`: `32 * ROUTE_PLAN_WARPS` in
 /// kernels/routing.cu (its `__launch_bounds__`, and one warp's `MAX_TOP_K` shared slots each).
 pub(crate) const ROUTE_PLAN_THREADS: u32 = 256;
@@ -216,6 +224,10 @@ mod tests {
         assert_eq!(
             MLA_APPEND_MAX_RANK as i64,
             define(&ops, "ops", "MLA_APPEND_MAX_RANK")
+        );
+        assert_eq!(
+            ADD_NORM_MAX_COLS as i64,
+            define(&ops, "ops", "ADD_NORM_MAX_COLS")
         );
         let gemv = integer_defines("gemv_f16");
         assert_eq!(

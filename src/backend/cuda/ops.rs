@@ -10,7 +10,8 @@ use super::driver::guarded;
 use super::kernels::*;
 use super::load::{LoadIo, PendingLoad};
 use crate::backend::{
-    check, AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, RopeSpec, RouteSpec, Routing,
+    check, AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, NormedProducts, RopeSpec,
+    RouteSpec, Routing,
 };
 use crate::backend::{SegmentStart, StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
@@ -374,6 +375,18 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<GpuAct> {
         self.add_rms_norm_op(x, y, weight, eps)
+    }
+
+    fn add_rms_norm_linear(
+        &self,
+        x: &mut GpuAct,
+        y: &GpuAct,
+        norm: &GpuWeight,
+        eps: f32,
+        a: &GpuWeight,
+        b: Option<&GpuWeight>,
+    ) -> Result<NormedProducts<GpuAct>> {
+        self.add_rms_norm_linear_op(x, y, norm, eps, a, b)
     }
 
     fn linear_pair(&self, x: &GpuAct, a: &GpuWeight, b: &GpuWeight) -> Result<(GpuAct, GpuAct)> {

@@ -60,6 +60,7 @@ pub struct CudaOptions {
 pub const LAUNCH_LABELS: &[&str] = &[
     "add",
     "add_rms_norm",
+    "add_rms_norm_linear",
     "add_sigmoid_gated",
     "argmax",
     "attention",
