@@ -207,18 +207,7 @@ fn fused() {
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn mla_kv_append() {
     let mut p = Family::new("mla_kv_append", 37);
-    let skip = CudaBackend::with_device(
-        std::sync::Arc::new(common::gpu::device()),
-        None,
-        &CudaOptions {
-            skip_launches: vec![SkipLaunch {
-                kernel: "mla_kv_append".into(),
-                blocks: None,
-            }],
-            ..CudaOptions::default()
-        },
-    )
-    .expect("a second CUDA backend");
+    let skip = skipping("mla_kv_append");
     const START: usize = 40;
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {
         // DeepSeek-V2-Lite's widths; a key/value boundary inside a warp's pair of features and a
@@ -323,17 +312,9 @@ fn mla_kv_append() {
             let mut q2 = upload(rows, heads * (nope + rope), &qv);
             let skipped = skip
                 .mla_kv_append(&cs, &skip_step, &mut k2, &mut v2, &mut q2)
-                .and_then(|()| skip.to_host(&k2));
-            let untouched = skipped.as_ref().is_ok_and(|k| k == &kv0);
-            p.expect(
-                &format!("{label} fused launch ran: {fused}"),
-                untouched == fused,
-                || match &skipped {
-                    Ok(_) if fused => "skipping mla_kv_append left the keys written".into(),
-                    Ok(_) => "skipping mla_kv_append changed a path that does not use it".into(),
-                    Err(err) => format!("GPU error: {err}"),
-                },
-            );
+                .and_then(|()| skip.to_host(&k2))
+                .map(|k| k == kv0);
+            expect_fused_ran(&mut p, &label, fused, skipped, "mla_kv_append", "the keys");
         }
     }
     p.finish();
@@ -349,18 +330,7 @@ fn mla_kv_append() {
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn add_rms_norm_linear() {
     let mut p = Family::new("add_rms_norm_linear", 41);
-    let skip = CudaBackend::with_device(
-        std::sync::Arc::new(common::gpu::device()),
-        None,
-        &CudaOptions {
-            skip_launches: vec![SkipLaunch {
-                kernel: "add_rms_norm_linear".into(),
-                blocks: None,
-            }],
-            ..CudaOptions::default()
-        },
-    )
-    .expect("a second CUDA backend");
+    let skip = skipping("add_rms_norm_linear");
     // DeepSeek-V2-Lite's query and compressed projections and its router; the widest row the
     // kernel takes, with a last warp of one feature in each product; a row shorter than the
     // block's pieces; then a row too wide, one not a multiple of 8, one too short and 3 rows,
@@ -441,19 +411,57 @@ fn add_rms_norm_linear() {
         let y2 = skip.upload(rows, cols, &yv).unwrap();
         let skipped = skip
             .add_rms_norm_linear(&mut x2, &y2, &ns, 1e-6, &as_, bs)
-            .and_then(|_| skip.to_host(&x2));
-        let untouched = skipped.as_ref().is_ok_and(|x| x != &sum);
-        p.expect(
-            &format!("{label} fused launch ran: {fused}"),
-            untouched == fused,
-            || match &skipped {
-                Ok(_) if fused => "skipping add_rms_norm_linear left the sum written".into(),
-                Ok(_) => "skipping add_rms_norm_linear changed a path that does not use it".into(),
-                Err(err) => format!("GPU error: {err}"),
-            },
+            .and_then(|_| skip.to_host(&x2))
+            .map(|x| x != sum);
+        expect_fused_ran(
+            &mut p,
+            &label,
+            fused,
+            skipped,
+            "add_rms_norm_linear",
+            "the sum",
         );
     }
     p.finish();
+}
+
+/// The case that shows whether a fused launch ran: `skipped` is whether a backend that leaves out
+/// `kernel`'s launches left `what` untouched (or its error), which it must exactly when the op
+/// takes the fused path (`fused`).
+fn expect_fused_ran(
+    p: &mut Family,
+    label: &str,
+    fused: bool,
+    skipped: specter::Result<bool>,
+    kernel: &str,
+    what: &str,
+) {
+    let untouched = matches!(skipped, Ok(true));
+    p.expect(
+        &format!("{label} fused launch ran: {fused}"),
+        untouched == fused,
+        || match &skipped {
+            Ok(_) if fused => format!("skipping {kernel} left {what} written"),
+            Ok(_) => format!("skipping {kernel} changed a path that does not use it"),
+            Err(err) => format!("GPU error: {err}"),
+        },
+    );
+}
+
+/// A second CUDA backend that leaves out every launch labelled `kernel`.
+fn skipping(kernel: &str) -> CudaBackend {
+    CudaBackend::with_device(
+        std::sync::Arc::new(common::gpu::device()),
+        None,
+        &CudaOptions {
+            skip_launches: vec![SkipLaunch {
+                kernel: kernel.into(),
+                blocks: None,
+            }],
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a second CUDA backend")
 }
 
 /// [`Family::weight`] with the same values also on `other`.

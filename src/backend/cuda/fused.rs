@@ -267,15 +267,11 @@ impl CudaBackend {
     /// applies: one row of a width the kernel takes, FP16 norm and products over that width,
     /// aligned rows. Else the ops. The sum goes to a new buffer that then replaces `x`: the
     /// kernel's blocks all read the old one.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn add_rms_norm_linear_op(
         &self,
-        x: &mut GpuAct,
-        y: &GpuAct,
-        norm: &GpuWeight,
-        eps: f32,
-        a: &GpuWeight,
-        b: Option<&GpuWeight>,
+        (x, y): (&mut GpuAct, &GpuAct),
+        (norm, eps): (&GpuWeight, f32),
+        (a, b): (&GpuWeight, Option<&GpuWeight>),
     ) -> Result<NormedProducts<GpuAct>> {
         let cols = x.cols;
         let s = &self.stream;

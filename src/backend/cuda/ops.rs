@@ -386,7 +386,7 @@ impl Backend for CudaBackend {
         a: &GpuWeight,
         b: Option<&GpuWeight>,
     ) -> Result<NormedProducts<GpuAct>> {
-        self.add_rms_norm_linear_op(x, y, norm, eps, a, b)
+        self.add_rms_norm_linear_op((x, y), (norm, eps), (a, b))
     }
 
     fn linear_pair(&self, x: &GpuAct, a: &GpuWeight, b: &GpuWeight) -> Result<(GpuAct, GpuAct)> {
