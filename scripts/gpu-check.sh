@@ -207,7 +207,8 @@ EOF
 # recorded passes node by node as they really run: per kernel its launches and time per step,
 # and the step's idle gaps between kernels. Nsight Compute serialises launches (only the split
 # means anything there) and adds each kernel's DRAM bytes, so its achieved bandwidth. Steps are
-# counted by embedding launches (one per forward pass). KMODE=draft profiles the draft's steps.
+# counted by embedding launches (one per forward pass; Nsight Compute's table takes the whole
+# steps between the window's first and last one). KMODE=draft profiles the draft's steps.
 kprofile() {
     local dir=$1 out=$2
     local run="$CARRY/specter-run"

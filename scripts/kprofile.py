@@ -84,13 +84,23 @@ def ncu(path):
             l["us"] += v * time_scale[r[ui]]
         elif r[mi].startswith("dram__bytes"):
             l["bytes"] += v * byte_scale.get(r[ui], 1.0)
+    # Whole steps only: from the first embedding launch (a step's first) up to the last one, so a
+    # window that does not start or end at a step's boundary still counts launches per step.
+    order = sorted(launches, key=int)
+    starts = [i for i, key in enumerate(order) if launches[key]["name"] == "embedding"]
+    if len(starts) >= 2:
+        order, steps = order[starts[0]:starts[-1]], len(starts) - 1
+        what = f"{steps} whole steps (from the first embedding launch to the last)"
+    else:
+        steps = 1
+        what = "the whole window as one step (fewer than two embedding launches)"
     total, count, nbytes = collections.defaultdict(float), collections.Counter(), collections.defaultdict(float)
-    for l in launches.values():
+    for key in order:
+        l = launches[key]
         total[l["name"]] += l["us"]
         count[l["name"]] += 1
         nbytes[l["name"]] += l["bytes"]
-    steps = count.get("embedding", 0) or 1
-    print(f"ncu: {sum(count.values())} kernels over {steps} steps (embedding launches)")
+    print(f"ncu: {sum(count.values())} kernels over {what}")
     print(f"{'kernel':32} {'launches/step':>13} {'us/step':>9} {'us/launch':>9} {'MB/step':>9} {'GB/s':>7}")
     for k in sorted(total, key=lambda k: -total[k]):
         gbs = nbytes[k] / (total[k] * 1e3) if total[k] else 0.0
