@@ -93,9 +93,9 @@ __device__ __forceinline__ void att_combine(const float* p, int chunks, int v_di
 // (at most ATT_SPLITS) no fewer than the chunks of score_stride keys: block b takes chunk
 // b % splits of pair b / splits.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* q, const float* k, const float* v,
     float* __restrict__ part, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
-    float scale, int start, int window, int score_stride, const unsigned* __restrict__ start_at,
+    float scale, int start, int window, int score_stride, const unsigned* start_at,
     unsigned* __restrict__ counters, float* __restrict__ out, int splits) {
     SPX_PROLOGUE_LATE();
     __shared__ float red[ATT_WARPS];
@@ -251,8 +251,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
 // wrote it; out: [rows, heads * v_dim]. Grid: rows * heads blocks of ATT_COMBINE_THREADS
 // threads; the other arguments as `attention`'s.
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attention_combine(
-    const float* __restrict__ part, float* __restrict__ out, int heads, int v_dim, int start, int window,
-    const unsigned* __restrict__ start_at) {
+    const float* part, float* __restrict__ out, int heads, int v_dim, int start, int window,
+    const unsigned* start_at) {
     SPX_PROLOGUE_LATE();
     const int rh = blockIdx.x, r = rh / heads;
     const int n = att_keys(r, start, window, start_at).y;

@@ -7,6 +7,24 @@
 #ifndef SPECTER_KERNELS_COMMON_CUH
 #define SPECTER_KERNELS_COMMON_CUH
 
+// Memory no kernel writes (weights, rope tables, the expert table; all uploaded before the
+// launches that read them): its pointers are `const T* SPX_READONLY p` and its explicit loads
+// `spx_ldg`, which the compiler turns into non-coherent loads (ld.global.nc). Nothing else may be
+// read that way. A non-coherent load promises the memory does not change while the kernel runs,
+// and under programmatic dependent launch (spx_grid_wait) a kernel runs while the one before it
+// still writes: the compiler and ptxas may then move such a load of an activation above the
+// wait (ptxas did, in a kernel taken back) and read stale values. Activations, caches and plans
+// are read through plain pointers (coherent loads, which stay after the wait).
+// tests/kernels_compile.rs compiles every kernel with SPX_AUDIT_NC defined, where both marks
+// become plain, and fails on any non-coherent load left.
+#ifndef SPX_AUDIT_NC
+#define SPX_READONLY __restrict__
+#define spx_ldg(p) __ldg(p)
+#else
+#define SPX_READONLY
+#define spx_ldg(p) (*(p))
+#endif
+
 // One routed expert's group of work items. Mirrors `ExpertGroup` in src/backend/cuda/experts.rs
 // (#[repr(C)], 40 bytes).
 struct ExpertGroup {

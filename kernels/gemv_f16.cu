@@ -41,8 +41,8 @@
 #define MR_SPLIT 4
 
 template <int MT, int UNR = UNROLL>
-__device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
-                                                const __half* __restrict__ w1, const float* const* xr,
+__device__ __forceinline__ void lane_dot2_split(const __half* SPX_READONLY w0,
+                                                const __half* SPX_READONLY w1, const float* const* xr,
                                                 int mr, int k, int lane, float a0[MR_SPLIT][8],
                                                 float a1[MR_SPLIT][8]) {
     if ((k & 7) == 0) {
@@ -55,8 +55,8 @@ __device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
             for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
-                    p0[u] = __ldg(v0 + c);
-                    p1[u] = __ldg(v1 + c);
+                    p0[u] = spx_ldg(v0 + c);
+                    p1[u] = spx_ldg(v1 + c);
                 }
             }
 #pragma unroll
@@ -97,8 +97,8 @@ __device__ __forceinline__ void lane_dot2_split(const __half* __restrict__ w0,
     }
 }
 
-__device__ __forceinline__ void group_dot2_split(const __half* __restrict__ w0,
-                                                 const __half* __restrict__ w1, const float* const* xr,
+__device__ __forceinline__ void group_dot2_split(const __half* SPX_READONLY w0,
+                                                 const __half* SPX_READONLY w1, const float* const* xr,
                                                  int mr, int k, int lane, float a0[MR_SPLIT][8],
                                                  float a1[MR_SPLIT][8]) {
 #pragma unroll
@@ -122,7 +122,7 @@ __device__ __forceinline__ void group_dot2_split(const __half* __restrict__ w0,
 // every feature's loads in flight together (the one-item down kernels). Each feature gets the
 // arithmetic lane_dot2_split<1> gives it, so the bits are the same.
 template <int NF, int UNR>
-__device__ __forceinline__ void lane_dotn_split(const __half* const* w, const float* __restrict__ x, int k,
+__device__ __forceinline__ void lane_dotn_split(const __half* const* w, const float* x, int k,
                                                 int lane, float a[NF][8]) {
     if ((k & 7) == 0) {
         const int chunks = k >> 3;
@@ -133,7 +133,7 @@ __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const fl
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
 #pragma unroll
-                    for (int f = 0; f < NF; ++f) p[f][u] = __ldg(reinterpret_cast<const uint4*>(w[f]) + c);
+                    for (int f = 0; f < NF; ++f) p[f][u] = spx_ldg(reinterpret_cast<const uint4*>(w[f]) + c);
                 }
             }
 #pragma unroll
@@ -202,7 +202,7 @@ __device__ __forceinline__ int linear_work(int rows, int n) {
 // Asks L2 for the weight rows warp `threadIdx.x >> 5` reads in work block `work` of a linear
 // product.
 template <bool ONE>
-__device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, int rows, int n, int k,
+__device__ __forceinline__ void linear_prefetch(const __half* SPX_READONLY w, int rows, int n, int k,
                                                 int work) {
     const int block = work / (ONE ? 1 : row_groups(rows));
     const int col = FEATURES * (block * WARPS + (threadIdx.x >> 5));
@@ -228,8 +228,8 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
 // The one-row forms read their first weights before their wait (linear_block's EARLY).
 #define LINEAR_KERNELS(SUFFIX, ONE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16##SUFFIX(                      \
-        const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int n,            \
-        const __half* __restrict__ bias, float* __restrict__ y) {                                     \
+        const float* x, int rows, int k, const __half* SPX_READONLY w, int n,            \
+        const __half* SPX_READONLY bias, float* __restrict__ y) {                                     \
         spx_launch_dependents();                                                                      \
         const int blocks = linear_work<ONE>(rows, n);                                                 \
         for (int b = blockIdx.x; b < blocks; b += gridDim.x) {                                        \
@@ -238,9 +238,9 @@ __device__ __forceinline__ void linear_prefetch(const __half* __restrict__ w, in
         }                                                                                             \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear2_f16##SUFFIX(                     \
-        const float* __restrict__ x, int rows, int k, const __half* __restrict__ wa, int na,          \
-        const __half* __restrict__ ba, float* __restrict__ ya, const __half* __restrict__ wb, int nb, \
-        const __half* __restrict__ bb, float* __restrict__ yb, int blocks_a) {                        \
+        const float* x, int rows, int k, const __half* SPX_READONLY wa, int na,          \
+        const __half* SPX_READONLY ba, float* __restrict__ ya, const __half* SPX_READONLY wb, int nb, \
+        const __half* SPX_READONLY bb, float* __restrict__ yb, int blocks_a) {                        \
         spx_launch_dependents();                                                                      \
         const int work_a = blocks_a * (ONE ? 1 : row_groups(rows));                                   \
         const int blocks = work_a + linear_work<ONE>(rows, nb);                                       \
@@ -270,8 +270,8 @@ LINEAR_KERNELS(_1, true)
 // for a group of one row (the same bits), without the registers of wider groups.
 // Rows first .. last of x (ONE: the one row).
 template <bool ONE = false>
-__device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x, int first, int last,
-                                                     int k, const __half* __restrict__ w, int inter,
+__device__ __forceinline__ void gate_up_silu_feature(const float* x, int first, int last,
+                                                     int k, const __half* SPX_READONLY w, int inter,
                                                      float* __restrict__ h, int j) {
     const int lane = threadIdx.x & 31;
     if (j >= inter) return;
@@ -310,7 +310,7 @@ __device__ __forceinline__ void gate_up_silu_feature(const float* __restrict__ x
 // The items of one routed expert group, MS at a time (MR_SPLIT, or 1 with more pieces in flight:
 // an item's arithmetic is the same either way).
 template <int MS>
-__device__ __forceinline__ void split_items(const __half* __restrict__ w0, const __half* __restrict__ w1,
+__device__ __forceinline__ void split_items(const __half* SPX_READONLY w0, const __half* SPX_READONLY w1,
                                             const float* const* xr, int mr, int k, int lane, float a0[][8],
                                             float a1[][8]) {
     if (MS == 1) {
@@ -328,9 +328,9 @@ __device__ __forceinline__ void split_items(const __half* __restrict__ w0, const
 // Grouped gate/up: h[item][j] = silu(x[row] . gate[j]) * (x[row] . up[j]), work block (bx, by)
 // of (ceil(inter / WARPS), groups): group by's features bx * WARPS + w.
 template <int MS>
-__device__ __forceinline__ void moe_gate_up_block(const float* __restrict__ x, int hidden, int inter,
-                                                  const ExpertGroup* __restrict__ groups,
-                                                  const unsigned* __restrict__ item_row, float* __restrict__ h,
+__device__ __forceinline__ void moe_gate_up_block(const float* x, int hidden, int inter,
+                                                  const ExpertGroup* groups,
+                                                  const unsigned* item_row, float* __restrict__ h,
                                                   int bx, int by) {
     const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
@@ -360,9 +360,9 @@ __device__ __forceinline__ void moe_gate_up_block(const float* __restrict__ x, i
 // of (ceil(hidden / (FEATURES * WARPS)), groups) owns group by's features
 // c = FEATURES * (bx * WARPS + w) and c + 1.
 template <int MS>
-__device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int hidden, int inter,
-                                               const ExpertGroup* __restrict__ groups,
-                                               const float* __restrict__ item_weight, float* __restrict__ out,
+__device__ __forceinline__ void moe_down_block(const float* h, int hidden, int inter,
+                                               const ExpertGroup* groups,
+                                               const float* item_weight, float* __restrict__ out,
                                                int bx, int by) {
     const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
@@ -399,9 +399,9 @@ __device__ __forceinline__ void moe_down_block(const float* __restrict__ h, int 
 // group by's features c = DOWN_FEATURES_ONE * (bx * WARPS + w) onwards. More weight bytes in
 // flight per warp than two features give (the down rows are only inter long); each output has
 // moe_down_block's arithmetic.
-__device__ __forceinline__ void moe_down_block_1(const float* __restrict__ h, int hidden, int inter,
-                                                 const ExpertGroup* __restrict__ groups,
-                                                 const float* __restrict__ item_weight,
+__device__ __forceinline__ void moe_down_block_1(const float* h, int hidden, int inter,
+                                                 const ExpertGroup* groups,
+                                                 const float* item_weight,
                                                  float* __restrict__ out, int bx, int by) {
     const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
@@ -432,7 +432,7 @@ __device__ __forceinline__ void moe_down_block_1(const float* __restrict__ h, in
 }
 
 // Asks L2 for the gate and up rows of feature j (none past inter).
-__device__ __forceinline__ void gate_up_prefetch(const __half* __restrict__ w, int k, int inter, int j) {
+__device__ __forceinline__ void gate_up_prefetch(const __half* SPX_READONLY w, int k, int inter, int j) {
     if (j < inter) {
         const int lane = threadIdx.x & 31;
         spx_prefetch_l2(w + (size_t)j * k, (size_t)k * sizeof(__half), lane);
@@ -444,8 +444,8 @@ __device__ __forceinline__ void gate_up_prefetch(const __half* __restrict__ w, i
 // row_groups(rows) (ONE: feature blocks) of gate_up_silu_feature: warp w of work block v computes
 // feature (v / groups) * WARPS + w over row group v % groups.
 template <bool ONE = false>
-__device__ __forceinline__ void gate_up_silu_blocks(const float* __restrict__ x, int rows, int k,
-                                                    const __half* __restrict__ w, int inter,
+__device__ __forceinline__ void gate_up_silu_blocks(const float* x, int rows, int k,
+                                                    const __half* SPX_READONLY w, int inter,
                                                     float* __restrict__ h, int first, int stride) {
     const int warp = threadIdx.x >> 5;
     const int groups = ONE ? 1 : row_groups(rows);
@@ -460,7 +460,7 @@ __device__ __forceinline__ void gate_up_silu_blocks(const float* __restrict__ x,
 
 // Block: 32 * WARPS; any grid.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
-    const float* __restrict__ x, int rows, int k, const __half* __restrict__ w, int inter,
+    const float* x, int rows, int k, const __half* SPX_READONLY w, int inter,
     float* __restrict__ h) {
     spx_launch_dependents();
     gate_up_silu_blocks(x, rows, k, w, inter, h, blockIdx.x, gridDim.x);
@@ -475,11 +475,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
 // Grid: at least 2 blocks of 32 * WARPS threads.
 #define ROUTE_PLAN_SHARED_KERNEL(SUFFIX, ONE)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16##SUFFIX(                    \
-        const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,                \
-        unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table, \
+        const float* logits, int experts, int top_k, int renormalize, float scale,                \
+        unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* SPX_READONLY table, \
         int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,                     \
-        float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* __restrict__ x, int k,  \
-        const __half* __restrict__ w_shared, int inter_shared, float* __restrict__ h_shared) {                 \
+        float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* x, int k,  \
+        const __half* SPX_READONLY w_shared, int inter_shared, float* __restrict__ h_shared) {                 \
         spx_launch_dependents();                                                                               \
         if (blockIdx.x == 0) {                                                                                 \
             spx_grid_wait();                                                                                   \
@@ -504,8 +504,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 // follow the macros.
 #define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
-        const float* __restrict__ x, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
-        int num_groups, const unsigned* __restrict__ item_row, float* __restrict__ h) {                 \
+        const float* x, int hidden, int inter, const ExpertGroup* groups,     \
+        int num_groups, const unsigned* item_row, float* __restrict__ h) {                 \
         SPX_PROLOGUE();                                                                                 \
         const int gx = (inter + WARPS - 1) / WARPS, blocks = gx * num_groups;                           \
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
@@ -515,8 +515,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 
 #define MOE_F16_DOWN_KERNELS(SUFFIX, MS)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down##SUFFIX(                      \
-        const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
-        int num_groups, const float* __restrict__ item_weight, float* __restrict__ out) {               \
+        const float* h, int hidden, int inter, const ExpertGroup* groups,     \
+        int num_groups, const float* item_weight, float* __restrict__ out) {               \
         SPX_PROLOGUE();                                                                                 \
         const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS), blocks = gx * num_groups;  \
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
@@ -524,9 +524,9 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
         }                                                                                               \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down_shared##SUFFIX(               \
-        const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,     \
-        int num_groups, const float* __restrict__ item_weight, float* __restrict__ out,                 \
-        const float* __restrict__ h_shared, int rows, int inter_shared, const __half* __restrict__ w_down, \
+        const float* h, int hidden, int inter, const ExpertGroup* groups,     \
+        int num_groups, const float* item_weight, float* __restrict__ out,                 \
+        const float* h_shared, int rows, int inter_shared, const __half* SPX_READONLY w_down, \
         float* __restrict__ y_shared) {                                                                 \
         spx_launch_dependents();                                                                        \
         const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);                            \
@@ -553,8 +553,8 @@ MOE_F16_DOWN_KERNELS(, MR_SPLIT)
 // weights need no routing, so they load their first pieces before the wait (linear_block's
 // EARLY), during the routed gate/up's last blocks.
 extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_1(
-    const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
-    int num_groups, const float* __restrict__ item_weight, float* __restrict__ out) {
+    const float* h, int hidden, int inter, const ExpertGroup* groups,
+    int num_groups, const float* item_weight, float* __restrict__ out) {
     SPX_PROLOGUE();
     const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
     const int blocks = gx1 * num_groups;
@@ -563,9 +563,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
     }
 }
 extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_shared_1(
-    const float* __restrict__ h, int hidden, int inter, const ExpertGroup* __restrict__ groups,
-    int num_groups, const float* __restrict__ item_weight, float* __restrict__ out,
-    const float* __restrict__ h_shared, int rows, int inter_shared, const __half* __restrict__ w_down,
+    const float* h, int hidden, int inter, const ExpertGroup* groups,
+    int num_groups, const float* item_weight, float* __restrict__ out,
+    const float* h_shared, int rows, int inter_shared, const __half* SPX_READONLY w_down,
     float* __restrict__ y_shared) {
     spx_launch_dependents();
     const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);

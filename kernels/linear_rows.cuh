@@ -36,7 +36,7 @@ __device__ __forceinline__ void halves_to_floats(const uint4& v, float f[8]) {
     }
 }
 
-__device__ __forceinline__ float dot8(const float w[8], const float* __restrict__ xp, float s) {
+__device__ __forceinline__ float dot8(const float w[8], const float* xp, float s) {
     const float4 a = reinterpret_cast<const float4*>(xp)[0];
     const float4 b = reinterpret_cast<const float4*>(xp)[1];
     s = fmaf(w[0], a.x, s);
@@ -63,7 +63,7 @@ struct GridWait {
 // that also fills x (mla_kv_append_1, kernels/ops.cu) may use the whole warp: with k a multiple
 // of 8 and at least 256, every lane calls it at the same point.
 template <int MT, int UNR = UNROLL, bool EARLY = false, class Wait = GridWait>
-__device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
+__device__ __forceinline__ void lane_dot2(const __half* SPX_READONLY w0, const __half* SPX_READONLY w1,
                                           const float* const* xr, int mr, int k, int lane, float a0[MR],
                                           float a1[MR], Wait wait = Wait()) {
     if ((k & 7) == 0) {
@@ -76,8 +76,8 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
             for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
                 if (c < chunks) {
-                    p0[u] = __ldg(v0 + c);
-                    p1[u] = __ldg(v1 + c);
+                    p0[u] = spx_ldg(v0 + c);
+                    p1[u] = spx_ldg(v1 + c);
                 }
             }
             if (EARLY && c0 == lane) wait();
@@ -118,7 +118,7 @@ __device__ __forceinline__ void lane_dot2(const __half* __restrict__ w0, const _
 }
 
 // One group of mr <= MR rows: narrowest instantiation that holds them.
-__device__ __forceinline__ void group_dot2(const __half* __restrict__ w0, const __half* __restrict__ w1,
+__device__ __forceinline__ void group_dot2(const __half* SPX_READONLY w0, const __half* SPX_READONLY w1,
                                            const float* const* xr, int mr, int k, int lane, float a0[MR],
                                            float a1[MR]) {
 #pragma unroll
@@ -158,9 +158,9 @@ __device__ __forceinline__ int row_groups(int rows) {
 // and not an earlier product's stream. Also for the shared experts' down rows of
 // moe_f16_down_shared_1, whose blocks start as the routed gate/up's last ones drain.
 template <bool ONE, bool EARLY = false>
-__device__ __forceinline__ void linear_block(const float* __restrict__ x, int rows, int k,
-                                             const __half* __restrict__ w, int n,
-                                             const __half* __restrict__ bias, float* __restrict__ y,
+__device__ __forceinline__ void linear_block(const float* x, int rows, int k,
+                                             const __half* SPX_READONLY w, int n,
+                                             const __half* SPX_READONLY bias, float* __restrict__ y,
                                              int work) {
     const int lane = threadIdx.x & 31;
     const int groups = ONE ? 1 : row_groups(rows);

@@ -228,8 +228,8 @@ __device__ __forceinline__ void stage_activations(u32* xs, const float* const* i
             v0[m] = v8[m] = make_float2(0.0f, 0.0f);
             if ((u32)m < count) {
                 const float* x = item_rows[m] + f;
-                v0[m] = __ldg(reinterpret_cast<const float2*>(x));
-                v8[m] = __ldg(reinterpret_cast<const float2*>(x + 8));
+                v0[m] = *reinterpret_cast<const float2*>(x);
+                v8[m] = *reinterpret_cast<const float2*>(x + 8);
             }
         }
 #pragma unroll
@@ -265,8 +265,8 @@ __device__ __forceinline__ u32* staged_space() {
 // activations from an earlier pass); without, straight from global memory. Each matrix's
 // arithmetic is the same whatever P and STAGES are.
 template <int NT, int MAXI, bool STAGED, int P, int STAGES, int RING, bool PAIRED>
-__device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
-                                           const uint4* __restrict__ scales, u32 n, u32 k,
+__device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
+                                           const uint4* SPX_READONLY scales, u32 n, u32 k,
                                            u32 b0, u32 b_step, u32 count, MoeShared<MAXI>& sh,
                                            u32* staged, bool stage) {
     static_assert(STAGES * P <= RING, "the ring holds STAGES tile rows of P matrices");
@@ -338,7 +338,7 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
     }
     uint4 s[P];
 #pragma unroll
-    for (int p = 0; p < P; ++p) s[p] = __ldg(next_scales - scale_vecs + p * p_scales);
+    for (int p = 0; p < P; ++p) s[p] = spx_ldg(next_scales - scale_vecs + p * p_scales);
 
 #pragma unroll 1
     for (u32 i = 0; i < rows; ++i) {
@@ -354,8 +354,8 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
             } else {
                 float2 x0 = make_float2(0.0f, 0.0f), x8 = make_float2(0.0f, 0.0f);
                 if (xr[nt] != nullptr) {
-                    x0 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr));
-                    x8 = __ldg(reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u));
+                    x0 = *reinterpret_cast<const float2*>(xr[nt] + 16u * tr);
+                    x8 = *reinterpret_cast<const float2*>(xr[nt] + 16u * tr + 8u);
                 }
                 bx[nt][0] = pack_half2(x0.x, x0.y);
                 bx[nt][1] = pack_half2(x8.x, x8.y);
@@ -365,7 +365,7 @@ __device__ __forceinline__ void block_pass(const uint4* __restrict__ qweight,
         // the group ends, so the load has time to arrive.
         if ((tr & 7u) == 0u && i != 0) {
 #pragma unroll
-            for (int p = 0; p < P; ++p) s[p] = __ldg(next_scales + p * p_scales);
+            for (int p = 0; p < P; ++p) s[p] = spx_ldg(next_scales + p * p_scales);
             next_scales += scale_vecs;
         }
 
@@ -441,8 +441,8 @@ __device__ __forceinline__ float silu(float a) { return a / (1.0f + expf(-a)); }
 
 template <int NT, int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u32 count,
-                                              const float* __restrict__ x,
-                                              const u32* __restrict__ item_row,
+                                              const float* x,
+                                              const u32* item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
                                               MoeShared<MAXI>& sh) {
     if (threadIdx.x < count) {
@@ -496,8 +496,8 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
 
 template <int NT, int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 count,
-                                           const float* __restrict__ h,
-                                           const float* __restrict__ item_weight,
+                                           const float* h,
+                                           const float* item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
                                            MoeShared<MAXI>& sh) {
     if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
@@ -518,9 +518,9 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
 // grid = (inter / 64, groups), block = 256. Chunks of MAXI items; a chunk of at most 8 items
 // takes the one-tile path (same bits, half the mma work).
 template <int MAXI, bool STAGED, int RING, bool PAIRED>
-__device__ __forceinline__ void gate_up_kernel(const ExpertGroup* __restrict__ groups,
-                                               const float* __restrict__ x,
-                                               const u32* __restrict__ item_row,
+__device__ __forceinline__ void gate_up_kernel(const ExpertGroup* groups,
+                                               const float* x,
+                                               const u32* item_row,
                                                float* __restrict__ h, u32 hidden, u32 inter) {
     // Two tiles of gate and up accumulators at once would not fit the registers.
     static_assert(!(PAIRED && MAXI > 8), "a paired variant takes at most 8 items a chunk");
@@ -542,9 +542,9 @@ __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* __restrict__ g
 
 // grid = (hidden / 64, groups), block = 256.
 template <int MAXI, bool STAGED, int RING, bool PAIRED>
-__device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ groups,
-                                            const float* __restrict__ h,
-                                            const float* __restrict__ item_weight,
+__device__ __forceinline__ void down_kernel(const ExpertGroup* groups,
+                                            const float* h,
+                                            const float* item_weight,
                                             float* __restrict__ out, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
     const ExpertGroup g = groups[blockIdx.y];
@@ -568,8 +568,8 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* __restrict__ grou
 // DeepSeek-V2-Lite's shape). A block of 8 warps runs two of linear_f16_1's 4-warp work blocks
 // (linear_block's features follow the warp index), so each output gets linear_f16_1's
 // arithmetic and bits; its first weights load before the wait (EARLY), as linear_f16_1's.
-__device__ __forceinline__ void shared_down_block(u32 num_groups, const float* __restrict__ s_h,
-                                                  u32 s_inter, const __half* __restrict__ s_down,
+__device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s_h,
+                                                  u32 s_inter, const __half* SPX_READONLY s_down,
                                                   float* __restrict__ s_y, u32 hidden) {
     const u32 block = (blockIdx.y - num_groups) * gridDim.x + blockIdx.x;
     linear_block<true, true>(s_h, 1, (int)s_inter, s_down, (int)hidden, nullptr, s_y,
@@ -591,11 +591,11 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* _
 // partial fragments alone take 64 registers, and a cap of 3 (80) makes ptxas spill.
 #define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED)                                   \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
-        moe_int4_gate_up_##MAXI(const ExpertGroup* __restrict__ groups,                           \
-                                const float* __restrict__ x, const u32* __restrict__ item_row,    \
+        moe_int4_gate_up_##MAXI(const ExpertGroup* groups,                           \
+                                const float* x, const u32* item_row,    \
                                 float* __restrict__ h, u32 hidden, u32 inter, u32 num_groups,     \
-                                const float* __restrict__ s_h, u32 s_inter,                       \
-                                const __half* __restrict__ s_down, float* __restrict__ s_y) {     \
+                                const float* s_h, u32 s_inter,                       \
+                                const __half* SPX_READONLY s_down, float* __restrict__ s_y) {     \
         spx_launch_dependents();                                                                  \
         if (blockIdx.y >= num_groups) {                                                           \
             shared_down_block(num_groups, s_h, s_inter, s_down, s_y, hidden);                     \
@@ -605,8 +605,8 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* _
         gate_up_kernel<MAXI, STAGED, RING, PAIRED>(groups, x, item_row, h, hidden, inter);        \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
-        moe_int4_down_##MAXI(const ExpertGroup* __restrict__ groups, const float* __restrict__ h, \
-                             const float* __restrict__ item_weight, float* __restrict__ out,      \
+        moe_int4_down_##MAXI(const ExpertGroup* groups, const float* h, \
+                             const float* item_weight, float* __restrict__ out,      \
                              u32 hidden, u32 inter) {                                             \
         SPX_PROLOGUE();                                                                           \
         down_kernel<MAXI, STAGED, RING, PAIRED>(groups, h, item_weight, out, hidden, inter);      \

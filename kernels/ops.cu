@@ -33,7 +33,7 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 }
 
 // y[r] = table[ids[r]] (f16 -> f32). Grid: rows; block: any.
-extern "C" __global__ void embedding(const __half* __restrict__ table, const unsigned* __restrict__ ids,
+extern "C" __global__ void embedding(const __half* SPX_READONLY table, const unsigned* ids,
                                      int hidden, float* __restrict__ y) {
     SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
@@ -77,7 +77,7 @@ __device__ __forceinline__ float4 norm4(float4 v, const __half* w, float inv, bo
 // xb[c] + ab[c] (stored back to xb, as add_f32 does), and the norm is that of the sums.
 // xb carries no __restrict__: with ADD the second pass reads back what the first stored.
 template <bool ADD>
-__device__ __forceinline__ void rms_norm_group(float* xb, const float* ab, const __half* __restrict__ w,
+__device__ __forceinline__ void rms_norm_group(float* xb, const float* ab, const __half* SPX_READONLY w,
                                                float eps, int group, float* __restrict__ yb, bool aligned,
                                                float* shared) {
     float ss = 0.0f;
@@ -143,7 +143,7 @@ __device__ __forceinline__ void rms_norm_group(float* xb, const float* ab, const
 }
 
 // RMSNorm over each group of `group` columns: one block per (row, group). Block: ROW_THREADS.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* __restrict__ w, float eps,
+extern "C" __global__ void rms_norm(const float* x, const __half* SPX_READONLY w, float eps,
                                     int group, float* __restrict__ y) {
     SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
@@ -155,7 +155,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const __half* _
 
 // The residual add and the next norm of a decoder layer: x += a, then y = RMSNorm(x) over whole
 // rows of `cols` columns; the same bits as add_f32 followed by rms_norm. One block per row.
-extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* __restrict__ w, float eps,
+extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* SPX_READONLY w, float eps,
                                         int cols, float* __restrict__ y) {
     SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
@@ -167,8 +167,8 @@ extern "C" __global__ void add_rms_norm(float* x, const float* a, const __half* 
 }
 
 // LayerNorm of each row (width `cols`) with weight and bias. One block per row.
-extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half* __restrict__ w,
-                                      const __half* __restrict__ b, float eps, int cols,
+extern "C" __global__ void layer_norm(const float* x, const __half* SPX_READONLY w,
+                                      const __half* SPX_READONLY b, float eps, int cols,
                                       float* __restrict__ y) {
     SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
@@ -191,7 +191,7 @@ extern "C" __global__ void layer_norm(const float* __restrict__ x, const __half*
 // Splits columns [col0, col0 + width) of x ([rows, x_cols]) into up to four consecutive pieces:
 // y0 ([rows, w0]) takes the first w0 of them, y1 the next w1, and so on (unused pieces: width 0),
 // with w0 + w1 + w2 + w3 = width. One launch for a whole split_cols of up to four pieces.
-extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, int col0, int width,
+extern "C" __global__ void copy_cols(const float* x, int x_cols, int col0, int width,
                                      unsigned long long total, float* __restrict__ y0, int w0,
                                      float* __restrict__ y1, int w1, float* __restrict__ y2, int w2,
                                      float* __restrict__ y3, int w3) {
@@ -216,8 +216,8 @@ extern "C" __global__ void copy_cols(const float* __restrict__ x, int x_cols, in
 
 // dst[row_at[0] + r] = src[r] for `rows` rows of `cols` columns: the KV-cache append of a recorded
 // forward pass, whose position is read on the device at replay. Grid: (ceil(cols / 256), rows).
-extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* __restrict__ dst, int cols,
-                                        const unsigned* __restrict__ row_at) {
+extern "C" __global__ void copy_rows_at(const float* src, float* __restrict__ dst, int cols,
+                                        const unsigned* row_at) {
     SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -233,7 +233,7 @@ extern "C" __global__ void clamp_f32(float* __restrict__ x, float limit, unsigne
 }
 
 // x += y.
-extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, unsigned long long n) {
+extern "C" __global__ void add_f32(float* __restrict__ x, const float* y, unsigned long long n) {
     SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -242,8 +242,8 @@ extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restric
 }
 
 // x[r] += sigmoid(gate[r]) * y[r].
-extern "C" __global__ void add_sigmoid_gated(float* __restrict__ x, const float* __restrict__ y,
-                                             const float* __restrict__ gate, int cols,
+extern "C" __global__ void add_sigmoid_gated(float* __restrict__ x, const float* y,
+                                             const float* gate, int cols,
                                              unsigned long long n) {
     SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -284,8 +284,8 @@ __device__ __forceinline__ void rope_segment(const float* in, float* out, const 
 // Rotates each head's channels [offset, offset + rot_dim) of row r by the host-computed
 // cos/sin (`[rows, rot_dim / 2]`, already scaled). interleaved: pairs (2i, 2i+1); else (i, i+half).
 // Grid: rows; block: any.
-extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t,
-                                const float* __restrict__ sin_t, int cols, int heads, int head_stride,
+extern "C" __global__ void rope(float* __restrict__ x, const float* SPX_READONLY cos_t,
+                                const float* SPX_READONLY sin_t, int cols, int heads, int head_stride,
                                 int offset, int rot_dim, int interleaved) {
     SPX_PROLOGUE_LATE();
     const int half = rot_dim / 2;
@@ -303,8 +303,8 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
 // MLA's latent step, one block (ROW_THREADS) per row of c ([rows, cols], cols = rank + rope):
 // latent[r] = RMSNorm(c[r][0, rank)) times w, and pe[r] = c[r][rank, rank + rope) rotated by the
 // row's cos/sin; the same bits as split_cols, rms_norm and rope.
-extern "C" __global__ void mla_latent(const float* __restrict__ c, int cols, int rank, const __half* __restrict__ w,
-                                      float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+extern "C" __global__ void mla_latent(const float* c, int cols, int rank, const __half* SPX_READONLY w,
+                                      float eps, const float* SPX_READONLY cos_t, const float* SPX_READONLY sin_t,
                                       int rope, int interleaved, float* __restrict__ latent, float* __restrict__ pe) {
     SPX_PROLOGUE_LATE();
     __shared__ float shared[ROW_THREADS / 32 + 1];
@@ -323,11 +323,11 @@ extern "C" __global__ void mla_latent(const float* __restrict__ c, int cols, int
 // position p = (start_at ? start_at[0] : start) + r, and rotates the query's rope channels of
 // head h in place (q: [rows, heads * (nope + rope)], channels nope.. of each head); the same bits
 // as mla_expand_kv, two write_rows and rope. Grid: (rows, heads); block: any.
-extern "C" __global__ void mla_expand_append(const float* __restrict__ kv, const float* __restrict__ k_pe, int heads,
+extern "C" __global__ void mla_expand_append(const float* kv, const float* k_pe, int heads,
                                              int nope, int rope, int v_dim, float* __restrict__ keys,
                                              float* __restrict__ values, int start,
-                                             const unsigned* __restrict__ start_at, float* __restrict__ q,
-                                             const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                             const unsigned* start_at, float* __restrict__ q,
+                                             const float* SPX_READONLY cos_t, const float* SPX_READONLY sin_t,
                                              int interleaved) {
     SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
@@ -424,10 +424,10 @@ __device__ __forceinline__ float* mla_kv_slot(int j, int heads, int nope, int kw
 // rank a multiple of 8 from 256 to MLA_APPEND_MAX_RANK; w_kv: [heads * (nope + v_dim), rank].
 // Grid: 1 + ceil(heads * (nope + v_dim) / (FEATURES * WARPS)); block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) mla_kv_append_1(
-    const float* __restrict__ c, int rank, const __half* __restrict__ w_norm, float eps,
-    const __half* __restrict__ w_kv, int heads, int nope, int rope, int v_dim, float* __restrict__ keys,
-    float* __restrict__ values, int start, const unsigned* __restrict__ start_at, float* __restrict__ q,
-    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int interleaved) {
+    const float* c, int rank, const __half* SPX_READONLY w_norm, float eps,
+    const __half* SPX_READONLY w_kv, int heads, int nope, int rope, int v_dim, float* __restrict__ keys,
+    float* __restrict__ values, int start, const unsigned* start_at, float* __restrict__ q,
+    const float* SPX_READONLY cos_t, const float* SPX_READONLY sin_t, int interleaved) {
     __shared__ __align__(16) float latent[WARPS][MLA_APPEND_MAX_RANK];
     spx_launch_dependents();
     const int kw = nope + rope, n = heads * (nope + v_dim);
@@ -580,9 +580,9 @@ struct AddNormWait {
 // Grid: blocks_a + ceil(nb / (FEATURES * WARPS)), blocks_a = ceil(na / (FEATURES * WARPS));
 // block: 32 * WARPS.
 extern "C" __global__ void __launch_bounds__(32 * WARPS, ADD_NORM_MIN_BLOCKS) add_norm_linear_1(
-    const float* __restrict__ x, const float* __restrict__ a, const __half* __restrict__ w_norm, float eps,
-    int cols, float* __restrict__ x_out, float* __restrict__ h_out, const __half* __restrict__ wa, int na,
-    float* __restrict__ ya, const __half* __restrict__ wb, int nb, float* __restrict__ yb, int blocks_a) {
+    const float* x, const float* a, const __half* SPX_READONLY w_norm, float eps,
+    int cols, float* __restrict__ x_out, float* __restrict__ h_out, const __half* SPX_READONLY wa, int na,
+    float* __restrict__ ya, const __half* SPX_READONLY wb, int nb, float* __restrict__ yb, int blocks_a) {
     __shared__ __align__(16) float xs[ADD_NORM_MAX_COLS];
     __shared__ __align__(16) float ds[ADD_NORM_MAX_COLS];
     __shared__ float sums[2 * WARPS];
@@ -618,7 +618,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, ADD_NORM_MIN_BLOCKS) ad
 // MLA: keys [len, heads * (nope + rope)] (per head: nope channels of kv, then the shared k_pe) and
 // values [len, heads * v_dim] from kv [len, heads * (nope + v_dim)] and k_pe [len, rope].
 // Grid: (len, heads); block: any.
-extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const float* __restrict__ k_pe,
+extern "C" __global__ void mla_expand_kv(const float* kv, const float* k_pe,
                                          int heads, int nope, int rope, int v_dim,
                                          float* __restrict__ keys, float* __restrict__ values) {
     SPX_PROLOGUE_LATE();
@@ -633,7 +633,7 @@ extern "C" __global__ void mla_expand_kv(const float* __restrict__ kv, const flo
 }
 
 // h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
-extern "C" __global__ void silu_mul(const float* __restrict__ gu, int inter, unsigned long long n,
+extern "C" __global__ void silu_mul(const float* gu, int inter, unsigned long long n,
                                     float* __restrict__ h) {
     SPX_PROLOGUE_LATE();
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -667,7 +667,7 @@ __device__ __forceinline__ unsigned long long key_max(unsigned long long a, unsi
 }
 
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) argmax_rows(
-    const float* __restrict__ x, int cols, unsigned long long* __restrict__ keys,
+    const float* x, int cols, unsigned long long* __restrict__ keys,
     unsigned* __restrict__ counts, unsigned* __restrict__ out) {
     SPX_PROLOGUE_LATE();
     const int row = blockIdx.y;
@@ -708,9 +708,9 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) argmax_rows(
 // listed in ascending expert id, added in that order (as the CPU reference adds them); then,
 // when `plus` is given, y[r] += plus[r] (the shared experts' output, as add_f32 would add it).
 // Grid: (rows, ceil(hidden / blockDim.x)); one thread per output element.
-extern "C" __global__ void moe_combine(const float* __restrict__ out, const unsigned* __restrict__ row_items,
+extern "C" __global__ void moe_combine(const float* out, const unsigned* row_items,
                                        int top_k, int hidden, float* __restrict__ y,
-                                       const float* __restrict__ plus) {
+                                       const float* plus) {
     SPX_PROLOGUE_LATE();
     const size_t r = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;

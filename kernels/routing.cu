@@ -11,7 +11,7 @@
 #include "routing.cuh"
 
 // Router softmax and top-k on the device, one warp per row. ids/weights: [rows, top_k].
-extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, int experts, int top_k,
+extern "C" __global__ void route_softmax_topk(const float* logits, int experts, int top_k,
                                               int renormalize, float scale, unsigned* __restrict__ ids,
                                               float* __restrict__ weights) {
     SPX_PROLOGUE();
@@ -25,7 +25,7 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
 // PhiMoE's SparseMixer top-2 at inference, as the CPU reference: each pick is the arg-max (first
 // index on ties) of the logits not yet picked, weighted by a softmax over the candidates that lie
 // within the jitter threshold of it, evaluated at the pick. One warp per row; ids/weights [rows, 2].
-extern "C" __global__ void route_sparse_mixer(const float* __restrict__ logits, int experts, float jitter_eps,
+extern "C" __global__ void route_sparse_mixer(const float* logits, int experts, float jitter_eps,
                                               unsigned* __restrict__ ids, float* __restrict__ weights) {
     SPX_PROLOGUE();
     const int lane = threadIdx.x;
@@ -70,14 +70,14 @@ extern "C" __global__ void route_sparse_mixer(const float* __restrict__ logits, 
 
 // counts[ids[i]] += 1 for i < n: the draft's routing counted on the device for the prefetch plan.
 // Integer adds, so their order does not matter. One block.
-extern "C" __global__ void count_routes(const unsigned* __restrict__ ids, int n, unsigned* __restrict__ counts) {
+extern "C" __global__ void count_routes(const unsigned* ids, int n, unsigned* __restrict__ counts) {
     SPX_PROLOGUE();
     for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&counts[ids[i]], 1u);
 }
 
 // The work list after route_softmax_topk. Grid: 1; block: any multiple of 32 threads.
-extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const float* __restrict__ weights,
-                                    int rows, int top_k, int experts, const ExpertGroup* __restrict__ table,
+extern "C" __global__ void moe_plan(const unsigned* ids, const float* weights,
+                                    int rows, int top_k, int experts, const ExpertGroup* SPX_READONLY table,
                                     int max_groups, ExpertGroup* __restrict__ groups,
                                     unsigned* __restrict__ item_row, float* __restrict__ item_weight,
                                     unsigned* __restrict__ row_items) {
@@ -92,8 +92,8 @@ extern "C" __global__ void moe_plan(const unsigned* __restrict__ ids, const floa
 // route_softmax_topk and moe_plan in one launch, for few rows (decode, verification windows):
 // route_plan_block (routing.cuh). Grid: 1; block: 32 * ROUTE_PLAN_WARPS.
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_PLAN_WARPS) route_plan(
-    const float* __restrict__ logits, int experts, int top_k, int renormalize, float scale,
-    unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* __restrict__ table,
+    const float* logits, int experts, int top_k, int renormalize, float scale,
+    unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* SPX_READONLY table,
     int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
     float* __restrict__ item_weight, unsigned* __restrict__ row_items) {
     SPX_PROLOGUE();

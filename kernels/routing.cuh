@@ -124,7 +124,7 @@ struct PlanShared {
 // ids/weights carry no __restrict__: in route_plan they were written earlier in the same kernel,
 // so they must not be read through the non-coherent read-only path.
 __device__ void plan_list(const unsigned* ids, const float* weights, int rows, int top_k,
-                          int experts, const ExpertGroup* __restrict__ table, int max_groups,
+                          int experts, const ExpertGroup* SPX_READONLY table, int max_groups,
                           ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
                           float* __restrict__ item_weight, unsigned* row_items, PlanShared* sh) {
     const int n = rows * top_k;
@@ -223,9 +223,9 @@ __device__ void plan_list(const unsigned* ids, const float* weights, int rows, i
 // routing is route_row's (its probabilities, picks and weights, in its order); the work list is
 // the one plan_list gives one row: the picked experts (all different) a group of one item each,
 // groups and items in ascending expert id, and row_items 0 .. top_k - 1 (ascending item).
-__device__ __forceinline__ void route_plan_one(const float* __restrict__ row, int experts, int top_k,
+__device__ __forceinline__ void route_plan_one(const float* row, int experts, int top_k,
                                                int renormalize, float scale, unsigned* __restrict__ ids,
-                                               float* __restrict__ weights, const ExpertGroup* __restrict__ table,
+                                               float* __restrict__ weights, const ExpertGroup* SPX_READONLY table,
                                                int max_groups, ExpertGroup* __restrict__ groups,
                                                unsigned* __restrict__ item_row, float* __restrict__ item_weight,
                                                unsigned* __restrict__ row_items) {
@@ -300,9 +300,9 @@ __device__ __forceinline__ void route_plan_one(const float* __restrict__ row, in
 // (routing.cu) and of block 0 of route_plan_shared_f16 (gemv_f16.cu); the block has 32 * RW
 // threads.
 template <int RW>
-__device__ __forceinline__ void route_plan_block(const float* __restrict__ logits, int experts, int top_k,
+__device__ __forceinline__ void route_plan_block(const float* logits, int experts, int top_k,
                                                  int renormalize, float scale, unsigned* ids, float* weights,
-                                                 int rows, const ExpertGroup* __restrict__ table, int max_groups,
+                                                 int rows, const ExpertGroup* SPX_READONLY table, int max_groups,
                                                  ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,
                                                  float* __restrict__ item_weight, unsigned* row_items) {
     __shared__ int chosen[RW][MAX_TOP_K];

@@ -15,7 +15,7 @@ extern "C" __global__ void fill_f16(__half* __restrict__ y, float value, unsigne
 }
 
 // y[i] = a * x[i] + y[i], accumulated in f32 and rounded once to f16.
-extern "C" __global__ void axpy_f16(__half* __restrict__ y, const __half* __restrict__ x, float a,
+extern "C" __global__ void axpy_f16(__half* __restrict__ y, const __half* x, float a,
                                     unsigned long long n) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -26,7 +26,7 @@ extern "C" __global__ void axpy_f16(__half* __restrict__ y, const __half* __rest
 // *out += sum over i of data[i] * ((i % 251) + 1), modulo 2^64.
 // Weighting by position makes swapped or shifted bytes change the sum, unlike a plain byte sum.
 // The caller zeroes *out first; the host reference computes the same sum.
-extern "C" __global__ void byte_checksum(const unsigned char* __restrict__ data, unsigned long long n,
+extern "C" __global__ void byte_checksum(const unsigned char* data, unsigned long long n,
                                          unsigned long long* __restrict__ out) {
     unsigned long long acc = 0;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -63,7 +63,7 @@ extern "C" __global__ void link_pace_start(unsigned long long* __restrict__ stam
 
 // Returns once `ns` nanoseconds have passed since *stamp, sleeping in short steps rather than
 // spinning flat out (it shares an SM with compute kernels).
-extern "C" __global__ void link_pace_wait(const unsigned long long* __restrict__ stamp,
+extern "C" __global__ void link_pace_wait(const unsigned long long* stamp,
                                           unsigned long long ns) {
     const unsigned long long until = *stamp + ns;
     for (unsigned long long now = global_ns(); now < until; now = global_ns()) {

@@ -5,7 +5,7 @@
 //! Without NVRTC the test says so and passes, unless `SPECTER_REQUIRE_NVRTC=1`: `.ci/run` installs
 //! NVRTC from pip and runs it that way (`scripts/kernel-check.sh test`), so there it cannot skip.
 
-use specter::backend::cuda::{compile_source, nvrtc_library_present, KERNELS};
+use specter::backend::cuda::{compile_source, nvrtc_library_present, KernelSource, KERNELS};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -137,6 +137,107 @@ fn every_kernel_compiles_for_each_architecture() {
         assert!(
             names.contains(&name),
             "the host loads {name} from kernels/{module}.cu, which does not define it"
+        );
+    }
+}
+
+/// The `ld.global.nc` loads of each kernel in `ptx` that waits for the kernels before it
+/// (`griddepcontrol.wait`: one the backend may launch while those still run), by kernel name;
+/// kernels with none left out. A kernel without the wait is never launched that way.
+fn non_coherent_loads(ptx: &str) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    let mut kernel: Option<(String, usize, bool)> = None;
+    let mut finish = |k: Option<(String, usize, bool)>| {
+        if let Some((name, n, waits)) = k {
+            if n > 0 && waits {
+                counts.insert(name, n);
+            }
+        }
+    };
+    for line in ptx.lines() {
+        let line = line.trim_start();
+        if let Some(rest) = line.strip_prefix(".visible .entry ") {
+            let name = rest.split('(').next().unwrap_or(rest).trim().to_string();
+            finish(kernel.replace((name, 0, false)));
+        } else if let Some((_, n, waits)) = kernel.as_mut() {
+            *n += usize::from(line.starts_with("ld.global.nc"));
+            *waits |= line.starts_with("griddepcontrol.wait");
+        }
+    }
+    finish(kernel);
+    counts
+}
+
+/// Only memory no kernel writes (marked `SPX_READONLY` or read by `spx_ldg`, kernels/common.cuh)
+/// is read through non-coherent loads: a kernel launched while the one before it still runs
+/// (programmatic dependent launch) must not read that one's outputs that way. Compiled with
+/// `SPX_AUDIT_NC`, where both marks are plain, no kernel may keep a non-coherent load; compiled
+/// as shipped, the weights' loads are non-coherent (the marks do something).
+#[test]
+fn only_memory_no_kernel_writes_is_read_non_coherently() {
+    if !nvrtc_library_present() {
+        assert!(
+            std::env::var("SPECTER_REQUIRE_NVRTC").as_deref() != Ok("1"),
+            "SPECTER_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded"
+        );
+        eprintln!("kernels_compile: NVRTC not found, nothing compiled");
+        return;
+    }
+    let audited: Vec<KernelSource> = KERNELS
+        .iter()
+        .map(|kernel| KernelSource {
+            source: Box::leak(
+                format!("#define SPX_AUDIT_NC 1\n{}", kernel.source).into_boxed_str(),
+            ),
+            ptx: None,
+            ptx_arch: None,
+            ..*kernel
+        })
+        .collect();
+    let results: Vec<(&str, usize, BTreeMap<String, usize>)> = std::thread::scope(|scope| {
+        let threads: Vec<_> = KERNELS
+            .iter()
+            .zip(&audited)
+            .map(|(shipped, audit)| {
+                scope.spawn(move || {
+                    let compile = |k: &KernelSource| {
+                        compile_source(k, "sm_90", None)
+                            .unwrap_or_else(|e| panic!("kernels/{}.cu: {e}", k.name))
+                            .ptx
+                    };
+                    let shipped_nc = non_coherent_loads(&compile(shipped)).values().sum();
+                    (
+                        shipped.name,
+                        shipped_nc,
+                        non_coherent_loads(&compile(audit)),
+                    )
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("compile thread"))
+            .collect()
+    });
+    let mut left = Vec::new();
+    for (name, _, audit) in &results {
+        for (kernel, n) in audit {
+            left.push(format!(
+                "kernels/{name}.cu: {kernel}: {n} non-coherent loads"
+            ));
+        }
+    }
+    assert!(
+        left.is_empty(),
+        "non-coherent loads of memory not marked SPX_READONLY (an activation, cache or plan \
+         read through a `const __restrict__` pointer or __ldg?):\n{}",
+        left.join("\n")
+    );
+    for module in ["gemv_f16", "moe_int4", "ops"] {
+        let (_, shipped_nc, _) = results.iter().find(|r| r.0 == module).expect(module);
+        assert!(
+            *shipped_nc > 0,
+            "kernels/{module}.cu reads its weights by no non-coherent load: is SPX_READONLY empty?"
         );
     }
 }
