@@ -228,7 +228,7 @@ __device__ __forceinline__ void linear_prefetch(const __half* SPX_READONLY w, in
 // The one-row forms read their first weights before their wait (linear_block's EARLY).
 #define LINEAR_KERNELS(SUFFIX, ONE)                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear_f16##SUFFIX(                      \
-        const float* x, int rows, int k, const __half* SPX_READONLY w, int n,            \
+        const float* x, int rows, int k, const __half* SPX_READONLY w, int n,                         \
         const __half* SPX_READONLY bias, float* __restrict__ y) {                                     \
         spx_launch_dependents();                                                                      \
         const int blocks = linear_work<ONE>(rows, n);                                                 \
@@ -238,7 +238,7 @@ __device__ __forceinline__ void linear_prefetch(const __half* SPX_READONLY w, in
         }                                                                                             \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) linear2_f16##SUFFIX(                     \
-        const float* x, int rows, int k, const __half* SPX_READONLY wa, int na,          \
+        const float* x, int rows, int k, const __half* SPX_READONLY wa, int na,                       \
         const __half* SPX_READONLY ba, float* __restrict__ ya, const __half* SPX_READONLY wb, int nb, \
         const __half* SPX_READONLY bb, float* __restrict__ yb, int blocks_a) {                        \
         spx_launch_dependents();                                                                      \
@@ -475,10 +475,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_silu_f16(
 // Grid: at least 2 blocks of 32 * WARPS threads.
 #define ROUTE_PLAN_SHARED_KERNEL(SUFFIX, ONE)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) route_plan_shared_f16##SUFFIX(                    \
-        const float* logits, int experts, int top_k, int renormalize, float scale,                \
+        const float* logits, int experts, int top_k, int renormalize, float scale,                             \
         unsigned* __restrict__ ids, float* __restrict__ weights, int rows, const ExpertGroup* SPX_READONLY table, \
         int max_groups, ExpertGroup* __restrict__ groups, unsigned* __restrict__ item_row,                     \
-        float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* x, int k,  \
+        float* __restrict__ item_weight, unsigned* __restrict__ row_items, const float* x, int k,              \
         const __half* SPX_READONLY w_shared, int inter_shared, float* __restrict__ h_shared) {                 \
         spx_launch_dependents();                                                                               \
         if (blockIdx.x == 0) {                                                                                 \
@@ -504,8 +504,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 // follow the macros.
 #define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
-        const float* x, int hidden, int inter, const ExpertGroup* groups,     \
-        int num_groups, const unsigned* item_row, float* __restrict__ h) {                 \
+        const float* x, int hidden, int inter, const ExpertGroup* groups,                               \
+        int num_groups, const unsigned* item_row, float* __restrict__ h) {                              \
         SPX_PROLOGUE();                                                                                 \
         const int gx = (inter + WARPS - 1) / WARPS, blocks = gx * num_groups;                           \
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
@@ -515,8 +515,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 
 #define MOE_F16_DOWN_KERNELS(SUFFIX, MS)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down##SUFFIX(                      \
-        const float* h, int hidden, int inter, const ExpertGroup* groups,     \
-        int num_groups, const float* item_weight, float* __restrict__ out) {               \
+        const float* h, int hidden, int inter, const ExpertGroup* groups,                               \
+        int num_groups, const float* item_weight, float* __restrict__ out) {                            \
         SPX_PROLOGUE();                                                                                 \
         const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS), blocks = gx * num_groups;  \
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
@@ -524,9 +524,9 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
         }                                                                                               \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_down_shared##SUFFIX(               \
-        const float* h, int hidden, int inter, const ExpertGroup* groups,     \
-        int num_groups, const float* item_weight, float* __restrict__ out,                 \
-        const float* h_shared, int rows, int inter_shared, const __half* SPX_READONLY w_down, \
+        const float* h, int hidden, int inter, const ExpertGroup* groups,                               \
+        int num_groups, const float* item_weight, float* __restrict__ out,                              \
+        const float* h_shared, int rows, int inter_shared, const __half* SPX_READONLY w_down,           \
         float* __restrict__ y_shared) {                                                                 \
         spx_launch_dependents();                                                                        \
         const int gx = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);                            \

@@ -589,12 +589,12 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s
 // memory a block, two blocks an SM, more than the 132 or 192 blocks of a one-row launch need.
 // The 16-item variant: 8 slots and two passes; a cap of 2 blocks (128 registers) as its acc and
 // partial fragments alone take 64 registers, and a cap of 3 (80) makes ptxas spill.
-#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED)                                   \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
-        moe_int4_gate_up_##MAXI(const ExpertGroup* groups,                           \
-                                const float* x, const u32* item_row,    \
+#define MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED)                                  \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                         \
+        moe_int4_gate_up_##MAXI(const ExpertGroup* groups,                                        \
+                                const float* x, const u32* item_row,                              \
                                 float* __restrict__ h, u32 hidden, u32 inter, u32 num_groups,     \
-                                const float* s_h, u32 s_inter,                       \
+                                const float* s_h, u32 s_inter,                                    \
                                 const __half* SPX_READONLY s_down, float* __restrict__ s_y) {     \
         spx_launch_dependents();                                                                  \
         if (blockIdx.y >= num_groups) {                                                           \
@@ -604,9 +604,9 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s
         spx_grid_wait();                                                                          \
         gate_up_kernel<MAXI, STAGED, RING, PAIRED>(groups, x, item_row, h, hidden, inter);        \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                          \
-        moe_int4_down_##MAXI(const ExpertGroup* groups, const float* h, \
-                             const float* item_weight, float* __restrict__ out,      \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                         \
+        moe_int4_down_##MAXI(const ExpertGroup* groups, const float* h,                           \
+                             const float* item_weight, float* __restrict__ out,                   \
                              u32 hidden, u32 inter) {                                             \
         SPX_PROLOGUE();                                                                           \
         down_kernel<MAXI, STAGED, RING, PAIRED>(groups, h, item_weight, out, hidden, inter);      \
