@@ -39,6 +39,25 @@ struct ExpertGroup {
 };
 static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct");
 
+// Group y of a work list, read before spx_grid_wait from L2 (ld.global.cg: past this SM's L1,
+// which may hold an earlier layer's list at the same address). For the routed down kernels
+// only: the list's writer (the routing launch) has finished before they can launch, because the
+// gate/up launch between them lets its dependents launch only after its routed blocks' own wait
+// (moe_f16_gate_up_1, moe_int4_gate_up_*), and a kernel launches only once every block of the
+// one before has let it or finished.
+__device__ __forceinline__ ExpertGroup group_before_wait(const ExpertGroup* groups, unsigned y) {
+    const unsigned long long* p = reinterpret_cast<const unsigned long long*>(groups + y);
+    ExpertGroup g;
+    g.gate_up = __ldcg(p);
+    g.gate_up_scales = __ldcg(p + 1);
+    g.down = __ldcg(p + 2);
+    g.down_scales = __ldcg(p + 3);
+    const unsigned long long fc = __ldcg(p + 4);
+    g.first = (unsigned)fc;
+    g.count = (unsigned)(fc >> 32);
+    return g;
+}
+
 // Sum of `v` over the 32 lanes of a warp by a fixed butterfly (xor 16, 8, 4, 2, 1): every lane
 // gets the same bits, whatever the launch.
 __device__ __forceinline__ float warp_sum(float v) {

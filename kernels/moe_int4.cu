@@ -268,7 +268,7 @@ template <int NT, int MAXI, bool STAGED, int P, int STAGES, int RING, bool PAIRE
 __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
                                            const uint4* SPX_READONLY scales, u32 n, u32 k,
                                            u32 b0, u32 b_step, u32 count, MoeShared<MAXI>& sh,
-                                           u32* staged, bool stage) {
+                                           u32* staged, bool stage, bool wait_after_ring = false) {
     static_assert(STAGES * P <= RING, "the ring holds STAGES tile rows of P matrices");
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
@@ -298,6 +298,8 @@ __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
         }
         copy_commit();
     }
+    // The weights in flight, the caller's wait for the kernels before (see down_kernel).
+    if (wait_after_ring) spx_grid_wait();
     // The loop steps these pointers (the refill source; the next group's scales) rather than
     // recomputing them, which keeps its integer work small.
     const uint4* refill = wp + (u64)STAGES * row_vecs;
@@ -499,12 +501,12 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
                                            const float* h,
                                            const float* item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
-                                           MoeShared<MAXI>& sh) {
+                                           MoeShared<MAXI>& sh, bool early) {
     if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
     __syncthreads();
     block_pass<NT, MAXI, STAGED, 1, RING, RING, PAIRED>(
         reinterpret_cast<const uint4*>(g.down), reinterpret_cast<const uint4*>(g.down_scales),
-        hidden, inter, blockIdx.x, 0, count, sh, staged_space<MAXI, RING, PAIRED>(), true);
+        hidden, inter, blockIdx.x, 0, count, sh, staged_space<MAXI, RING, PAIRED>(), true, early);
     __syncthreads();
     for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
@@ -540,25 +542,28 @@ __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* groups,
     }
 }
 
-// grid = (hidden / 64, groups), block = 256.
+// grid = (hidden / 64, groups), block = 256. The group is known before the wait (see
+// group_before_wait), so the first chunk's weights are in flight before it: they stream while
+// the gate/up launch drains, as the one-row dense products' first pieces do (linear_block's
+// EARLY). A block whose group is empty reads nothing an earlier kernel writes but its group.
 template <int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void down_kernel(const ExpertGroup* groups,
                                             const float* h,
                                             const float* item_weight,
                                             float* __restrict__ out, u32 hidden, u32 inter) {
     __shared__ MoeShared<MAXI> sh;
-    const ExpertGroup g = groups[blockIdx.y];
+    const ExpertGroup g = group_before_wait(groups, blockIdx.y);
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
                 down_chunk<2, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, h, item_weight,
-                                                          out, hidden, inter, sh);
+                                                          out, hidden, inter, sh, done == 0);
                 continue;
             }
         }
         down_chunk<1, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, h, item_weight, out,
-                                                  hidden, inter, sh);
+                                                  hidden, inter, sh, done == 0);
     }
 }
 
@@ -596,19 +601,21 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s
                                 float* __restrict__ h, u32 hidden, u32 inter, u32 num_groups,     \
                                 const float* s_h, u32 s_inter,                                    \
                                 const __half* SPX_READONLY s_down, float* __restrict__ s_y) {     \
-        spx_launch_dependents();                                                                  \
         if (blockIdx.y >= num_groups) {                                                           \
+            spx_launch_dependents();                                                              \
             shared_down_block(num_groups, s_h, s_inter, s_down, s_y, hidden);                     \
             return;                                                                               \
         }                                                                                         \
+        /* The down launch reads its groups before its wait: see group_before_wait. */            \
         spx_grid_wait();                                                                          \
+        spx_launch_dependents();                                                                  \
         gate_up_kernel<MAXI, STAGED, RING, PAIRED>(groups, x, item_row, h, hidden, inter);        \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                         \
         moe_int4_down_##MAXI(const ExpertGroup* groups, const float* h,                           \
                              const float* item_weight, float* __restrict__ out,                   \
                              u32 hidden, u32 inter) {                                             \
-        SPX_PROLOGUE();                                                                           \
+        spx_launch_dependents();                                                                  \
         down_kernel<MAXI, STAGED, RING, PAIRED>(groups, h, item_weight, out, hidden, inter);      \
     }
 
