@@ -40,11 +40,12 @@ struct ExpertGroup {
 static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct");
 
 // Group y of a work list, read before spx_grid_wait from L2 (ld.global.cg: past this SM's L1,
-// which may hold an earlier layer's list at the same address). For the routed down kernels
-// only: the list's writer (the routing launch) has finished before they can launch, because the
-// gate/up launch between them lets its dependents launch only after its routed blocks' own wait
-// (moe_f16_gate_up_1, moe_int4_gate_up_*), and a kernel launches only once every block of the
-// one before has let it or finished.
+// which may hold an earlier layer's list at the same address). For the INT4 down kernels only
+// (kernels/moe_int4.cu): the list's writer (the routing launch) has finished before they can
+// launch, because the gate/up launch between them lets its dependents launch only after its
+// routed blocks' own wait, and a kernel launches only once every block of the one before has
+// let it (or finished). (The FP16 one-row down measured 0.5-0.8% slower reading early beside the
+// routed gate/up's stream, docs/BENCHMARKS-LOG.md.)
 __device__ __forceinline__ ExpertGroup group_before_wait(const ExpertGroup* groups, unsigned y) {
     const unsigned long long* p = reinterpret_cast<const unsigned long long*>(groups + y);
     ExpertGroup g;

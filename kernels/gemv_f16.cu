@@ -121,9 +121,7 @@ __device__ __forceinline__ void group_dot2_split(const __half* SPX_READONLY w0,
 // lane_dot2_split of one row for NF features at once: a[f] += the lane partials of x . w[f],
 // every feature's loads in flight together (the one-item down kernels). Each feature gets the
 // arithmetic lane_dot2_split<1> gives it, so the bits are the same.
-// EARLY: the lane's first pieces are loaded before it waits for the kernels before (spx_grid_wait),
-// as lane_dot2's EARLY; x is read after.
-template <int NF, int UNR, bool EARLY = false>
+template <int NF, int UNR>
 __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const float* x, int k,
                                                 int lane, float a[NF][8]) {
     if ((k & 7) == 0) {
@@ -138,7 +136,6 @@ __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const fl
                     for (int f = 0; f < NF; ++f) p[f][u] = spx_ldg(reinterpret_cast<const uint4*>(w[f]) + c);
                 }
             }
-            if (EARLY && c0 == lane) spx_grid_wait();
 #pragma unroll
             for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
@@ -156,10 +153,7 @@ __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const fl
                 }
             }
         }
-        // A lane with no pieces still waits: the warp writes its outputs after this returns.
-        if (EARLY && lane >= chunks) spx_grid_wait();
     } else {
-        if (EARLY) spx_grid_wait();
         for (int i = lane; i < k; i += 32) {
             const float xv = x[i];
 #pragma unroll
@@ -404,15 +398,12 @@ __device__ __forceinline__ void moe_down_block(const float* h, int hidden, int i
 // warp w of work block (bx, by) of (ceil(hidden / (DOWN_FEATURES_ONE * WARPS)), groups) owns
 // group by's features c = DOWN_FEATURES_ONE * (bx * WARPS + w) onwards. More weight bytes in
 // flight per warp than two features give (the down rows are only inter long); each output has
-// moe_down_block's arithmetic. EARLY: the group is read before the wait (group_before_wait) and
-// the first item's first pieces of weights are in flight before it (lane_dotn_split's EARLY):
-// they stream while the routed gate/up launch drains.
-template <bool EARLY = false>
+// moe_down_block's arithmetic.
 __device__ __forceinline__ void moe_down_block_1(const float* h, int hidden, int inter,
                                                  const ExpertGroup* groups,
                                                  const float* item_weight,
                                                  float* __restrict__ out, int bx, int by) {
-    const ExpertGroup g = EARLY ? group_before_wait(groups, by) : groups[by];
+    const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
     const int c = DOWN_FEATURES_ONE * (bx * WARPS + (threadIdx.x >> 5));
     if (c >= hidden) return;
@@ -430,11 +421,7 @@ __device__ __forceinline__ void moe_down_block_1(const float* h, int hidden, int
 #pragma unroll
             for (int e = 0; e < 8; ++e) a[f][e] = 0.0f;
         }
-        if (EARLY && i == 0) {
-            lane_dotn_split<DOWN_FEATURES_ONE, DOWN_UNROLL_ONE, true>(w, h + item * inter, inter, lane, a);
-        } else {
-            lane_dotn_split<DOWN_FEATURES_ONE, DOWN_UNROLL_ONE>(w, h + item * inter, inter, lane, a);
-        }
+        lane_dotn_split<DOWN_FEATURES_ONE, DOWN_UNROLL_ONE>(w, h + item * inter, inter, lane, a);
         const float wt = item_weight[item];
 #pragma unroll
         for (int f = 0; f < DOWN_FEATURES_ONE; ++f) {
@@ -515,11 +502,11 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
 // experts' down product y_shared[rows, hidden] = h_shared @ w_down^T as linear_f16 computes it
 // (its work blocks; the _1 form one row at a time, the same bits). The one-item down kernels
 // follow the macros.
-#define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS, PROLOGUE)                                                    \
+#define MOE_F16_GATE_UP_KERNEL(SUFFIX, MS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_f16_gate_up##SUFFIX(                   \
         const float* x, int hidden, int inter, const ExpertGroup* groups,                               \
         int num_groups, const unsigned* item_row, float* __restrict__ h) {                              \
-        PROLOGUE();                                                                                     \
+        SPX_PROLOGUE();                                                                                 \
         const int gx = (inter + WARPS - 1) / WARPS, blocks = gx * num_groups;                           \
         for (int v = blockIdx.x; v < blocks; v += gridDim.x) {                                          \
             moe_gate_up_block<MS>(x, hidden, inter, groups, item_row, h, v % gx, v / gx);               \
@@ -555,10 +542,8 @@ ROUTE_PLAN_SHARED_KERNEL(_1, true)
         }                                                                                               \
     }
 
-MOE_F16_GATE_UP_KERNEL(, MR_SPLIT, SPX_PROLOGUE)
-// The one-item down kernels read their groups before their wait (group_before_wait): the next
-// launch only after this one's wait.
-MOE_F16_GATE_UP_KERNEL(_1, 1, SPX_PROLOGUE_LATE)
+MOE_F16_GATE_UP_KERNEL(, MR_SPLIT)
+MOE_F16_GATE_UP_KERNEL(_1, 1)
 MOE_F16_DOWN_KERNELS(, MR_SPLIT)
 
 // The one-item forms of the down kernels: routed work blocks of DOWN_FEATURES_ONE features a warp
@@ -566,16 +551,15 @@ MOE_F16_DOWN_KERNELS(, MR_SPLIT)
 // moe_f16_down_shared_1 the shared experts' down product comes first, as gx = ceil(hidden /
 // (FEATURES * WARPS)) work blocks of linear_block<true> (the first blocks dispatched): its
 // weights need no routing, so they load their first pieces before the wait (linear_block's
-// EARLY), during the routed gate/up's last blocks. The routed work blocks read their group and
-// their first pieces before the wait too (moe_down_block_1's EARLY).
+// EARLY), during the routed gate/up's last blocks.
 extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_1(
     const float* h, int hidden, int inter, const ExpertGroup* groups,
     int num_groups, const float* item_weight, float* __restrict__ out) {
-    spx_launch_dependents();
+    SPX_PROLOGUE();
     const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
     const int blocks = gx1 * num_groups;
     for (int v = blockIdx.x; v < blocks; v += gridDim.x) {
-        moe_down_block_1<true>(h, hidden, inter, groups, item_weight, out, v % gx1, v / gx1);
+        moe_down_block_1(h, hidden, inter, groups, item_weight, out, v % gx1, v / gx1);
     }
 }
 extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) moe_f16_down_shared_1(
@@ -594,7 +578,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
     for (; v < gx; v += stride) {
         linear_block<true, true>(h_shared, rows, inter_shared, w_down, hidden, nullptr, y_shared, v);
     }
+    if (v >= blocks) return;
+    spx_grid_wait();
     for (; v < blocks; v += stride) {
-        moe_down_block_1<true>(h, hidden, inter, groups, item_weight, out, (v - gx) % gx1, (v - gx) / gx1);
+        moe_down_block_1(h, hidden, inter, groups, item_weight, out, (v - gx) % gx1, (v - gx) / gx1);
     }
 }
