@@ -55,15 +55,24 @@ fn loaded_by_name() -> Vec<(String, String)> {
     pairs
 }
 
+/// Whether NVRTC can be loaded; without it the tests say so and pass, unless
+/// `SPECTER_REQUIRE_NVRTC=1`, where they fail.
+fn nvrtc_here() -> bool {
+    if nvrtc_library_present() {
+        return true;
+    }
+    assert!(
+        std::env::var("SPECTER_REQUIRE_NVRTC").as_deref() != Ok("1"),
+        "SPECTER_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it \
+         (scripts/kernel-check.sh env) or put its directory on LD_LIBRARY_PATH"
+    );
+    eprintln!("kernels_compile: NVRTC not found, nothing compiled");
+    false
+}
+
 #[test]
 fn every_kernel_compiles_for_each_architecture() {
-    if !nvrtc_library_present() {
-        assert!(
-            std::env::var("SPECTER_REQUIRE_NVRTC").as_deref() != Ok("1"),
-            "SPECTER_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install it \
-             (scripts/kernel-check.sh env) or put its directory on LD_LIBRARY_PATH"
-        );
-        eprintln!("kernels_compile: NVRTC not found, nothing compiled");
+    if !nvrtc_here() {
         return;
     }
     // One thread an architecture: NVRTC compiles separate programs concurrently.
@@ -175,12 +184,7 @@ fn non_coherent_loads(ptx: &str) -> BTreeMap<String, usize> {
 /// as shipped, the weights' loads are non-coherent (the marks do something).
 #[test]
 fn only_memory_no_kernel_writes_is_read_non_coherently() {
-    if !nvrtc_library_present() {
-        assert!(
-            std::env::var("SPECTER_REQUIRE_NVRTC").as_deref() != Ok("1"),
-            "SPECTER_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded"
-        );
-        eprintln!("kernels_compile: NVRTC not found, nothing compiled");
+    if !nvrtc_here() {
         return;
     }
     let audited: Vec<KernelSource> = KERNELS
