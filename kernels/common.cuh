@@ -82,9 +82,9 @@ __device__ __forceinline__ float4 load_float4(const float* p, bool aligned) {
 // before it on the stream is still running (src/backend/cuda/backend.rs, `launch`); such a kernel
 // must not touch memory an earlier kernel writes or reads before `spx_grid_wait`, which returns
 // once every earlier kernel has finished and its writes are visible. Only reads of weights, which
-// no kernel writes, may come before it (and the INT4 down's work list: group_before_wait). `spx_launch_dependents` lets the next kernel start
-// launching (its blocks then wait in their own `spx_grid_wait`). Without such a launch both are
-// no-ops, so every kernel calls them.
+// no kernel writes, may come before it (and the INT4 down's work list: group_before_wait).
+// `spx_launch_dependents` lets the next kernel start launching (its blocks then wait in their own
+// `spx_grid_wait`). Without such a launch both are no-ops, so every kernel calls them.
 __device__ __forceinline__ void spx_grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
