@@ -13,7 +13,8 @@
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
 //! `--windows-only` times the verification windows alone (for a profiler's view of them).
-//! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops, and
+//! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
+//! `SPECTER_CUDA_CLUSTER_ATTENTION=0` combines attention's key chunks through global memory, and
 //! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, as in specter-run. The
 //! chained figures time greedy steps run back to back (`LanguageModel::forward_greedy_chain`):
 //! the time between two choices reaching the host.
@@ -93,6 +94,9 @@ fn main() -> anyhow::Result<()> {
     let off = |name: &str| std::env::var(name).is_ok_and(|v| v.trim() == "0");
     if off("SPECTER_CUDA_FUSE_SHARED") {
         opts.cuda.fuse_shared_experts = false;
+    }
+    if off("SPECTER_CUDA_CLUSTER_ATTENTION") {
+        opts.cuda.cluster_attention = false;
     }
     if off("SPECTER_CUDA_CHAIN") {
         opts.cuda.chain_greedy = false;

@@ -12,10 +12,14 @@
 // ascending order, their partial sums added in warp order). It writes (m, l, o) to `part`.
 //
 // The combine (`att_combine`) takes a (row, head)'s chunks in order: M = max m_c,
-// w_c = exp(m_c - M), L = sum_c w_c l_c, out = (sum_c w_c o_c) / L. With `counters`, the last
-// chunk block of a (row, head) to finish runs it (a ticket from an atomic count, which that
-// block sets back to zero for the next launch); without, `attention_combine` runs it as a
-// second launch. Both compute every output the same way, so they give the same bits.
+// w_c = exp(m_c - M), L = sum_c w_c l_c, out = (sum_c w_c o_c) / L. Launched in clusters of
+// `splits` blocks (a (row, head) a cluster; sm_90 and newer), each block stores its partials in
+// the shared memory of the cluster's first block, and after one cluster barrier that block
+// combines them: no round trip through L2, no fence, no ticket. Otherwise the partials go to
+// `part`; with `counters` the last chunk block of a (row, head) to finish combines them (a ticket
+// from an atomic count, which that block sets back to zero for the next launch), without them
+// `attention_combine` does as a second launch. Every form computes every output the same way,
+// so they give the same bits.
 //
 // Every split depends only on the number of visible keys and the head shapes, so a (row, head)
 // result depends only on its query and the keys it may see, never on the other rows of the
@@ -37,6 +41,12 @@
 #define ATT_CHUNK_MIN (ATT_WARPS * ATT_KEYS_PER_WARP)
 // Threads of `attention_combine`: one channel each per pass.
 #define ATT_COMBINE_THREADS 128
+// Most value channels of a clustered launch: the first block of a cluster keeps every chunk's
+// partials (m, l, o) in its shared memory.
+#define ATT_CLUSTER_MAX_V 256
+// Value rows each warp loads with the keys, before the scores need them (one round of loads
+// instead of two for short chunks; the rest of its rows load after the scores).
+#define ATT_V_EARLY 4
 
 // Keys per chunk for n visible keys: n / ATT_SPLITS rounded up to whole score passes.
 __device__ __forceinline__ int att_chunk(int n) {
@@ -51,25 +61,26 @@ __device__ __forceinline__ int2 att_keys(int r, int start, int window, const uns
     return make_int2(lo, pos + 1 - lo);
 }
 
-// The combine of one (row, head): p its ATT_SPLITS partials (`chunks` of them written), o its
-// output row; thread t of `threads` writes channels t, t + threads, ... (each channel's
-// arithmetic does not depend on which thread computes it). Partials are read past L1: in the
-// fused form other blocks wrote them.
-__device__ __forceinline__ void att_combine(const float* p, int chunks, int v_dim, float* __restrict__ o,
+// The combine of one (row, head): `part(c, i)` is value i of chunk c's partials (m, l, o...),
+// `chunks` of them written; o its output row; thread t of `threads` writes channels t,
+// t + threads, ... (each channel's arithmetic does not depend on which thread computes it, or
+// where the partials are read from).
+template <class Part>
+__device__ __forceinline__ void att_combine(const Part& part, int chunks, int v_dim, float* __restrict__ o,
                                             int t, int threads) {
     float w[ATT_SPLITS];
     float big = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int c = 0; c < ATT_SPLITS; ++c) {
-        if (c < chunks) big = fmaxf(big, __ldcg(p + (size_t)c * (2 + v_dim)));
+        if (c < chunks) big = fmaxf(big, part(c, 0));
     }
     float total = 0.0f;
 #pragma unroll
     for (int c = 0; c < ATT_SPLITS; ++c) {
         w[c] = 0.0f;
         if (c < chunks) {
-            w[c] = expf(__ldcg(p + (size_t)c * (2 + v_dim)) - big);
-            total = fmaf(w[c], __ldcg(p + (size_t)c * (2 + v_dim) + 1), total);
+            w[c] = expf(part(c, 0) - big);
+            total = fmaf(w[c], part(c, 1), total);
         }
     }
     const float inv = 1.0f / total;
@@ -77,49 +88,105 @@ __device__ __forceinline__ void att_combine(const float* p, int chunks, int v_di
         float acc = 0.0f;
 #pragma unroll
         for (int c = 0; c < ATT_SPLITS; ++c) {
-            if (c < chunks) acc = fmaf(w[c], __ldcg(p + (size_t)c * (2 + v_dim) + 2 + d), acc);
+            if (c < chunks) acc = fmaf(w[c], part(c, 2 + d), acc);
         }
         o[d] = acc * inv;
     }
 }
 
-// q: [rows, heads * qk_dim]; k: [>= kv_len, kv_heads * qk_dim]; v: [>= kv_len, kv_heads * v_dim];
-// part: [rows * heads * ATT_SPLITS, 2 + v_dim] (m, l, o); scratch: [rows * heads, score_stride]
-// f32, used only by chunks of more than ATT_SMEM_KEYS keys; counters: null, or [rows * heads]
-// zeros, and then out: [rows, heads * v_dim] gets the combined result.
-// Query row r sits at position start + r (start = start_at[0] when start_at is not null) and sees
-// keys lo..=start + r, lo = 0 or the window's start; the caller guarantees that the visible key
-// count start + r + 1 - lo is at most score_stride. Grid: rows * heads * splits blocks, splits
-// (at most ATT_SPLITS) no fewer than the chunks of score_stride keys: block b takes chunk
-// b % splits of pair b / splits.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
-    const float* q, const float* k, const float* v,
-    float* __restrict__ part, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
-    float scale, int start, int window, int score_stride, const unsigned* start_at,
-    unsigned* __restrict__ counters, float* __restrict__ out, int splits) {
-    SPX_PROLOGUE_LATE();
-    __shared__ float red[ATT_WARPS];
-    __shared__ unsigned ticket;
-    __shared__ float smem_scores[ATT_SMEM_KEYS];
-    __shared__ float vsum[ATT_WARPS][ATT_VTILE];
-    const int rh = blockIdx.x / splits, c = blockIdx.x % splits;
+// A (row, head)'s partials in `part` (global memory), read past L1: other blocks wrote them.
+struct GlobalParts {
+    const float* p;
+    int v_dim;
+    __device__ __forceinline__ float operator()(int c, int i) const { return __ldcg(p + (size_t)c * (2 + v_dim) + i); }
+};
+
+// A (row, head)'s partials in the shared memory of its cluster's first block.
+struct ClusterParts {
+    const float (*p)[2 + ATT_CLUSTER_MAX_V];
+    __device__ __forceinline__ float operator()(int c, int i) const { return p[c][i]; }
+};
+
+// Thread block clusters (sm_90 and newer; the host launches in clusters only there): the
+// address of this block's shared `p` in the shared memory of cluster block `rank`, a store to
+// such an address, and the barrier of every thread of the cluster's blocks, which makes the
+// shared-memory writes before it visible to the reads after it.
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+#endif
+    return out;
+}
+
+__device__ __forceinline__ void cluster_store(unsigned addr, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// Where a chunk block puts its partials: its row of `part`, or (cluster) its row in the first
+// cluster block's shared memory.
+struct PartSink {
+    float* global;
+    unsigned remote;
+    __device__ __forceinline__ void put(int i, float v) const {
+        if (global) {
+            global[i] = v;
+        } else {
+            cluster_store(remote + 4u * (unsigned)i, v);
+        }
+    }
+};
+
+// The partials (m, l, o) of chunk c of pair rh = (row r, head h): the chunk's n keys from key
+// c0 of the row's visible ones (first key `lo`), put to `sink`. Every thread of the block calls
+// it (it synchronises the block).
+__device__ __forceinline__ void att_chunk_partials(const float* q, const float* k, const float* v,
+                                                   float* __restrict__ scratch, int heads, int kv_heads,
+                                                   int qk_dim, int v_dim, float scale, int score_stride,
+                                                   int rh, int lo, int c0, int n, float* smem_scores,
+                                                   float* red, float (*vsum)[ATT_VTILE],
+                                                   const PartSink& sink) {
     const int r = rh / heads, h = rh % heads;
-    const int2 keys = att_keys(r, start, window, start_at);
-    const int chunk = att_chunk(keys.y);
-    const int c0 = c * chunk;
-    if (c0 >= keys.y) return;  // past the last chunk: the combine reads no more chunks
-    const int n = min(keys.y - c0, chunk);
     const int kh = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* qh = q + ((size_t)r * heads + h) * qk_dim;
     float* scores = n <= ATT_SMEM_KEYS ? smem_scores : scratch + (size_t)rh * score_stride + c0;
     const size_t k_stride = (size_t)kv_heads * qk_dim, v_stride = (size_t)kv_heads * v_dim;
-    const float* kbase = k + (size_t)(keys.x + c0) * k_stride + (size_t)kh * qk_dim;
-    const float* vbase = v + (size_t)(keys.x + c0) * v_stride + (size_t)kh * v_dim;
+    const float* kbase = k + (size_t)(lo + c0) * k_stride + (size_t)kh * qk_dim;
+    const float* vbase = v + (size_t)(lo + c0) * v_stride + (size_t)kh * v_dim;
+
+    // The value rows of the first tile this warp sums first (see the value sum below), loaded
+    // now so that they arrive with the keys.
+    const int per = (n + ATT_WARPS - 1) / ATT_WARPS;
+    const int j_begin = min(n, warp * per), j_end = min(n, j_begin + per);
+    const bool v_vec = (v_dim & 3) == 0;
+    const bool v_aligned = (reinterpret_cast<size_t>(v) & 15) == 0;
+    const int d_lane = 4 * lane;
+    float4 v_early[ATT_V_EARLY];
+    if (v_vec && d_lane < v_dim) {
+#pragma unroll
+        for (int u = 0; u < ATT_V_EARLY; ++u) {
+            if (j_begin + u < j_end) v_early[u] = load_float4(vbase + (size_t)(j_begin + u) * v_stride + d_lane, v_aligned);
+        }
+    }
 
     // Scores: each warp takes ATT_KEYS_PER_WARP consecutive keys at a time.
     // Channels in fours when the widths allow (16-byte loads where aligned, the same arithmetic
-    // otherwise), so the order depends on the shapes only.
+    // otherwise), so the order depends on the shapes only. A lane's pieces (d4 = lane, lane + 32,
+    // ...) are summed in ascending order; two of them load at once.
     const bool qk_vec = (qk_dim & 3) == 0;
     const bool qk_aligned = ((reinterpret_cast<size_t>(q) | reinterpret_cast<size_t>(k)) & 15) == 0;
     for (int j0 = warp * ATT_KEYS_PER_WARP; j0 < n; j0 += ATT_WARPS * ATT_KEYS_PER_WARP) {
@@ -128,17 +195,34 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) s[u] = 0.0f;
         if (qk_vec) {
             const int d4n = qk_dim >> 2;
-            for (int d4 = lane; d4 < d4n; d4 += 32) {
-                const float4 qv = load_float4(qh + 4 * d4, qk_aligned);
+            for (int d4 = lane; d4 < d4n; d4 += 64) {
+                const bool two = d4 + 32 < d4n;
+                const float4 qa = load_float4(qh + 4 * d4, qk_aligned);
+                float4 qb = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (two) qb = load_float4(qh + 4 * (d4 + 32), qk_aligned);
+                float4 ka[ATT_KEYS_PER_WARP], kb[ATT_KEYS_PER_WARP];
 #pragma unroll
                 for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) {
                     if (j0 + u < n) {
-                        const float4 kv = load_float4(kbase + (size_t)(j0 + u) * k_stride + 4 * d4, qk_aligned);
+                        const float* kr = kbase + (size_t)(j0 + u) * k_stride;
+                        ka[u] = load_float4(kr + 4 * d4, qk_aligned);
+                        if (two) kb[u] = load_float4(kr + 4 * (d4 + 32), qk_aligned);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_KEYS_PER_WARP; ++u) {
+                    if (j0 + u < n) {
                         float t = s[u];
-                        t = fmaf(qv.x, kv.x, t);
-                        t = fmaf(qv.y, kv.y, t);
-                        t = fmaf(qv.z, kv.z, t);
-                        t = fmaf(qv.w, kv.w, t);
+                        t = fmaf(qa.x, ka[u].x, t);
+                        t = fmaf(qa.y, ka[u].y, t);
+                        t = fmaf(qa.z, ka[u].z, t);
+                        t = fmaf(qa.w, ka[u].w, t);
+                        if (two) {
+                            t = fmaf(qb.x, kb[u].x, t);
+                            t = fmaf(qb.y, kb[u].y, t);
+                            t = fmaf(qb.z, kb[u].z, t);
+                            t = fmaf(qb.w, kb[u].w, t);
+                        }
                         s[u] = t;
                     }
                 }
@@ -183,24 +267,33 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
 
     // Values: warp w sums keys [w * per, min(n, (w + 1) * per)) of the chunk in ascending order;
     // lane l owns channels d0 + 4l .. d0 + 4l + 3 of each tile of ATT_VTILE channels.
-    const int per = (n + ATT_WARPS - 1) / ATT_WARPS;
-    const int j_begin = min(n, warp * per), j_end = min(n, j_begin + per);
-    const bool v_vec = (v_dim & 3) == 0;
-    const bool v_aligned = (reinterpret_cast<size_t>(v) & 15) == 0;
-    float* p = part + ((size_t)rh * ATT_SPLITS + c) * (2 + v_dim);
     if (threadIdx.x == 0) {
-        p[0] = m;
-        p[1] = total;
+        sink.put(0, m);
+        sink.put(1, total);
     }
-    float* o = p + 2;
     for (int d0 = 0; d0 < v_dim; d0 += ATT_VTILE) {
-        const int d = d0 + 4 * lane;
+        const int d = d0 + d_lane;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (d < v_dim) {
             if (v_vec) {
                 const float* vd = vbase + d;
+                int j = j_begin;
+                if (d0 == 0) {
+#pragma unroll
+                    for (int u = 0; u < ATT_V_EARLY; ++u) {
+                        if (j_begin + u < j_end) {
+                            const float e = scores[j_begin + u];
+                            const float4 x = v_early[u];
+                            acc.x = fmaf(e, x.x, acc.x);
+                            acc.y = fmaf(e, x.y, acc.y);
+                            acc.z = fmaf(e, x.z, acc.z);
+                            acc.w = fmaf(e, x.w, acc.w);
+                        }
+                    }
+                    j = min(j_end, j_begin + ATT_V_EARLY);
+                }
 #pragma unroll 4
-                for (int j = j_begin; j < j_end; ++j) {
+                for (; j < j_end; ++j) {
                     const float e = scores[j];
                     const float4 x = load_float4(vd + (size_t)j * v_stride, v_aligned);
                     acc.x = fmaf(e, x.x, acc.x);
@@ -228,9 +321,58 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         if (threadIdx.x < ATT_VTILE && d0 + (int)threadIdx.x < v_dim) {
             float sum = vsum[0][threadIdx.x];
             for (int w = 1; w < ATT_WARPS; ++w) sum += vsum[w][threadIdx.x];
-            o[d0 + threadIdx.x] = sum;
+            sink.put(2 + d0 + threadIdx.x, sum);
         }
         __syncthreads();
+    }
+}
+
+// q: [rows, heads * qk_dim]; k: [>= kv_len, kv_heads * qk_dim]; v: [>= kv_len, kv_heads * v_dim];
+// part: [rows * heads * ATT_SPLITS, 2 + v_dim] (m, l, o); scratch: [rows * heads, score_stride]
+// f32, used only by chunks of more than ATT_SMEM_KEYS keys; counters: null, or [rows * heads]
+// zeros, and then out: [rows, heads * v_dim] gets the combined result.
+// Query row r sits at position start + r (start = start_at[0] when start_at is not null) and sees
+// keys lo..=start + r, lo = 0 or the window's start; the caller guarantees that the visible key
+// count start + r + 1 - lo is at most score_stride. Grid: rows * heads * splits blocks, splits
+// (at most ATT_SPLITS) no fewer than the chunks of score_stride keys: block b takes chunk
+// b % splits of pair b / splits. With `cluster` (sm_90 and newer, v_dim at most
+// ATT_CLUSTER_MAX_V) the launch's clusters are `splits` blocks, a pair each, and out gets the
+// combined result (part and counters unused).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
+    const float* q, const float* k, const float* v,
+    float* __restrict__ part, float* __restrict__ scratch, int heads, int kv_heads, int qk_dim, int v_dim,
+    float scale, int start, int window, int score_stride, const unsigned* start_at,
+    unsigned* __restrict__ counters, float* __restrict__ out, int splits, int cluster) {
+    SPX_PROLOGUE_LATE();
+    __shared__ float red[ATT_WARPS];
+    __shared__ unsigned ticket;
+    __shared__ float smem_scores[ATT_SMEM_KEYS];
+    __shared__ float vsum[ATT_WARPS][ATT_VTILE];
+    // Cluster launches: every chunk's partials, in the first block of the cluster.
+    __shared__ float cluster_parts[ATT_SPLITS][2 + ATT_CLUSTER_MAX_V];
+    const int rh = blockIdx.x / splits, c = blockIdx.x % splits;
+    const int r = rh / heads;
+    const int2 keys = att_keys(r, start, window, start_at);
+    const int chunk = att_chunk(keys.y);
+    const int c0 = c * chunk;
+    const int chunks = (keys.y + chunk - 1) / chunk;
+    // Past the last chunk a block computes nothing; in a cluster it still keeps the barrier
+    // (every block of a cluster arrives), else the combine reads no more chunks.
+    if (c0 < keys.y) {
+        const PartSink sink = cluster ? PartSink{nullptr, cluster_addr(&cluster_parts[c][0], 0)}
+                                      : PartSink{part + ((size_t)rh * ATT_SPLITS + c) * (2 + v_dim), 0u};
+        att_chunk_partials(q, k, v, scratch, heads, kv_heads, qk_dim, v_dim, scale, score_stride, rh, keys.x, c0,
+                           min(keys.y - c0, chunk), smem_scores, red, vsum, sink);
+    } else if (!cluster) {
+        return;
+    }
+    if (cluster) {
+        cluster_sync();
+        if (c == 0) {
+            att_combine(ClusterParts{cluster_parts}, chunks, v_dim, out + (size_t)rh * v_dim, threadIdx.x,
+                        ATT_THREADS);
+        }
+        return;
     }
     if (counters == nullptr) return;
     // Publish this chunk, then take a ticket: the block that takes the last one has seen every
@@ -239,12 +381,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
     __syncthreads();
     if (threadIdx.x == 0) ticket = atomicAdd(counters + rh, 1u);
     __syncthreads();
-    const int chunks = (keys.y + chunk - 1) / chunk;
     if (ticket != (unsigned)(chunks - 1)) return;
     __threadfence();
     if (threadIdx.x == 0) counters[rh] = 0;
-    att_combine(part + (size_t)rh * ATT_SPLITS * (2 + v_dim), chunks, v_dim, out + (size_t)rh * v_dim,
-                threadIdx.x, ATT_THREADS);
+    att_combine(GlobalParts{part + (size_t)rh * ATT_SPLITS * (2 + v_dim), v_dim}, chunks, v_dim,
+                out + (size_t)rh * v_dim, threadIdx.x, ATT_THREADS);
 }
 
 // The combine as a launch of its own, after `attention` without counters. part: as `attention`
@@ -257,6 +398,6 @@ extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attention_comb
     const int rh = blockIdx.x, r = rh / heads;
     const int n = att_keys(r, start, window, start_at).y;
     const int chunk = att_chunk(n);
-    att_combine(part + (size_t)rh * ATT_SPLITS * (2 + v_dim), (n + chunk - 1) / chunk, v_dim,
-                out + (size_t)rh * v_dim, threadIdx.x, ATT_COMBINE_THREADS);
+    att_combine(GlobalParts{part + (size_t)rh * ATT_SPLITS * (2 + v_dim), v_dim}, (n + chunk - 1) / chunk,
+                v_dim, out + (size_t)rh * v_dim, threadIdx.x, ATT_COMBINE_THREADS);
 }

@@ -15,7 +15,7 @@ use common::ops::*;
 use rand::Rng;
 use specter::arch::RopeStyle;
 use specter::backend::cpu::Cpu;
-use specter::backend::cuda::CudaBackend;
+use specter::backend::cuda::{CudaBackend, CudaOptions};
 use specter::backend::{AttentionSpec, Backend, GatedMlp, RopeSpec, RouteSpec, Routing};
 
 #[test]
@@ -234,6 +234,10 @@ fn mla_expand_kv() {
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn attention() {
     let mut p = Family::new("attention", 29);
+    let global = common::gpu::backend_with(&CudaOptions {
+        cluster_attention: false,
+        ..CudaOptions::default()
+    });
     // GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.
     for &(heads, kv_heads, qk, vd, window, len, rows) in &[
         (4, 2, 32, 32, None, 40, 7),
@@ -255,8 +259,8 @@ fn attention() {
         (64, 8, 16, 16, None, 200, 129),
     ] {
         let (qc, qg, qv) = p.act(rows, heads * qk);
-        let (kc, kg, _) = p.act(len + 3, kv_heads * qk);
-        let (vc, vg, _) = p.act(len + 3, kv_heads * vd);
+        let (kc, kg, kv) = p.act(len + 3, kv_heads * qk);
+        let (vc, vg, vv) = p.act(len + 3, kv_heads * vd);
         let spec = AttentionSpec {
             heads,
             kv_heads,
@@ -275,6 +279,15 @@ fn attention() {
         ) else {
             continue;
         };
+        // The chunks combined through global memory (where the default combines them in a
+        // cluster's shared memory: sm_90 and newer) give the same bits.
+        let plain = (|| {
+            let q = global.upload(rows, heads * qk, &qv)?;
+            let k = global.upload(len + 3, kv_heads * qk, &kv)?;
+            let v = global.upload(len + 3, kv_heads * vd, &vv)?;
+            global.to_host(&global.attention(&q, &k, &v, len, spec)?)
+        })();
+        p.same_bits(&format!("{case}: combined in global memory"), plain, &all);
         // The last row alone (decode) equals the last row of the batch, bitwise.
         let last_spec = AttentionSpec {
             start: len - 1,

@@ -4,7 +4,9 @@
 //! helpers, which fail the test with the reason when no usable GPU is there: an ignored test that
 //! passed without a GPU would prove nothing.
 
-use specter::backend::cuda::{CudaBackend, CudaDevice};
+use std::sync::Arc;
+
+use specter::backend::cuda::{CudaBackend, CudaDevice, CudaOptions};
 
 fn no_gpu(what: &str, err: &specter::Error) -> ! {
     panic!(
@@ -21,4 +23,12 @@ pub fn device() -> CudaDevice {
 /// A CUDA backend on device 0 with every routed expert resident, or a failed test saying why.
 pub fn backend() -> CudaBackend {
     CudaBackend::open(0).unwrap_or_else(|err| no_gpu("opening the CUDA backend on device 0", &err))
+}
+
+/// A CUDA backend on device 0 with `options`, every routed expert resident, or a failed test
+/// saying why.
+#[allow(dead_code)]
+pub fn backend_with(options: &CudaOptions) -> CudaBackend {
+    CudaBackend::with_device(Arc::new(device()), None, options)
+        .unwrap_or_else(|err| no_gpu("opening the CUDA backend on device 0", &err))
 }

@@ -176,20 +176,25 @@ impl CudaBackend {
             None => kv_len.max(1),
         };
         let scratch = self.alloc(pairs, stride)?;
-        let part = self.alloc(pairs * ATT_SPLITS, 2 + v_dim)?;
         let start_at = step.map_or(0, |a| a.positions);
-        // Up to ATT_COUNTERS pairs the last chunk block of each pair combines; past it (long
-        // prompts) a second launch does, with the same arithmetic.
-        let fused = pairs <= ATT_COUNTERS;
         // No row sees more than `stride` keys, so no pair has more chunks than this: the grid
         // leaves out blocks that would only find their chunk empty.
         let splits = ATT_SPLITS.min(stride.div_ceil(ATT_CHUNK_MIN));
+        // A pair's chunks combine in its cluster's shared memory where the device has clusters
+        // (and the values fit); else, up to ATT_COUNTERS pairs, the last chunk block of each
+        // pair combines; past it (long prompts) a second launch does. The same arithmetic.
+        let cluster = self.cluster_attention && v_dim <= ATT_CLUSTER_MAX_V;
+        let fused = cluster || pairs <= ATT_COUNTERS;
+        let part = match cluster {
+            true => None,
+            false => Some(self.alloc(pairs * ATT_SPLITS, 2 + v_dim)?),
+        };
         let s = &self.stream;
         let args = [
             ptr(&q.buf, s),
             ptr(&k.buf, s),
             ptr(&v.buf, s),
-            ptr(&part.buf, s),
+            part.as_ref().map_or(0, |p| ptr(&p.buf, s)),
             ptr(&scratch.buf, s),
             int(heads, "heads")?,
             int(kv_heads, "kv_heads")?,
@@ -200,27 +205,33 @@ impl CudaBackend {
             int(window.unwrap_or(0), "window")?,
             int(stride, "kv_len")?,
             start_at,
-            if fused {
+            if fused && !cluster {
                 ptr(&self.attention_counters, s)
             } else {
                 0
             },
             ptr(&out.buf, s),
             int(splits, "splits")?,
+            u64::from(cluster),
         ];
         let too_many = || shape_err("attention", "too many rows".into());
         let grid = pairs
             .checked_mul(splits)
             .and_then(|b| u32::try_from(b).ok())
             .ok_or_else(too_many)?;
-        self.launch(
+        self.launch_clustered(
             &self.k.attention,
             "attention",
             (grid, 1, 1),
+            if cluster {
+                u32::try_from(splits).map_err(|_| too_many())?
+            } else {
+                1
+            },
             ATT_THREADS,
             &args,
         )?;
-        if !fused {
+        if let (false, Some(part)) = (fused, &part) {
             let args = [
                 ptr(&part.buf, s),
                 ptr(&out.buf, s),

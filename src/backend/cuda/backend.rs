@@ -15,7 +15,7 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use half::f16;
 
 use super::act::{GpuAct, GpuWeight};
-use super::driver::{guarded, launch_kernel};
+use super::driver::{guarded, launch_kernel, LaunchMode};
 use super::experts::ExpertGroup;
 use super::graphs;
 use super::host::PinnedBuffer;
@@ -80,6 +80,8 @@ pub struct CudaBackend {
     /// Kernels are launched to overlap the tail of the one before them (see
     /// [`CudaOptions::overlap_launches`]): asked for, and the device is sm_90 or newer.
     pub(super) overlap_launches: bool,
+    /// See [`CudaOptions::cluster_attention`]: asked for, and the device is sm_90 or newer.
+    pub(super) cluster_attention: bool,
     /// See [`CudaOptions::fuse_shared_experts`].
     pub(super) fuse_shared_experts: bool,
     /// See [`CudaOptions::chain_greedy`].
@@ -137,6 +139,7 @@ impl CudaBackend {
         let k = Kernels::load(&dev)?;
         let overlap_launches = options.overlap_launches && dev.compute_capability().0 >= 9;
         let int4 = MoeInt4Kernels::new(&dev)?.overlapping(overlap_launches);
+        let cluster_attention = options.cluster_attention && dev.compute_capability().0 >= 9;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;
@@ -180,6 +183,7 @@ impl CudaBackend {
             pending: Mutex::new(None),
             load_report: Mutex::new(None),
             overlap_launches,
+            cluster_attention,
             fuse_shared_experts: options.fuse_shared_experts,
             chain_greedy: options.chain_greedy,
             skip_launches: options.skip_launches.clone(),
@@ -425,6 +429,20 @@ impl CudaBackend {
         block: u32,
         args: &[u64],
     ) -> Result<()> {
+        self.launch_clustered(f, what, grid, 1, block, args)
+    }
+
+    /// [`launch`](Self::launch) in thread block clusters of `cluster` blocks along x (1: none;
+    /// more only on sm_90 and newer, with `grid.0` a multiple of it).
+    pub(super) fn launch_clustered(
+        &self,
+        f: &CudaFunction,
+        what: &str,
+        grid: (u32, u32, u32),
+        cluster: u32,
+        block: u32,
+        args: &[u64],
+    ) -> Result<()> {
         let failed = |e: &dyn std::fmt::Display| {
             Error::Backend(format!("cuda {what}: kernel launch failed: {e}"))
         };
@@ -436,8 +454,19 @@ impl CudaBackend {
         // address live device buffers of the sizes the kernel reads and writes; every kernel this
         // launches waits in `spx_grid_wait` before it touches anything an earlier kernel writes
         // or reads, and takes no dynamic shared memory.
-        unsafe { launch_kernel(&self.stream, f, grid, block, 0, args, self.overlap_launches) }
-            .map_err(|e| failed(&e))
+        unsafe {
+            launch_kernel(
+                &self.stream,
+                f,
+                (grid, block, 0),
+                args,
+                LaunchMode {
+                    overlap: self.overlap_launches,
+                    cluster,
+                },
+            )
+        }
+        .map_err(|e| failed(&e))
     }
 
     pub(super) fn alloc(&self, rows: usize, cols: usize) -> Result<GpuAct> {

@@ -52,18 +52,65 @@ pub unsafe fn launch_overlapping(
     shared_bytes: u32,
     args: &[u64],
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let mode = LaunchMode {
+        overlap: true,
+        cluster: 1,
+    };
+    // SAFETY: the caller's promise, as this function's.
+    unsafe { launch_ex(stream, f, (grid, block, shared_bytes), args, mode) }
+}
+
+/// How a kernel is launched besides its shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchMode {
+    /// Overlapped with the kernel before it ([`launch_overlapping`]).
+    pub overlap: bool,
+    /// Blocks per thread block cluster along x; 1: no clusters.
+    pub cluster: u32,
+}
+
+/// Launches `f` through `cuLaunchKernelEx` as `mode` says: overlapped as [`launch_overlapping`],
+/// and in thread block clusters when `mode.cluster` > 1 (sm_90 and newer; `grid.0` a multiple
+/// of it). `shape` is the grid, the block's threads and its dynamic shared memory.
+///
+/// # Safety
+/// As [`launch_overlapping`] (whose waiting condition matters only when `overlap`).
+unsafe fn launch_ex(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    shape: ((u32, u32, u32), u32, u32),
+    args: &[u64],
+    mode: LaunchMode,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let (grid, block, shared_bytes) = shape;
     stream.context().bind_to_thread()?;
     let mut params: Vec<*mut std::ffi::c_void> = args
         .iter()
         .map(|a| a as *const u64 as *mut std::ffi::c_void)
         .collect();
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue {
-            programmaticStreamSerializationAllowed: 1,
-        },
-    };
+    let mut attrs = Vec::with_capacity(2);
+    if mode.overlap {
+        attrs.push(sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        });
+    }
+    if mode.cluster > 1 {
+        attrs.push(sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                    x: mode.cluster,
+                    y: 1,
+                    z: 1,
+                },
+            },
+        });
+    }
     let cfg = sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -73,10 +120,10 @@ pub unsafe fn launch_overlapping(
         blockDimZ: 1,
         sharedMemBytes: shared_bytes,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     };
-    // SAFETY: `cfg`, `attr` and `params` outlive the call, which copies what it needs; the
+    // SAFETY: `cfg`, `attrs` and `params` outlive the call, which copies what it needs; the
     // parameters are as the caller promises.
     unsafe {
         sys::cuLaunchKernelEx(
@@ -89,24 +136,24 @@ pub unsafe fn launch_overlapping(
     .result()
 }
 
-/// Launches `f` on `stream` with `block`-thread blocks, overlapped ([`launch_overlapping`]) when
-/// `overlap`, else as a plain launch that starts once the kernel before it has finished.
+/// Launches `f` on `stream` with `block`-thread blocks as `mode` says: overlapped
+/// ([`launch_overlapping`]) or as a plain launch that starts once the kernel before it has
+/// finished; in clusters when `mode.cluster` is more than 1 (see [`launch_ex`]).
 ///
 /// # Safety
-/// As [`launch_overlapping`] (whose waiting condition matters only when `overlap`).
+/// As [`launch_overlapping`] (whose waiting condition matters only when `mode.overlap`).
 pub unsafe fn launch_kernel(
     stream: &CudaStream,
     f: &CudaFunction,
-    grid: (u32, u32, u32),
-    block: u32,
-    shared_bytes: u32,
+    shape: ((u32, u32, u32), u32, u32),
     args: &[u64],
-    overlap: bool,
+    mode: LaunchMode,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
-    if overlap {
+    if mode.overlap || mode.cluster > 1 {
         // SAFETY: the caller's promise, as this function's.
-        return unsafe { launch_overlapping(stream, f, grid, block, shared_bytes, args) };
+        return unsafe { launch_ex(stream, f, shape, args, mode) };
     }
+    let (grid, block, shared_bytes) = shape;
     let mut b = stream.launch_builder(f);
     for a in args {
         b.arg(a);

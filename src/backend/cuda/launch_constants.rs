@@ -62,6 +62,10 @@ pub(crate) const ATT_COMBINE_THREADS: u32 = 128;
 /// prompts, launch `attention_combine`. A host choice: both give the same bits.
 pub(crate) const ATT_COUNTERS: usize = 8192;
 
+/// Most value channels of a clustered `attention` launch: `ATT_CLUSTER_MAX_V` in
+/// kernels/attention.cu (the first block of a cluster keeps every chunk's partials).
+pub(crate) const ATT_CLUSTER_MAX_V: usize = 256;
+
 /// Threads per block of `mla_expand_kv` (one block per row and head). Mirrors no define: the
 /// kernel strides by `blockDim.x`, so any block size computes the same values.
 pub(crate) const MLA_THREADS: u32 = 128;
@@ -268,6 +272,10 @@ mod tests {
         assert_eq!(
             i64::from(ATT_COMBINE_THREADS),
             define(&att, "attention", "ATT_COMBINE_THREADS")
+        );
+        assert_eq!(
+            ATT_CLUSTER_MAX_V as i64,
+            define(&att, "attention", "ATT_CLUSTER_MAX_V")
         );
     }
 

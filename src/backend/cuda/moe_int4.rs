@@ -14,7 +14,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
-use super::driver::{guarded, launch_kernel};
+use super::driver::{guarded, launch_kernel, LaunchMode};
 use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
 use super::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
@@ -251,11 +251,12 @@ impl MoeInt4Kernels {
             launch_kernel(
                 stream,
                 func,
-                grid,
-                THREADS,
-                shared_bytes,
+                (grid, THREADS, shared_bytes),
                 args,
-                self.overlap,
+                LaunchMode {
+                    overlap: self.overlap,
+                    cluster: 1,
+                },
             )
         }
     }
