@@ -14,7 +14,7 @@
 //! only after the one before it has finished (`CudaOptions::overlap_launches` off).
 //! `--windows-only` times the verification windows alone (for a profiler's view of them).
 //! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
-//! `SPECTER_CUDA_CLUSTER_ATTENTION=0` combines attention's key chunks through global memory, and
+//! `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters, and
 //! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, as in specter-run. The
 //! chained figures time greedy steps run back to back (`LanguageModel::forward_greedy_chain`):
 //! the time between two choices reaching the host.
@@ -95,8 +95,8 @@ fn main() -> anyhow::Result<()> {
     if off("SPECTER_CUDA_FUSE_SHARED") {
         opts.cuda.fuse_shared_experts = false;
     }
-    if off("SPECTER_CUDA_CLUSTER_ATTENTION") {
-        opts.cuda.cluster_attention = false;
+    if off("SPECTER_CUDA_CLUSTERS") {
+        opts.cuda.clusters = false;
     }
     if off("SPECTER_CUDA_CHAIN") {
         opts.cuda.chain_greedy = false;

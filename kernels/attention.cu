@@ -107,10 +107,9 @@ struct ClusterParts {
     __device__ __forceinline__ float operator()(int c, int i) const { return p[c][i]; }
 };
 
-// Thread block clusters (sm_90 and newer; the host launches in clusters only there): the
-// address of this block's shared `p` in the shared memory of cluster block `rank`, a store to
-// such an address, and the barrier of every thread of the cluster's blocks, which makes the
-// shared-memory writes before it visible to the reads after it.
+// Distributed shared memory (thread block clusters, sm_90 and newer): the address of this block's
+// shared `p` in the shared memory of cluster block `rank`, and a store to such an address
+// (visible to that block after spx_cluster_sync).
 __device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
     unsigned out = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -123,14 +122,6 @@ __device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
 __device__ __forceinline__ void cluster_store(unsigned addr, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
     __trap();
 #endif
@@ -367,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention(
         return;
     }
     if (cluster) {
-        cluster_sync();
+        spx_cluster_sync();
         if (c == 0) {
             att_combine(ClusterParts{cluster_parts}, chunks, v_dim, out + (size_t)rh * v_dim, threadIdx.x,
                         ATT_THREADS);

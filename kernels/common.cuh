@@ -115,6 +115,18 @@ __device__ __forceinline__ void spx_launch_dependents() {
         spx_launch_dependents(); \
     } while (0)
 
+// Thread block clusters (sm_90 and newer; the host launches in clusters only there): the barrier
+// of every thread of the cluster's blocks. Writes before it (to global or any block's shared
+// memory) are visible to the cluster's reads after it. Every thread of every block of the
+// cluster must reach it.
+__device__ __forceinline__ void spx_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
 // Asks L2 to fetch `bytes` bytes from `p` (the weights of a block's next work block), one
 // 128-byte line per lane and step. Not before `spx_grid_wait`: fetching the next kernel's weights
 // while the previous one streams its own measured slower on the H200 (docs/BENCHMARKS-LOG.md).

@@ -621,3 +621,30 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s
 
 MOE_INT4_KERNELS(8, 2, true, 16, true)
 MOE_INT4_KERNELS(16, 2, true, 8, false)
+
+// The one-row down launch of the 8-item variant with the layer's combine in it (the draft's
+// steps): moe_combine's y = sum over the row's top_k items of out[item] (ascending item) + s_y
+// (the shared experts' output, which the gate/up launch wrote; null without shared experts).
+// Launched in thread block clusters of (1, top_k) blocks, the groups of one block column: after
+// every block of the cluster has stored its columns of out, the first computes y's. Each block
+// computes what moe_int4_down_8 computes, so out and y have the bits of that launch and
+// moe_combine's. For a row whose groups are its items (group g holds item g, as the one-row plan
+// makes them). Grid: (hidden / 64, top_k).
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
+    moe_int4_down_combine_8(const ExpertGroup* groups, const float* h, const float* item_weight,
+                            float* __restrict__ out, u32 hidden, u32 inter, u32 top_k,
+                            const float* s_y, float* __restrict__ y) {
+    spx_launch_dependents();
+    down_kernel<8, true, 16, true>(groups, h, item_weight, out, hidden, inter);
+    spx_cluster_sync();
+    if (blockIdx.y != 0 || threadIdx.x >= MOE_COLS) return;
+    // (A block whose group is empty would not have waited; y may still be read by a kernel
+    // before it.)
+    spx_grid_wait();
+    const u32 c = MOE_COLS * blockIdx.x + threadIdx.x;
+    // Past L1: other blocks of the cluster wrote them.
+    float acc = 0.0f;
+    for (u32 j = 0; j < top_k; ++j) acc += __ldcg(out + (u64)j * hidden + c);
+    if (s_y != nullptr) acc = acc + __ldcg(s_y + c);
+    y[c] = acc;
+}

@@ -254,21 +254,24 @@ fn every_fixture_every_residency(speculative: bool) {
 }
 
 /// Running an MoE layer's shared experts inside its routed experts' launches
-/// (`CudaOptions::fuse_shared_experts`) changes no bit: the target's and the draft's logits for a
-/// prompt (one window of rows) and four decode steps after it equal those of the separate ops,
-/// with passes recorded and op by op.
+/// (`CudaOptions::fuse_shared_experts`), and thread block clusters (`CudaOptions::clusters`:
+/// attention's chunks combined in shared memory, a draft step's combine in its INT4 down launch)
+/// change no bit: the target's and the draft's logits for a prompt (one window of rows) and four
+/// decode steps after it equal those of the separate ops without clusters, with passes recorded
+/// and op by op.
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
-fn gpu_logits_do_not_depend_on_fusing_the_shared_experts() {
+fn gpu_logits_do_not_depend_on_fusing_the_shared_experts_or_clusters() {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
         let (_dir, bundle) = fixture.bundle();
         let prompt = fixture.prompts()[0].clone();
-        let logits = |fuse: bool, graphs: bool| -> Vec<Vec<u32>> {
+        let logits = |fuse: bool, graphs: bool, clusters: bool| -> Vec<Vec<u32>> {
             let options = CudaOptions {
                 fuse_shared_experts: fuse,
                 graphs,
+                clusters,
                 ..CudaOptions::default()
             };
             let backend =
@@ -292,20 +295,27 @@ fn gpu_logits_do_not_depend_on_fusing_the_shared_experts() {
             }
             passes
         };
-        let separate = logits(false, true);
-        for (fuse, graphs) in [(true, true), (true, false)] {
-            let got = logits(fuse, graphs);
+        let separate = logits(false, true, false);
+        for (fuse, graphs, clusters) in [
+            (true, true, true),
+            (true, false, true),
+            (true, true, false),
+            (false, true, true),
+        ] {
+            let got = logits(fuse, graphs, clusters);
             for (pass, (a, b)) in got.iter().zip(&separate).enumerate() {
                 let variant = if pass < 5 { "target" } else { "draft" };
                 let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
                 assert!(
                     a.len() == b.len() && differ == 0,
-                    "{name}: {variant} pass {} (graphs {graphs}): {differ} logits differ with the shared experts fused",
+                    "{name}: {variant} pass {} (fused {fuse}, graphs {graphs}, clusters {clusters}): {differ} logits differ from the separate ops'",
                     pass % 5
                 );
             }
         }
-        eprintln!("{name}: the same logits with the shared experts fused");
+        eprintln!(
+            "{name}: the same logits with the shared experts fused, with clusters and without"
+        );
     }
 }
 

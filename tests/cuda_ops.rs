@@ -235,7 +235,7 @@ fn mla_expand_kv() {
 fn attention() {
     let mut p = Family::new("attention", 29);
     let global = common::gpu::backend_with(&CudaOptions {
-        cluster_attention: false,
+        clusters: false,
         ..CudaOptions::default()
     });
     // GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.
@@ -410,7 +410,7 @@ fn host_routing_and_argmax() {
 }
 
 /// Expert FFN shapes: (hidden, inter, experts, rows, top_k).
-const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 8] = [
+const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 9] = [
     (128, 128, 8, 5, 2),
     (2048, 1408, 8, 17, 6),
     (96, 40, 4, 3, 2),
@@ -423,6 +423,8 @@ const EXPERT_SHAPES: [(usize, usize, usize, usize, usize); 8] = [
     // scalar paths; a last output block of 4 features).
     (2048, 1408, 8, 1, 6),
     (100, 36, 6, 1, 2),
+    // One row of seven experts of twelve.
+    (64, 48, 12, 1, 7),
 ];
 
 /// `experts` random FP16 gated MLPs, the same on both backends.

@@ -379,8 +379,8 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 /// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns
 /// recorded passes off, `SPECTER_CUDA_SEGMENTS=0` the recorded segments of passes that wait
 /// for the device midway, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
-/// it has finished, `SPECTER_CUDA_CLUSTER_ATTENTION=0` combines attention's key chunks through
-/// global memory, `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
+/// it has finished, `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters,
+/// `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 /// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
 /// `SPECTER_HOST_SPLIT=0` keeps the host path to whole experts,
 /// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
@@ -399,8 +399,8 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     if let Some(value) = var("SPECTER_CUDA_OVERLAP") {
         opts.overlap_launches = value.trim() != "0";
     }
-    if let Some(value) = var("SPECTER_CUDA_CLUSTER_ATTENTION") {
-        opts.cluster_attention = value.trim() != "0";
+    if let Some(value) = var("SPECTER_CUDA_CLUSTERS") {
+        opts.clusters = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_CUDA_FUSE_SHARED") {
         opts.fuse_shared_experts = value.trim() != "0";
@@ -441,7 +441,7 @@ mod tests {
             ("SPECTER_LOAD_THREADS", "3"),
             ("SPECTER_CUDA_OVERLAP", "0"),
             ("SPECTER_CUDA_FUSE_SHARED", "0"),
-            ("SPECTER_CUDA_CLUSTER_ATTENTION", "0"),
+            ("SPECTER_CUDA_CLUSTERS", "0"),
             ("SPECTER_CUDA_CHAIN", "0"),
             ("SPECTER_HOST_SPLIT", "0"),
         ])
@@ -452,7 +452,7 @@ mod tests {
         assert!(!opts.segment_graphs);
         assert!(!opts.overlap_launches);
         assert!(!opts.fuse_shared_experts);
-        assert!(!opts.cluster_attention);
+        assert!(!opts.clusters);
         assert_eq!(opts.load_threads, Some(3));
         assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);
     }

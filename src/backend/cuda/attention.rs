@@ -3,7 +3,7 @@
 
 use super::act::GpuAct;
 use super::backend::CudaBackend;
-use super::driver::guarded;
+use super::driver::{guarded, NO_CLUSTER};
 use super::kernels::*;
 use super::rope::{rope_cos_sin, RopeTableGpu};
 use crate::arch::RopeStyle;
@@ -183,7 +183,7 @@ impl CudaBackend {
         // A pair's chunks combine in its cluster's shared memory where the device has clusters
         // (and the values fit); else, up to ATT_COUNTERS pairs, the last chunk block of each
         // pair combines; past it (long prompts) a second launch does. The same arithmetic.
-        let cluster = self.cluster_attention && v_dim <= ATT_CLUSTER_MAX_V;
+        let cluster = self.clusters && v_dim <= ATT_CLUSTER_MAX_V;
         let fused = cluster || pairs <= ATT_COUNTERS;
         let part = match cluster {
             true => None,
@@ -224,9 +224,9 @@ impl CudaBackend {
             "attention",
             (grid, 1, 1),
             if cluster {
-                u32::try_from(splits).map_err(|_| too_many())?
+                (u32::try_from(splits).map_err(|_| too_many())?, 1, 1)
             } else {
-                1
+                NO_CLUSTER
             },
             ATT_THREADS,
             &args,

@@ -15,7 +15,7 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use half::f16;
 
 use super::act::{GpuAct, GpuWeight};
-use super::driver::{guarded, launch_kernel, LaunchMode};
+use super::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
 use super::experts::ExpertGroup;
 use super::graphs;
 use super::host::PinnedBuffer;
@@ -80,8 +80,8 @@ pub struct CudaBackend {
     /// Kernels are launched to overlap the tail of the one before them (see
     /// [`CudaOptions::overlap_launches`]): asked for, and the device is sm_90 or newer.
     pub(super) overlap_launches: bool,
-    /// See [`CudaOptions::cluster_attention`]: asked for, and the device is sm_90 or newer.
-    pub(super) cluster_attention: bool,
+    /// See [`CudaOptions::clusters`]: asked for, and the device is sm_90 or newer.
+    pub(super) clusters: bool,
     /// See [`CudaOptions::fuse_shared_experts`].
     pub(super) fuse_shared_experts: bool,
     /// See [`CudaOptions::chain_greedy`].
@@ -139,7 +139,7 @@ impl CudaBackend {
         let k = Kernels::load(&dev)?;
         let overlap_launches = options.overlap_launches && dev.compute_capability().0 >= 9;
         let int4 = MoeInt4Kernels::new(&dev)?.overlapping(overlap_launches);
-        let cluster_attention = options.cluster_attention && dev.compute_capability().0 >= 9;
+        let clusters = options.clusters && dev.compute_capability().0 >= 9;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;
@@ -183,7 +183,7 @@ impl CudaBackend {
             pending: Mutex::new(None),
             load_report: Mutex::new(None),
             overlap_launches,
-            cluster_attention,
+            clusters,
             fuse_shared_experts: options.fuse_shared_experts,
             chain_greedy: options.chain_greedy,
             skip_launches: options.skip_launches.clone(),
@@ -429,17 +429,17 @@ impl CudaBackend {
         block: u32,
         args: &[u64],
     ) -> Result<()> {
-        self.launch_clustered(f, what, grid, 1, block, args)
+        self.launch_clustered(f, what, grid, NO_CLUSTER, block, args)
     }
 
-    /// [`launch`](Self::launch) in thread block clusters of `cluster` blocks along x (1: none;
-    /// more only on sm_90 and newer, with `grid.0` a multiple of it).
+    /// [`launch`](Self::launch) in thread block clusters of `cluster` blocks ([`NO_CLUSTER`]:
+    /// none; others only where [`CudaBackend::clusters`] holds, the grid a multiple of it).
     pub(super) fn launch_clustered(
         &self,
         f: &CudaFunction,
         what: &str,
         grid: (u32, u32, u32),
-        cluster: u32,
+        cluster: (u32, u32, u32),
         block: u32,
         args: &[u64],
     ) -> Result<()> {

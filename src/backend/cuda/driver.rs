@@ -54,7 +54,7 @@ pub unsafe fn launch_overlapping(
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     let mode = LaunchMode {
         overlap: true,
-        cluster: 1,
+        cluster: NO_CLUSTER,
     };
     // SAFETY: the caller's promise, as this function's.
     unsafe { launch_ex(stream, f, (grid, block, shared_bytes), args, mode) }
@@ -65,13 +65,17 @@ pub unsafe fn launch_overlapping(
 pub struct LaunchMode {
     /// Overlapped with the kernel before it ([`launch_overlapping`]).
     pub overlap: bool,
-    /// Blocks per thread block cluster along x; 1: no clusters.
-    pub cluster: u32,
+    /// The thread block cluster's extent in blocks ([`NO_CLUSTER`]: none; sm_90 and newer, the
+    /// grid a multiple of it).
+    pub cluster: (u32, u32, u32),
 }
 
+/// [`LaunchMode::cluster`] for a launch without clusters.
+pub const NO_CLUSTER: (u32, u32, u32) = (1, 1, 1);
+
 /// Launches `f` through `cuLaunchKernelEx` as `mode` says: overlapped as [`launch_overlapping`],
-/// and in thread block clusters when `mode.cluster` > 1 (sm_90 and newer; `grid.0` a multiple
-/// of it). `shape` is the grid, the block's threads and its dynamic shared memory.
+/// and in thread block clusters of `mode.cluster` blocks. `shape` is the grid, the block's
+/// threads and its dynamic shared memory.
 ///
 /// # Safety
 /// As [`launch_overlapping`] (whose waiting condition matters only when `overlap`).
@@ -98,15 +102,15 @@ unsafe fn launch_ex(
             },
         });
     }
-    if mode.cluster > 1 {
+    if mode.cluster != NO_CLUSTER {
         attrs.push(sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue {
                 clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                    x: mode.cluster,
-                    y: 1,
-                    z: 1,
+                    x: mode.cluster.0,
+                    y: mode.cluster.1,
+                    z: mode.cluster.2,
                 },
             },
         });
@@ -138,7 +142,7 @@ unsafe fn launch_ex(
 
 /// Launches `f` on `stream` with `block`-thread blocks as `mode` says: overlapped
 /// ([`launch_overlapping`]) or as a plain launch that starts once the kernel before it has
-/// finished; in clusters when `mode.cluster` is more than 1 (see [`launch_ex`]).
+/// finished; in clusters unless `mode.cluster` is [`NO_CLUSTER`] (see [`launch_ex`]).
 ///
 /// # Safety
 /// As [`launch_overlapping`] (whose waiting condition matters only when `mode.overlap`).
@@ -149,7 +153,7 @@ pub unsafe fn launch_kernel(
     args: &[u64],
     mode: LaunchMode,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
-    if mode.overlap || mode.cluster > 1 {
+    if mode.overlap || mode.cluster != NO_CLUSTER {
         // SAFETY: the caller's promise, as this function's.
         return unsafe { launch_ex(stream, f, shape, args, mode) };
     }

@@ -53,6 +53,14 @@ pub struct MoeLaunch {
     pub out: u64,
 }
 
+/// A one-row MoE layer's combine inside its down launch (thread block clusters, sm_90 and newer):
+/// `y[hidden]` = the row's `top_k` item outputs (ascending item, each group one item) plus the
+/// shared experts' output, with `moe_combine`'s arithmetic.
+pub(crate) struct CombineInDown {
+    pub(crate) top_k: usize,
+    pub(crate) y: u64,
+}
+
 /// The shared experts' down product for `launch_moe_f16`: `y = h @ down^T`, `[rows, hidden]`.
 pub(crate) struct SharedDown {
     pub(crate) h: u64,

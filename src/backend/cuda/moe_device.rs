@@ -6,7 +6,7 @@
 use super::act::{GpuAct, GpuWeight};
 use super::backend::{CudaBackend, RouteCounts};
 use super::driver::guarded;
-use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
+use super::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
 use super::kernels::*;
 use super::moe::expert_pointers;
 use crate::backend::{Backend, GatedMlp, RouteSpec};
@@ -372,28 +372,44 @@ impl CudaBackend {
             h: ptr(&h.buf, s),
             out: ptr(&out.buf, s),
         };
+        // The layer's output. A draft step (INT4 experts, one row, shared experts), where the
+        // device has clusters and the top_k fit one: the down launch combines it (the same bits
+        // as moe_combine below). The FP16 form of this ran slower (docs/BENCHMARKS-LOG.md).
+        let y = self.alloc(rows, hidden)?;
+        let combine = (self.clusters
+            && int4
+            && rows == 1
+            && max_groups == top_k
+            && top_k <= 8
+            && matches!(extra, Extra::Shared(..)))
+        .then(|| CombineInDown {
+            top_k,
+            y: ptr(&y.buf, s),
+        });
         let shared_y = match (extra, &shared_h) {
             (Extra::Shared(sh, mlp), Some(hs)) => {
                 if int4 && rows != 1 {
                     self.launch_moe(&launch, int4)?;
                     Some(self.linear(hs, &mlp.down, None)?)
                 } else {
-                    let y = self.alloc(rows, hidden)?;
+                    let shared_out = self.alloc(rows, hidden)?;
                     let down = SharedDown {
                         h: ptr(&hs.buf, s),
                         rows,
                         inter: sh.inter,
                         down: sh.down,
-                        y: ptr(&y.buf, s),
+                        y: ptr(&shared_out.buf, s),
                     };
-                    if int4 {
+                    match (int4, &combine) {
                         // One row (a draft step): the shared down runs in the gate/up launch's
                         // spare blocks, with linear_f16_1's bits.
-                        self.int4.launch_with_shared_down(s, &launch, &down)?;
-                    } else {
-                        self.launch_moe_f16(&launch, Some(&down))?;
+                        (true, Some(c)) => self
+                            .int4
+                            .launch_with_shared_down_combined(s, &launch, &down, c)?,
+                        (true, None) => self.int4.launch_with_shared_down(s, &launch, &down)?,
+                        (false, _) => self.launch_moe_f16(&launch, Some(&down))?,
                     }
-                    Some(y)
+                    Some(shared_out)
                 }
             }
             _ => {
@@ -401,11 +417,13 @@ impl CudaBackend {
                 None
             }
         };
+        if combine.is_some() && shared_y.is_some() {
+            return Ok(y);
+        }
         let plus = match (extra, &shared_y) {
             (Extra::Output(p), _) => Some(p),
             (_, y) => y.as_ref(),
         };
-        let y = self.alloc(rows, hidden)?;
         self.launch(
             &self.k.moe_combine,
             "moe combine",

@@ -14,8 +14,8 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
-use super::driver::{guarded, launch_kernel, LaunchMode};
-use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
+use super::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
+use super::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
 use super::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
     MOE_INT4_PAIRED as PAIRED, MOE_INT4_RED_STRIDE as RED_STRIDE, MOE_INT4_RING as RING,
@@ -44,6 +44,8 @@ struct Kernel {
 pub struct MoeInt4Kernels {
     gate_up: [Kernel; 2],
     down: [Kernel; 2],
+    /// The 8-item down with the one-row combine in its clusters (`moe_int4_down_combine_8`).
+    down_combine: Kernel,
     /// Launch with programmatic dependent launch (see [`Self::overlapping`]).
     overlap: bool,
 }
@@ -221,6 +223,7 @@ impl MoeInt4Kernels {
         Ok(MoeInt4Kernels {
             gate_up: load("gate_up")?,
             down: load("down")?,
+            down_combine: Kernel::load(device, &format!("moe_int4_down_combine_{}", VARIANTS[0]))?,
             overlap: false,
         })
     }
@@ -243,6 +246,20 @@ impl MoeInt4Kernels {
         shared_bytes: u32,
         args: &[u64],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        self.issue_clustered(stream, func, (grid, NO_CLUSTER), shared_bytes, args)
+    }
+
+    /// [`Self::issue`] in thread block clusters of `grids.1` blocks (the grid `grids.0` a
+    /// multiple of it).
+    fn issue_clustered(
+        &self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grids: ((u32, u32, u32), (u32, u32, u32)),
+        shared_bytes: u32,
+        args: &[u64],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        let (grid, cluster) = grids;
         // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
         // 32-bit scalars each in an 8-byte slot, and the dynamic shared memory the function was
         // allowed; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the shared
@@ -255,7 +272,7 @@ impl MoeInt4Kernels {
                 args,
                 LaunchMode {
                     overlap: self.overlap,
-                    cluster: 1,
+                    cluster,
                 },
             )
         }
@@ -288,6 +305,57 @@ impl MoeInt4Kernels {
     ) -> Result<()> {
         self.gate_up(stream, l, Some(shared))?;
         self.launch_down(stream, l)
+    }
+
+    /// [`Self::launch_with_shared_down`] whose down launch also combines the row:
+    /// `combine.y = sum of the top_k item outputs + shared.y`, with `moe_combine`'s bits, in
+    /// thread block clusters of the top_k groups of a block column (sm_90 and newer; the
+    /// caller's choice). For one row whose groups are its top_k (at most 8) items.
+    pub(crate) fn launch_with_shared_down_combined(
+        &self,
+        stream: &CudaStream,
+        l: &MoeLaunch,
+        shared: &SharedDown,
+        combine: &CombineInDown,
+    ) -> Result<()> {
+        if Self::checked_variant(l)? != Some(0)
+            || l.num_groups != combine.top_k
+            || l.items != combine.top_k
+            || !(1..=8).contains(&combine.top_k)
+        {
+            return Err(Error::Backend(format!(
+                "INT4 down with the combine: {} groups of {} items (at most {} a group) are not \
+                 one row's top_k of {}, 1 to 8",
+                l.num_groups, l.items, l.max_count, combine.top_k
+            )));
+        }
+        self.gate_up(stream, l, Some(shared))?;
+        let kernel = &self.down_combine;
+        let top_k = combine.top_k as u32;
+        let grid = ((l.hidden / COLS_PER_BLOCK) as u32, top_k, 1);
+        let bytes = kernel.dynamic_shared(0, l.inter, "down with the combine")?;
+        let args = [
+            l.groups,
+            l.h,
+            l.item_weight,
+            l.out,
+            l.hidden as u64,
+            l.inter as u64,
+            u64::from(top_k),
+            shared.y,
+            combine.y,
+        ];
+        // The arguments match moe_int4_down_combine_8(const ExpertGroup*, const float* h, const
+        // float* item_weight, float* out, u32 hidden, u32 inter, u32 top_k, const float* s_y,
+        // float* y): as moe_int4_down_8's (checked above and by MoeLaunch's promise), plus the
+        // shared output and y, `hidden` floats each (SharedDown's and the caller's). The grid's
+        // rows are the cluster's top_k blocks.
+        self.issue_clustered(stream, &kernel.func, (grid, (1, top_k, 1)), bytes, &args)
+            .map_err(|e| {
+                Error::Backend(format!(
+                    "launching the INT4 down kernel with the combine: {e}"
+                ))
+            })
     }
 
     /// Issues only the gate/up stage: `h` of every item.

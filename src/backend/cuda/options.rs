@@ -1,5 +1,5 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
-//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_SEGMENTS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_CLUSTER_ATTENTION`, `SPECTER_CUDA_FUSE_SHARED`,
+//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_SEGMENTS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_CLUSTERS`, `SPECTER_CUDA_FUSE_SHARED`,
 //! `SPECTER_CUDA_CHAIN`, `SPECTER_HOST_SPLIT` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
 //! measurement-only `skip_launches`).
 
@@ -33,11 +33,13 @@ pub struct CudaOptions {
     /// wait for their inputs on the device (kernels/common.cuh, `spx_grid_wait`), so the bits
     /// are the same either way; what it saves is the gap between dependent kernels.
     pub overlap_launches: bool,
-    /// Combine attention's key chunks of a (row, head) through the shared memory of a thread
-    /// block cluster (Hopper and newer; ignored on older devices) instead of through global
-    /// memory and an atomic ticket. The same bits either way; what it saves is the combine's
-    /// round trips through L2 at every layer.
-    pub cluster_attention: bool,
+    /// Launch in thread block clusters where a kernel has a clustered form (Hopper and newer;
+    /// ignored on older devices): attention combines a (row, head)'s key chunks in a cluster's
+    /// shared memory instead of through global memory and an atomic ticket, and a draft step's
+    /// INT4 down launch adds the layer's expert outputs (the combine) in each cluster of its
+    /// blocks instead of in a launch of its own. The same bits either way; what it saves is
+    /// round trips through L2 and a launch at every layer.
+    pub clusters: bool,
     /// Run an MoE layer's ungated shared experts inside its routed experts' launches (their
     /// gate/up beside the routing, their down beside the routed down) instead of as separate
     /// ops. The same bits either way; what it saves is two launches per layer and the routing's
@@ -171,7 +173,7 @@ impl Default for CudaOptions {
             link_bytes_per_s: 54e9,
             link_pace_bytes_per_s: None,
             overlap_launches: true,
-            cluster_attention: true,
+            clusters: true,
             fuse_shared_experts: true,
             chain_greedy: true,
             split_experts: true,
