@@ -334,17 +334,8 @@ impl MoeInt4Kernels {
         let top_k = combine.top_k as u32;
         let grid = ((l.hidden / COLS_PER_BLOCK) as u32, top_k, 1);
         let bytes = kernel.dynamic_shared(0, l.inter, "down with the combine")?;
-        let args = [
-            l.groups,
-            l.h,
-            l.item_weight,
-            l.out,
-            l.hidden as u64,
-            l.inter as u64,
-            u64::from(top_k),
-            shared.y,
-            combine.y,
-        ];
+        let mut args = down_args(l).to_vec();
+        args.extend_from_slice(&[u64::from(top_k), shared.y, combine.y]);
         // The arguments match moe_int4_down_combine_8(const ExpertGroup*, const float* h, const
         // float* item_weight, float* out, u32 hidden, u32 inter, u32 top_k, const float* s_y,
         // float* y): as moe_int4_down_8's (checked above and by MoeLaunch's promise), plus the
@@ -426,14 +417,7 @@ impl MoeInt4Kernels {
         let kernel = &self.down[variant];
         let grid = ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1);
         let bytes = kernel.dynamic_shared(variant, l.inter, "down")?;
-        let args = [
-            l.groups,
-            l.h,
-            l.item_weight,
-            l.out,
-            l.hidden as u64,
-            l.inter as u64,
-        ];
+        let args = down_args(l);
         // The arguments match moe_int4_down_<M>(const ExpertGroup*, const float* h, const float*
         // item_weight, float* out, u32 hidden, u32 inter); shapes checked above and buffers as
         // MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix); dynamic
@@ -441,6 +425,19 @@ impl MoeInt4Kernels {
         self.issue(stream, &kernel.func, grid, bytes, &args)
             .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))
     }
+}
+
+/// The arguments of a down launch of `l`, in moe_int4_down_<M>'s order (the clustered form
+/// takes more after them).
+fn down_args(l: &MoeLaunch) -> [u64; 6] {
+    [
+        l.groups,
+        l.h,
+        l.item_weight,
+        l.out,
+        l.hidden as u64,
+        l.inter as u64,
+    ]
 }
 
 /// Grid rows of shared-down blocks a gate/up launch of `grid_x` columns adds: each block of

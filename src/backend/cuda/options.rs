@@ -216,8 +216,12 @@ mod tests {
         ];
         let mut found = std::collections::BTreeSet::new();
         for src in sources {
-            // `self.launch(` or `this.launch(`, the kernel, then the label as a string literal.
-            for (at, _) in src.match_indices(".launch(") {
+            // `self.launch(` or `this.launch(` (or `.launch_clustered(`), the kernel, then the
+            // label as a string literal.
+            let calls = src
+                .match_indices(".launch(")
+                .chain(src.match_indices(".launch_clustered("));
+            for (at, _) in calls {
                 let rest = &src[at..];
                 let Some(open) = rest.find('"') else { continue };
                 let close = rest[open + 1..].find('"').expect("a closed label") + open + 1;
