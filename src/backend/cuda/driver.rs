@@ -57,7 +57,7 @@ pub unsafe fn launch_overlapping(
         cluster: NO_CLUSTER,
     };
     // SAFETY: the caller's promise, as this function's.
-    unsafe { launch_ex(stream, f, (grid, block, shared_bytes), args, mode) }
+    unsafe { launch_kernel(stream, f, (grid, block, shared_bytes), args, mode) }
 }
 
 /// How a kernel is launched besides its shape.
@@ -73,76 +73,10 @@ pub struct LaunchMode {
 /// [`LaunchMode::cluster`] for a launch without clusters.
 pub const NO_CLUSTER: (u32, u32, u32) = (1, 1, 1);
 
-/// Launches `f` through `cuLaunchKernelEx` as `mode` says: overlapped as [`launch_overlapping`],
-/// and in thread block clusters of `mode.cluster` blocks. `shape` is the grid, the block's
-/// threads and its dynamic shared memory.
-///
-/// # Safety
-/// As [`launch_overlapping`] (whose waiting condition matters only when `overlap`).
-unsafe fn launch_ex(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    shape: ((u32, u32, u32), u32, u32),
-    args: &[u64],
-    mode: LaunchMode,
-) -> std::result::Result<(), cudarc::driver::DriverError> {
-    let (grid, block, shared_bytes) = shape;
-    stream.context().bind_to_thread()?;
-    let mut params: Vec<*mut std::ffi::c_void> = args
-        .iter()
-        .map(|a| a as *const u64 as *mut std::ffi::c_void)
-        .collect();
-    let mut attrs = Vec::with_capacity(2);
-    if mode.overlap {
-        attrs.push(sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
-        });
-    }
-    if mode.cluster != NO_CLUSTER {
-        attrs.push(sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                    x: mode.cluster.0,
-                    y: mode.cluster.1,
-                    z: mode.cluster.2,
-                },
-            },
-        });
-    }
-    let cfg = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: shared_bytes,
-        hStream: stream.cu_stream(),
-        attrs: attrs.as_mut_ptr(),
-        numAttrs: attrs.len() as u32,
-    };
-    // SAFETY: `cfg`, `attrs` and `params` outlive the call, which copies what it needs; the
-    // parameters are as the caller promises.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &cfg,
-            f.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-}
-
 /// Launches `f` on `stream` with `block`-thread blocks as `mode` says: overlapped
 /// ([`launch_overlapping`]) or as a plain launch that starts once the kernel before it has
-/// finished; in clusters unless `mode.cluster` is [`NO_CLUSTER`] (see [`launch_ex`]).
+/// finished; in clusters unless `mode.cluster` is [`NO_CLUSTER`]. Overlapped or clustered
+/// launches go through `cuLaunchKernelEx`, carrying those launch attributes.
 ///
 /// # Safety
 /// As [`launch_overlapping`] (whose waiting condition matters only when `mode.overlap`).
@@ -153,11 +87,60 @@ pub unsafe fn launch_kernel(
     args: &[u64],
     mode: LaunchMode,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
-    if mode.overlap || mode.cluster != NO_CLUSTER {
-        // SAFETY: the caller's promise, as this function's.
-        return unsafe { launch_ex(stream, f, shape, args, mode) };
-    }
     let (grid, block, shared_bytes) = shape;
+    if mode.overlap || mode.cluster != NO_CLUSTER {
+        stream.context().bind_to_thread()?;
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter()
+            .map(|a| a as *const u64 as *mut std::ffi::c_void)
+            .collect();
+        let mut attrs = Vec::with_capacity(2);
+        if mode.overlap {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            });
+        }
+        if mode.cluster != NO_CLUSTER {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                        x: mode.cluster.0,
+                        y: mode.cluster.1,
+                        z: mode.cluster.2,
+                    },
+                },
+            });
+        }
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: stream.cu_stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
+        };
+        // SAFETY: `cfg`, `attrs` and `params` outlive the call, which copies what it needs; the
+        // parameters are as the caller promises.
+        return unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result();
+    }
     let mut b = stream.launch_builder(f);
     for a in args {
         b.arg(a);

@@ -381,7 +381,8 @@ impl CudaBackend {
             && rows == 1
             && max_groups == top_k
             && top_k <= 8
-            && matches!(extra, Extra::Shared(..)))
+            && matches!(extra, Extra::Shared(..))
+            && shared_h.is_some())
         .then(|| CombineInDown {
             top_k,
             y: ptr(&y.buf, s),
@@ -417,7 +418,7 @@ impl CudaBackend {
                 None
             }
         };
-        if combine.is_some() && shared_y.is_some() {
+        if combine.is_some() {
             return Ok(y);
         }
         let plus = match (extra, &shared_y) {
