@@ -15,7 +15,9 @@
 //! `--windows-only` times the verification windows alone (for a profiler's view of them).
 //! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 //! `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters, and
-//! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, as in specter-run. The
+//! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, and
+//! `SPECTER_CUDA_SERIAL=LABEL[@BLOCKS],...` starts the named launches only after the kernel
+//! before them has finished (`CudaOptions::serial_launches`), as in specter-run. The
 //! chained figures time greedy steps run back to back (`LanguageModel::forward_greedy_chain`):
 //! the time between two choices reaching the host.
 //!
@@ -71,7 +73,7 @@ fn main() -> anyhow::Result<()> {
             "--no-overlap" => overlap = false,
             "--windows-only" => windows_only = true,
             "--skip-launches" => {
-                skip = specter::backend::cuda::SkipLaunch::parse_list(&value("--skip-launches")?)
+                skip = specter::backend::cuda::LaunchMatch::parse_list(&value("--skip-launches")?)
                     .map_err(|e| anyhow::anyhow!("--skip-launches: {e}"))?
             }
             _ if bundle.is_none() && !a.starts_with('-') => bundle = Some(a),
@@ -100,6 +102,10 @@ fn main() -> anyhow::Result<()> {
     }
     if off("SPECTER_CUDA_CHAIN") {
         opts.cuda.chain_greedy = false;
+    }
+    if let Ok(list) = std::env::var("SPECTER_CUDA_SERIAL") {
+        opts.cuda.serial_launches = specter::backend::cuda::LaunchMatch::parse_list(&list)
+            .map_err(|e| anyhow::anyhow!("SPECTER_CUDA_SERIAL: {e}"))?;
     }
     let session = Session::open_with(std::path::Path::new(&bundle), &opts)?;
     let prompt: Vec<u32> = (5..21).collect();

@@ -8,7 +8,7 @@ mod common;
 use common::ops::*;
 use specter::arch::RopeStyle;
 use specter::backend::cpu::Cpu;
-use specter::backend::cuda::{CudaBackend, CudaOptions, SkipLaunch};
+use specter::backend::cuda::{CudaBackend, CudaOptions, LaunchMatch};
 use specter::backend::{
     add_rms_norm_linear_ops, mla_kv_append_ops, Backend, MlaAppend, MlaShape, RopeSpec,
 };
@@ -454,7 +454,7 @@ fn skipping(kernel: &str) -> CudaBackend {
         std::sync::Arc::new(common::gpu::device()),
         None,
         &CudaOptions {
-            skip_launches: vec![SkipLaunch {
+            skip_launches: vec![LaunchMatch {
                 kernel: kernel.into(),
                 blocks: None,
             }],

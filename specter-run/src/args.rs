@@ -2,9 +2,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use clap::ValueEnum;
-use specter::backend::cuda::CudaOptions;
+use specter::backend::cuda::{CudaOptions, LaunchMatch};
 use specter::decode::Mode;
 use specter::generate::{resolve_backend as resolve, BackendChoice};
 use specter::offload::Policy;
@@ -383,7 +383,9 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 /// `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 /// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
 /// `SPECTER_HOST_SPLIT=0` keeps the host path to whole experts,
-/// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time.
+/// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time, and (a measurement)
+/// `SPECTER_CUDA_SERIAL=LABEL[@BLOCKS],...` starts the named launches only after the kernel
+/// before them has finished (`CudaOptions::serial_launches`).
 pub fn cuda_options_from_env() -> Result<CudaOptions> {
     cuda_options_from(|name| std::env::var(name).ok())
 }
@@ -416,6 +418,10 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
             Ok(n) if n > 0 => opts.load_threads = Some(n),
             _ => bail!("SPECTER_LOAD_THREADS={value:?} is not a number of threads (1 or more)"),
         }
+    }
+    if let Some(value) = var("SPECTER_CUDA_SERIAL") {
+        opts.serial_launches =
+            LaunchMatch::parse_list(&value).map_err(|e| anyhow!("SPECTER_CUDA_SERIAL: {e}"))?;
     }
     Ok(opts)
 }
@@ -455,6 +461,12 @@ mod tests {
         assert!(!opts.clusters);
         assert_eq!(opts.load_threads, Some(3));
         assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);
+        let serial = from(&[("SPECTER_CUDA_SERIAL", "attention,linear@8")]).unwrap();
+        assert_eq!(serial.serial_launches.len(), 2);
+        assert!(serial.serial_launches[0].matches("attention", 128));
+        assert!(serial.serial_launches[1].matches("linear", 8));
+        let err = from(&[("SPECTER_CUDA_SERIAL", "atention")]).unwrap_err();
+        assert!(err.to_string().contains("SPECTER_CUDA_SERIAL"), "{err}");
     }
 
     #[derive(clap::Parser)]

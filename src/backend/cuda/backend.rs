@@ -25,7 +25,7 @@ use super::moe_int4::MoeInt4Kernels;
 use super::pool::{bucket, default_mem_pool, pool_attribute, BufferPool, MemPool, PooledBuf};
 use super::rope::RopeTableGpu;
 use super::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
-use super::{CudaDevice, CudaOptions, SkipLaunch};
+use super::{CudaDevice, CudaOptions, LaunchMatch};
 use crate::offload::OffloadStats;
 use crate::{Error, Result};
 
@@ -87,7 +87,9 @@ pub struct CudaBackend {
     /// See [`CudaOptions::chain_greedy`].
     pub(super) chain_greedy: bool,
     /// See [`CudaOptions::skip_launches`] (measurement only; empty in real runs).
-    pub(super) skip_launches: Vec<SkipLaunch>,
+    pub(super) skip_launches: Vec<LaunchMatch>,
+    /// See [`CudaOptions::serial_launches`] (measurement only; empty in real runs).
+    pub(super) serial_launches: Vec<LaunchMatch>,
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
     /// calls of at most `ATT_COUNTERS` (row, head) pairs combine in the same launch.
     pub(super) attention_counters: CudaSlice<u32>,
@@ -187,6 +189,7 @@ impl CudaBackend {
             fuse_shared_experts: options.fuse_shared_experts,
             chain_greedy: options.chain_greedy,
             skip_launches: options.skip_launches.clone(),
+            serial_launches: options.serial_launches.clone(),
             attention_counters,
             argmax_keys,
             argmax_counts,
@@ -461,7 +464,8 @@ impl CudaBackend {
                 (grid, block, 0),
                 args,
                 LaunchMode {
-                    overlap: self.overlap_launches,
+                    overlap: self.overlap_launches
+                        && !self.serial_launches.iter().any(|s| s.matches(what, grid.0)),
                     cluster,
                 },
             )

@@ -1,7 +1,7 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
 //! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_SEGMENTS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_CLUSTERS`, `SPECTER_CUDA_FUSE_SHARED`,
 //! `SPECTER_CUDA_CHAIN`, `SPECTER_HOST_SPLIT` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
-//! measurement-only `skip_launches`).
+//! measurement-only `skip_launches`, `SPECTER_CUDA_SERIAL` onto the measurement-only `serial_launches`).
 
 use super::{HostExpertsConfig, HostPath, LoadIo, SplitExperts};
 
@@ -58,10 +58,18 @@ pub struct CudaOptions {
     /// experts it then picks are arbitrary); `examples/bench_step.rs` uses this to measure what
     /// a kernel costs inside a recorded pass (the step time saved without it), which timing a
     /// kernel alone does not show. Empty (the default) for every real run.
-    pub skip_launches: Vec<SkipLaunch>,
+    pub skip_launches: Vec<LaunchMatch>,
+    /// Measurement only: launches that do not start early where `overlap_launches` is on; each
+    /// starts once the kernel before it has finished, as without the overlap. What the early
+    /// start gains or costs one kernel inside a recorded pass is the step time with and without
+    /// it (a clustered launch that starts early behind a kernel filling the multiprocessors
+    /// cost a step 8 us a layer: docs/BENCHMARKS-LOG.md, branch `mla-attention`). The bits are
+    /// the same either way. Empty (the default) for every real run.
+    pub serial_launches: Vec<LaunchMatch>,
 }
 
-/// The labels of the kernel launches [`CudaOptions::skip_launches`] can name: the names the
+/// The labels of the kernel launches [`CudaOptions::skip_launches`] and
+/// [`CudaOptions::serial_launches`] can name: the names the
 /// backend gives its launches in errors (the INT4 expert kernels, launched on their own, are not
 /// among them).
 pub const LAUNCH_LABELS: &[&str] = &[
@@ -97,9 +105,11 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "write_rows",
 ];
 
-/// One kind of launch a measurement pass leaves out.
+/// One kind of launch, by label and grid: what a measurement pass leaves out
+/// ([`CudaOptions::skip_launches`]) or launches without the early start
+/// ([`CudaOptions::serial_launches`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SkipLaunch {
+pub struct LaunchMatch {
     /// A label of [`LAUNCH_LABELS`].
     pub kernel: String,
     /// Only the launches of this many blocks (the grid's x extent: "linear@8" is DeepSeek's
@@ -107,9 +117,9 @@ pub struct SkipLaunch {
     pub blocks: Option<u32>,
 }
 
-impl SkipLaunch {
+impl LaunchMatch {
     /// `LABEL[@BLOCKS]` items separated by commas, each label one of [`LAUNCH_LABELS`].
-    pub fn parse_list(list: &str) -> Result<Vec<SkipLaunch>, String> {
+    pub fn parse_list(list: &str) -> Result<Vec<LaunchMatch>, String> {
         list.split(',')
             .map(str::trim)
             .filter(|item| !item.is_empty())
@@ -129,7 +139,7 @@ impl SkipLaunch {
                         LAUNCH_LABELS.join(", ")
                     ));
                 }
-                Ok(SkipLaunch {
+                Ok(LaunchMatch {
                     kernel: kernel.to_string(),
                     blocks,
                 })
@@ -178,6 +188,7 @@ impl Default for CudaOptions {
             chain_greedy: true,
             split_experts: true,
             skip_launches: Vec::new(),
+            serial_launches: Vec::new(),
         }
     }
 }
@@ -188,18 +199,18 @@ mod tests {
 
     #[test]
     fn skip_lists_parse_and_match() {
-        let list = SkipLaunch::parse_list("attention, linear@8,moe combine,").unwrap();
+        let list = LaunchMatch::parse_list("attention, linear@8,moe combine,").unwrap();
         assert_eq!(list.len(), 3);
         assert!(list[0].matches("attention", 16) && list[0].matches("attention", 272));
         assert!(list[1].matches("linear", 8) && !list[1].matches("linear", 256));
         assert!(list[2].matches("moe combine", 1) && !list[2].matches("moe down", 1));
-        assert!(SkipLaunch::parse_list("").unwrap().is_empty());
-        let err = SkipLaunch::parse_list("atention").unwrap_err();
+        assert!(LaunchMatch::parse_list("").unwrap().is_empty());
+        let err = LaunchMatch::parse_list("atention").unwrap_err();
         assert!(
             err.contains("\"atention\" is not a kernel launch label"),
             "{err}"
         );
-        let err = SkipLaunch::parse_list("linear@x").unwrap_err();
+        let err = LaunchMatch::parse_list("linear@x").unwrap_err();
         assert!(err.contains("not a number"), "{err}");
     }
 
