@@ -140,7 +140,9 @@ impl CudaBackend {
         )?;
         let k = Kernels::load(&dev)?;
         let overlap_launches = options.overlap_launches && dev.compute_capability().0 >= 9;
-        let int4 = MoeInt4Kernels::new(&dev)?.overlapping(overlap_launches);
+        let int4 = MoeInt4Kernels::new(&dev)?
+            .overlapping(overlap_launches)
+            .measuring(&options.skip_launches, &options.serial_launches);
         let clusters = options.clusters && dev.compute_capability().0 >= 9;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))

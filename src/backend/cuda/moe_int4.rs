@@ -22,7 +22,7 @@ use super::launch_constants::{
     MOE_INT4_STAGED as STAGED, MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
     MOE_INT4_WARPS as WARPS,
 };
-use super::{CudaDevice, CudaFunction, CudaStream};
+use super::{CudaDevice, CudaFunction, CudaStream, LaunchMatch};
 use crate::{Error, Result};
 
 /// The kernel file (`kernels/moe_int4.cu`).
@@ -48,6 +48,10 @@ pub struct MoeInt4Kernels {
     down_combine: Kernel,
     /// Launch with programmatic dependent launch (see [`Self::overlapping`]).
     overlap: bool,
+    /// Measurement only: launches left out, and launches that do not start early (see
+    /// [`Self::measuring`]).
+    skip: Vec<LaunchMatch>,
+    serial: Vec<LaunchMatch>,
 }
 
 impl std::fmt::Debug for MoeInt4Kernels {
@@ -225,6 +229,8 @@ impl MoeInt4Kernels {
             down: load("down")?,
             down_combine: Kernel::load(device, &format!("moe_int4_down_combine_{}", VARIANTS[0]))?,
             overlap: false,
+            skip: Vec::new(),
+            serial: Vec::new(),
         })
     }
 
@@ -237,16 +243,29 @@ impl MoeInt4Kernels {
         self
     }
 
-    /// Launches `func` with THREADS-thread blocks and its arguments in 8-byte slots.
+    /// Measurement only, as the backend's own launches take them
+    /// ([`CudaOptions::skip_launches`](super::CudaOptions::skip_launches) and
+    /// [`serial_launches`](super::CudaOptions::serial_launches)): the launches `skip` names are
+    /// left out and those `serial` names do not start early. The labels are "moe int4 gate/up",
+    /// "moe int4 down" and "moe int4 down + combine".
+    pub fn measuring(mut self, skip: &[LaunchMatch], serial: &[LaunchMatch]) -> Self {
+        self.skip = skip.to_vec();
+        self.serial = serial.to_vec();
+        self
+    }
+
+    /// Launches `func` (labelled `what`) with THREADS-thread blocks and its arguments in 8-byte
+    /// slots.
     fn issue(
         &self,
         stream: &CudaStream,
+        what: &str,
         func: &CudaFunction,
         grid: (u32, u32, u32),
         shared_bytes: u32,
         args: &[u64],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        self.issue_clustered(stream, func, (grid, NO_CLUSTER), shared_bytes, args)
+        self.issue_clustered(stream, what, func, (grid, NO_CLUSTER), shared_bytes, args)
     }
 
     /// [`Self::issue`] in thread block clusters of `grids.1` blocks (the grid `grids.0` a
@@ -254,12 +273,17 @@ impl MoeInt4Kernels {
     fn issue_clustered(
         &self,
         stream: &CudaStream,
+        what: &str,
         func: &CudaFunction,
         grids: ((u32, u32, u32), (u32, u32, u32)),
         shared_bytes: u32,
         args: &[u64],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         let (grid, cluster) = grids;
+        let named = |list: &[LaunchMatch]| list.iter().any(|m| m.matches(what, grid.0));
+        if named(&self.skip) {
+            return Ok(());
+        }
         // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
         // 32-bit scalars each in an 8-byte slot, and the dynamic shared memory the function was
         // allowed; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the shared
@@ -271,7 +295,7 @@ impl MoeInt4Kernels {
                 (grid, THREADS, shared_bytes),
                 args,
                 LaunchMode {
-                    overlap: self.overlap,
+                    overlap: self.overlap && !named(&self.serial),
                     cluster,
                 },
             )
@@ -341,12 +365,20 @@ impl MoeInt4Kernels {
         // float* y): as moe_int4_down_8's (checked above and by MoeLaunch's promise), plus the
         // shared output and y, `hidden` floats each (SharedDown's and the caller's). The grid's
         // rows are the cluster's top_k blocks.
-        self.issue_clustered(stream, &kernel.func, (grid, (1, top_k, 1)), bytes, &args)
-            .map_err(|e| {
-                Error::Backend(format!(
-                    "launching the INT4 down kernel with the combine: {e}"
-                ))
-            })
+        let grids = (grid, (1, top_k, 1));
+        self.issue_clustered(
+            stream,
+            "moe int4 down + combine",
+            &kernel.func,
+            grids,
+            bytes,
+            &args,
+        )
+        .map_err(|e| {
+            Error::Backend(format!(
+                "launching the INT4 down kernel with the combine: {e}"
+            ))
+        })
     }
 
     /// Issues only the gate/up stage: `h` of every item.
@@ -405,7 +437,7 @@ impl MoeInt4Kernels {
         // SharedDown one row of s_inter inputs, a [hidden][s_inter] f16 weight and hidden
         // outputs. The dynamic shared memory is what the variant needs for K = hidden, within
         // the limit set on the function at load.
-        self.issue(stream, &kernel.func, grid, bytes, &args)
+        self.issue(stream, "moe int4 gate/up", &kernel.func, grid, bytes, &args)
             .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))
     }
 
@@ -422,7 +454,7 @@ impl MoeInt4Kernels {
         // item_weight, float* out, u32 hidden, u32 inter); shapes checked above and buffers as
         // MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix); dynamic
         // shared memory as the variant needs for K = inter, within the function's limit.
-        self.issue(stream, &kernel.func, grid, bytes, &args)
+        self.issue(stream, "moe int4 down", &kernel.func, grid, bytes, &args)
             .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))
     }
 }

@@ -70,8 +70,7 @@ pub struct CudaOptions {
 
 /// The labels of the kernel launches [`CudaOptions::skip_launches`] and
 /// [`CudaOptions::serial_launches`] can name: the names the
-/// backend gives its launches in errors (the INT4 expert kernels, launched on their own, are not
-/// among them).
+/// backend gives its launches in errors, and those of the INT4 expert kernels' launches.
 pub const LAUNCH_LABELS: &[&str] = &[
     "add",
     "add_rms_norm",
@@ -94,6 +93,9 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "moe combine",
     "moe down",
     "moe gate/up",
+    "moe int4 down",
+    "moe int4 down + combine",
+    "moe int4 gate/up",
     "moe plan",
     "rms_norm",
     "rope",
@@ -223,15 +225,22 @@ mod tests {
             include_str!("fused.rs"),
             include_str!("moe.rs"),
             include_str!("moe_device.rs"),
+            include_str!("moe_int4.rs"),
             include_str!("ops.rs"),
         ];
         let mut found = std::collections::BTreeSet::new();
         for src in sources {
             // `self.launch(` or `this.launch(` (or `.launch_clustered(`), the kernel, then the
-            // label as a string literal.
-            let calls = src
-                .match_indices(".launch(")
-                .chain(src.match_indices(".launch_clustered("));
+            // label as a string literal; the INT4 kernels' `self.issue(` (or
+            // `.issue_clustered(`), the stream, then the label.
+            let calls = [
+                ".launch(",
+                ".launch_clustered(",
+                ".issue(",
+                ".issue_clustered(",
+            ]
+            .into_iter()
+            .flat_map(|call| src.match_indices(call));
             for (at, _) in calls {
                 let rest = &src[at..];
                 let Some(open) = rest.find('"') else { continue };
