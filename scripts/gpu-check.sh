@@ -45,7 +45,8 @@
 #             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident,
 #             with the target run's host time and device wait per token;
 #             with $OLD_CARRY, old and new binaries taking turns; with $NEW_ENV (variables for
-#             the new binaries, runs separated by ';', e.g. "SPECTER_CUDA_FUSE_SHARED=0;A=0 B=0"),
+#             the new binaries, runs separated by ';', e.g. "SPECTER_CUDA_FUSE_SHARED=0;A=0 B=0";
+#             a value may hold spaces: "SPECTER_CUDA_SERIAL=moe int4 down + combine"),
 #             also the new binaries under each (newenv0, newenv1, ...); with $BUILDS (directories
 #             of other builds' specter-run and bench_step, separated by spaces), those too (build0,
 #             build1, ...)
@@ -256,6 +257,23 @@ wprofile() {
 # (examples/bench_step.rs), then 128-token TPOT of --mode target and --mode draft, all resident,
 # for the binaries in $CARRY (new) and, when $OLD_CARRY is set, the earlier ones (old) taking
 # turns, $REPEATS rounds.
+# The assignments of one $NEW_ENV variant into VARIANT_ENV: each word that starts NAME= begins
+# one, and a word that does not continues the value before it, so a value may hold spaces
+# (SPECTER_CUDA_SERIAL=moe int4 down + combine).
+variant_env() {
+    VARIANT_ENV=()
+    local w
+    set -f
+    for w in $1; do
+        if [[ $w =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || [ ${#VARIANT_ENV[@]} -eq 0 ]; then
+            VARIANT_ENV+=("$w")
+        else
+            VARIANT_ENV[-1]+=" $w"
+        fi
+    done
+    set +f
+}
+
 steps() {
     local dir=$1 out=$2
     PACK="${OLD_CARRY:-$CARRY}/specter-pack" bench_model "$dir" "$out"
@@ -272,7 +290,7 @@ steps() {
         for side in "${sides[@]}"; do
             local bin="$CARRY" envs=()
             [ "$side" = old ] && bin="$OLD_CARRY"
-            [[ "$side" == newenv* ]] && read -ra envs <<< "${variants[${side#newenv}]}"
+            [[ "$side" == newenv* ]] && variant_env "${variants[${side#newenv}]}" && envs=("${VARIANT_ENV[@]}")
             [[ "$side" == build* ]] && bin="${builds[${side#build}]}"
             env "${envs[@]}" "$bin/bench_step" "$dir/dsv2.specter" --window 17 --window 4 \
                 --json "$out/step-$side-$rep.json" \
