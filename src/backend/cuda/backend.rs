@@ -451,7 +451,7 @@ impl CudaBackend {
         let failed = |e: &dyn std::fmt::Display| {
             Error::Backend(format!("cuda {what}: kernel launch failed: {e}"))
         };
-        if self.skip_launches.iter().any(|s| s.matches(what, grid.0)) {
+        if LaunchMatch::any(&self.skip_launches, what, grid.0) {
             return Ok(());
         }
         // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
@@ -467,7 +467,7 @@ impl CudaBackend {
                 args,
                 LaunchMode {
                     overlap: self.overlap_launches
-                        && !self.serial_launches.iter().any(|s| s.matches(what, grid.0)),
+                        && !LaunchMatch::any(&self.serial_launches, what, grid.0),
                     cluster,
                 },
             )

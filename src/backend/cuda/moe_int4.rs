@@ -280,8 +280,7 @@ impl MoeInt4Kernels {
         args: &[u64],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         let (grid, cluster) = grids;
-        let named = |list: &[LaunchMatch]| list.iter().any(|m| m.matches(what, grid.0));
-        if named(&self.skip) {
+        if LaunchMatch::any(&self.skip, what, grid.0) {
             return Ok(());
         }
         // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
@@ -295,7 +294,7 @@ impl MoeInt4Kernels {
                 (grid, THREADS, shared_bytes),
                 args,
                 LaunchMode {
-                    overlap: self.overlap && !named(&self.serial),
+                    overlap: self.overlap && !LaunchMatch::any(&self.serial, what, grid.0),
                     cluster,
                 },
             )

@@ -153,6 +153,11 @@ impl LaunchMatch {
     pub fn matches(&self, kernel: &str, blocks: u32) -> bool {
         self.kernel == kernel && self.blocks.is_none_or(|b| b == blocks)
     }
+
+    /// Whether an entry of `list` names a launch of `kernel` over `blocks` blocks.
+    pub fn any(list: &[LaunchMatch], kernel: &str, blocks: u32) -> bool {
+        list.iter().any(|m| m.matches(kernel, blocks))
+    }
 }
 
 impl CudaOptions {
