@@ -50,6 +50,11 @@
 #             also the new binaries under each (newenv0, newenv1, ...); with $BUILDS (directories
 #             of other builds' specter-run and bench_step, separated by spaces), those too (build0,
 #             build1, ...)
+#   peersteps the decode step's comparison in one call: llama.cpp all on the GPU against Specter
+#             all resident (scripts/peer-llamacpp.sh with PEER_ROWS=gpu, from $PEER_DIR, a folder
+#             its `pack` made; its bundle kept in $PEER_DISK, default /var/tmp/specter-peer), then
+#             `steps` on that bundle ($OLD_CARRY, $NEW_ENV, $REPEATS as there): about 8 minutes,
+#             most of it llama.cpp's build
 #   incost    what kernels cost inside a recorded step: the one-row target and draft steps with
 #             each set of launches left out (bench_step --skip-launches; a measurement, the
 #             outputs are meaningless) against none left out, $REPEATS runs (default 2); sets in
@@ -384,6 +389,24 @@ for (i, name), v in sorted(by.items()):
     t, d = (statistics.mean(x[k] for x in v) for k in (0, 1))
     print(name.ljust(40) + f"{t:12.3f}{bt - t:9.3f}{d:12.3f}{bd - d:9.3f}")
 EOF
+}
+
+# llama.cpp all on the GPU, then the steps on the bundle the peer run converted (the same
+# synthesized model as bench_model's: deepseek-v2-lite, 27 layers, seed 0), all in one call.
+peersteps() {
+    local dir=$1 out=$2 peer=${PEER_DIR:?set PEER_DIR to a folder made by peer-llamacpp.sh pack}
+    local disk=${PEER_DISK:-/var/tmp/specter-peer}
+    PEER_ROWS=gpu PEER_KEEP=1 PEER_DISK="$disk" PEER_TIME_S="${PEER_TIME_S:-470}" OUT="$out/peer" \
+        bash "$peer/peer-llamacpp.sh" run deepseek-v2-lite > "$out/peer.log" 2>&1 ||
+        { tail -20 "$out/peer.log"; return 1; }
+    grep -v '^\[ *[0-9.]*s\] layer' "$out/peer.log" | tail -25
+    # The GGUF (31 GB of tmpfs) is not needed by the steps.
+    rm -f "${PEER_WORK:-/dev/shm/specter-peer}/model.gguf"
+    [ -f "$disk/model.specter" ] || { echo "peersteps: no bundle at $disk/model.specter"; return 1; }
+    mkdir -p "$dir"
+    rm -f "$dir/dsv2.specter"
+    ln -s "$disk/model.specter" "$dir/dsv2.specter"
+    LAYERS=27 steps "$dir" "$out"
 }
 
 # Old against new: target-only TPOT all resident and with 16 resident experts (lru) on the bench
@@ -721,6 +744,7 @@ run() {
             trained) trained "$dir" "$out" 2>&1 | tee "$out/trained.log" || status=1 ;;
             ttft) ttft "$out" 2>&1 | tee "$out/ttft.log" || status=1 ;;
             peer) peer "$dir" "$out" 2>&1 | tee "$out/peer.log" || status=1 ;;
+            peersteps) peersteps "$dir" "$out" 2>&1 | tee "$out/peersteps.log" || status=1 ;;
             autoprofile) autoprofile "$dir" "$out" 2>&1 | tee "$out/autoprofile.log" || status=1 ;;
             *) echo "unknown check $w" >&2; status=2 ;;
         esac
@@ -732,5 +756,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|incost|steps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|incost|steps|peersteps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac
