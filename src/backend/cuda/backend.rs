@@ -22,10 +22,11 @@ use super::host::PinnedBuffer;
 use super::kernels::*;
 use super::load::{LoadIo, LoadReport, PendingLoad};
 use super::moe_int4::MoeInt4Kernels;
+use super::options::LaunchRule;
 use super::pool::{bucket, default_mem_pool, pool_attribute, BufferPool, MemPool, PooledBuf};
 use super::rope::RopeTableGpu;
 use super::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
-use super::{CudaDevice, CudaOptions, LaunchMatch};
+use super::{CudaDevice, CudaOptions};
 use crate::offload::OffloadStats;
 use crate::{Error, Result};
 
@@ -77,19 +78,16 @@ pub struct CudaBackend {
     pub(super) load_threads: Option<usize>,
     pub(super) pending: Mutex<Option<PendingLoad>>,
     pub(super) load_report: Mutex<Option<LoadReport>>,
-    /// Kernels are launched to overlap the tail of the one before them (see
-    /// [`CudaOptions::overlap_launches`]): asked for, and the device is sm_90 or newer.
-    pub(super) overlap_launches: bool,
+    /// How each launch starts: overlapping the tail of the kernel before it where
+    /// [`CudaOptions::overlap_launches`] asks for it and the device is sm_90 or newer, and the
+    /// measurement-only skip and serial lists (empty in real runs).
+    pub(super) launches: LaunchRule,
     /// See [`CudaOptions::clusters`]: asked for, and the device is sm_90 or newer.
     pub(super) clusters: bool,
     /// See [`CudaOptions::fuse_shared_experts`].
     pub(super) fuse_shared_experts: bool,
     /// See [`CudaOptions::chain_greedy`].
     pub(super) chain_greedy: bool,
-    /// See [`CudaOptions::skip_launches`] (measurement only; empty in real runs).
-    pub(super) skip_launches: Vec<LaunchMatch>,
-    /// See [`CudaOptions::serial_launches`] (measurement only; empty in real runs).
-    pub(super) serial_launches: Vec<LaunchMatch>,
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
     /// calls of at most `ATT_COUNTERS` (row, head) pairs combine in the same launch.
     pub(super) attention_counters: CudaSlice<u32>,
@@ -139,10 +137,11 @@ impl CudaBackend {
             Some(u64::MAX),
         )?;
         let k = Kernels::load(&dev)?;
-        let overlap_launches = options.overlap_launches && dev.compute_capability().0 >= 9;
-        let int4 = MoeInt4Kernels::new(&dev)?
-            .overlapping(overlap_launches)
-            .measuring(&options.skip_launches, &options.serial_launches);
+        let launches = LaunchRule::new(
+            options.overlap_launches && dev.compute_capability().0 >= 9,
+            options,
+        );
+        let int4 = MoeInt4Kernels::new(&dev)?.launching(launches.clone());
         let clusters = options.clusters && dev.compute_capability().0 >= 9;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
@@ -186,12 +185,10 @@ impl CudaBackend {
             load_threads: options.load_threads,
             pending: Mutex::new(None),
             load_report: Mutex::new(None),
-            overlap_launches,
+            launches,
             clusters,
             fuse_shared_experts: options.fuse_shared_experts,
             chain_greedy: options.chain_greedy,
-            skip_launches: options.skip_launches.clone(),
-            serial_launches: options.serial_launches.clone(),
             attention_counters,
             argmax_keys,
             argmax_counts,
@@ -451,9 +448,9 @@ impl CudaBackend {
         let failed = |e: &dyn std::fmt::Display| {
             Error::Backend(format!("cuda {what}: kernel launch failed: {e}"))
         };
-        if LaunchMatch::any(&self.skip_launches, what, grid.0) {
+        let Some(overlap) = self.launches.overlap_for(what, grid.0) else {
             return Ok(());
-        }
+        };
         // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
         // slots in the order its signature declares (checked by the callers below); pointers
         // address live device buffers of the sizes the kernel reads and writes; every kernel this
@@ -465,11 +462,7 @@ impl CudaBackend {
                 f,
                 (grid, block, 0),
                 args,
-                LaunchMode {
-                    overlap: self.overlap_launches
-                        && !LaunchMatch::any(&self.serial_launches, what, grid.0),
-                    cluster,
-                },
+                LaunchMode { overlap, cluster },
             )
         }
         .map_err(|e| failed(&e))

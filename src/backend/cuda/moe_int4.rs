@@ -22,7 +22,8 @@ use super::launch_constants::{
     MOE_INT4_STAGED as STAGED, MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
     MOE_INT4_WARPS as WARPS,
 };
-use super::{CudaDevice, CudaFunction, CudaStream, LaunchMatch};
+use super::options::LaunchRule;
+use super::{CudaDevice, CudaFunction, CudaStream};
 use crate::{Error, Result};
 
 /// The kernel file (`kernels/moe_int4.cu`).
@@ -46,12 +47,8 @@ pub struct MoeInt4Kernels {
     down: [Kernel; 2],
     /// The 8-item down with the one-row combine in its clusters (`moe_int4_down_combine_8`).
     down_combine: Kernel,
-    /// Launch with programmatic dependent launch (see [`Self::overlapping`]).
-    overlap: bool,
-    /// Measurement only: launches left out, and launches that do not start early (see
-    /// [`Self::measuring`]).
-    skip: Vec<LaunchMatch>,
-    serial: Vec<LaunchMatch>,
+    /// How each launch starts (see [`Self::launching`]).
+    launches: LaunchRule,
 }
 
 impl std::fmt::Debug for MoeInt4Kernels {
@@ -228,29 +225,17 @@ impl MoeInt4Kernels {
             gate_up: load("gate_up")?,
             down: load("down")?,
             down_combine: Kernel::load(device, &format!("moe_int4_down_combine_{}", VARIANTS[0]))?,
-            overlap: false,
-            skip: Vec::new(),
-            serial: Vec::new(),
+            launches: LaunchRule::default(),
         })
     }
 
-    /// With `on`, launches let each kernel start while the one before it on the stream drains
-    /// (programmatic dependent launch, sm_90 and newer), as the backend's other launches do
-    /// (`launch_overlapping`): both kernels begin with `SPX_PROLOGUE`, which waits before they
-    /// read anything an earlier kernel writes.
-    pub fn overlapping(mut self, on: bool) -> Self {
-        self.overlap = on;
-        self
-    }
-
-    /// Measurement only, as the backend's own launches take them
-    /// ([`CudaOptions::skip_launches`](super::CudaOptions::skip_launches) and
-    /// [`serial_launches`](super::CudaOptions::serial_launches)): the launches `skip` names are
-    /// left out and those `serial` names do not start early. The labels are "moe int4 gate/up",
-    /// "moe int4 down" and "moe int4 down + combine".
-    pub fn measuring(mut self, skip: &[LaunchMatch], serial: &[LaunchMatch]) -> Self {
-        self.skip = skip.to_vec();
-        self.serial = serial.to_vec();
+    /// Launches by `rule`, the backend's (`launch_overlapping` where it says so: both kernels
+    /// begin with `SPX_PROLOGUE`, which waits before they read anything an earlier kernel
+    /// writes; the measurement lists' launches left out or started late; labels "moe int4
+    /// gate/up", "moe int4 down" and "moe int4 down + combine"). Without it, every launch
+    /// starts once the kernel before it has finished.
+    pub(super) fn launching(mut self, rule: LaunchRule) -> Self {
+        self.launches = rule;
         self
     }
 
@@ -280,9 +265,9 @@ impl MoeInt4Kernels {
         args: &[u64],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         let (grid, cluster) = grids;
-        if LaunchMatch::any(&self.skip, what, grid.0) {
+        let Some(overlap) = self.launches.overlap_for(what, grid.0) else {
             return Ok(());
-        }
+        };
         // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
         // 32-bit scalars each in an 8-byte slot, and the dynamic shared memory the function was
         // allowed; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the shared
@@ -293,10 +278,7 @@ impl MoeInt4Kernels {
                 func,
                 (grid, THREADS, shared_bytes),
                 args,
-                LaunchMode {
-                    overlap: self.overlap && !LaunchMatch::any(&self.serial, what, grid.0),
-                    cluster,
-                },
+                LaunchMode { overlap, cluster },
             )
         }
     }

@@ -155,8 +155,36 @@ impl LaunchMatch {
     }
 
     /// Whether an entry of `list` names a launch of `kernel` over `blocks` blocks.
-    pub fn any(list: &[LaunchMatch], kernel: &str, blocks: u32) -> bool {
+    fn any(list: &[LaunchMatch], kernel: &str, blocks: u32) -> bool {
         list.iter().any(|m| m.matches(kernel, blocks))
+    }
+}
+
+/// How a launcher (the backend, the INT4 expert kernels) starts each launch: early where
+/// `overlap` holds ([`CudaOptions::overlap_launches`] on a device that has it), but for the
+/// launches [`CudaOptions::serial_launches`] names, and not at all for those
+/// [`CudaOptions::skip_launches`] names (both measurement only).
+#[derive(Clone, Debug, Default)]
+pub(super) struct LaunchRule {
+    overlap: bool,
+    skip: Vec<LaunchMatch>,
+    serial: Vec<LaunchMatch>,
+}
+
+impl LaunchRule {
+    pub(super) fn new(overlap: bool, options: &CudaOptions) -> Self {
+        LaunchRule {
+            overlap,
+            skip: options.skip_launches.clone(),
+            serial: options.serial_launches.clone(),
+        }
+    }
+
+    /// For the launch of `kernel` (a label of [`LAUNCH_LABELS`]) over `blocks` blocks: `None`
+    /// when it is left out, else whether it starts early.
+    pub(super) fn overlap_for(&self, kernel: &str, blocks: u32) -> Option<bool> {
+        (!LaunchMatch::any(&self.skip, kernel, blocks))
+            .then(|| self.overlap && !LaunchMatch::any(&self.serial, kernel, blocks))
     }
 }
 
@@ -219,6 +247,21 @@ mod tests {
         );
         let err = LaunchMatch::parse_list("linear@x").unwrap_err();
         assert!(err.contains("not a number"), "{err}");
+    }
+
+    #[test]
+    fn launch_rule_leaves_out_or_starts_late_what_the_lists_name() {
+        let options = CudaOptions {
+            skip_launches: LaunchMatch::parse_list("moe combine").unwrap(),
+            serial_launches: LaunchMatch::parse_list("attention@16").unwrap(),
+            ..CudaOptions::default()
+        };
+        let rule = LaunchRule::new(true, &options);
+        assert_eq!(rule.overlap_for("moe combine", 8), None);
+        assert_eq!(rule.overlap_for("attention", 16), Some(false));
+        assert_eq!(rule.overlap_for("attention", 272), Some(true));
+        let plain = LaunchRule::new(false, &CudaOptions::default());
+        assert_eq!(plain.overlap_for("attention", 16), Some(false));
     }
 
     /// Every label the backend gives a launch is one a skip list may name, and no other.
