@@ -121,9 +121,11 @@ __device__ __forceinline__ void group_dot2_split(const __half* SPX_READONLY w0,
 // lane_dot2_split of one row for NF features at once: a[f] += the lane partials of x . w[f],
 // every feature's loads in flight together (the one-item down kernels). Each feature gets the
 // arithmetic lane_dot2_split<1> gives it, so the bits are the same.
-template <int NF, int UNR>
+// EARLY: the caller has not waited for x; the lane issues its first pieces' loads, then calls
+// `wait` (as lane_dot2's EARLY).
+template <int NF, int UNR, bool EARLY = false, class Wait = GridWait>
 __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const float* x, int k,
-                                                int lane, float a[NF][8]) {
+                                                int lane, float a[NF][8], Wait wait = Wait()) {
     if ((k & 7) == 0) {
         const int chunks = k >> 3;
         for (int c0 = lane; c0 < chunks; c0 += 32 * UNR) {
@@ -136,6 +138,7 @@ __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const fl
                     for (int f = 0; f < NF; ++f) p[f][u] = spx_ldg(reinterpret_cast<const uint4*>(w[f]) + c);
                 }
             }
+            if (EARLY && c0 == lane) wait();
 #pragma unroll
             for (int u = 0; u < UNR; ++u) {
                 const int c = c0 + 32 * u;
@@ -153,7 +156,9 @@ __device__ __forceinline__ void lane_dotn_split(const __half* const* w, const fl
                 }
             }
         }
+        if (EARLY && lane >= chunks) wait();
     } else {
+        if (EARLY) wait();
         for (int i = lane; i < k; i += 32) {
             const float xv = x[i];
 #pragma unroll
@@ -399,10 +404,14 @@ __device__ __forceinline__ void moe_down_block(const float* h, int hidden, int i
 // group by's features c = DOWN_FEATURES_ONE * (bx * WARPS + w) onwards. More weight bytes in
 // flight per warp than two features give (the down rows are only inter long); each output has
 // moe_down_block's arithmetic.
+// UNR: pieces in flight per feature (the arithmetic does not depend on it). EARLY: the first
+// pieces load before `wait`, which must return once h is ready to read.
+template <int UNR = DOWN_UNROLL_ONE, bool EARLY = false, class Wait = GridWait>
 __device__ __forceinline__ void moe_down_block_1(const float* h, int hidden, int inter,
                                                  const ExpertGroup* groups,
                                                  const float* item_weight,
-                                                 float* __restrict__ out, int bx, int by) {
+                                                 float* __restrict__ out, int bx, int by,
+                                                 Wait wait = Wait()) {
     const ExpertGroup g = groups[by];
     const int lane = threadIdx.x & 31;
     const int c = DOWN_FEATURES_ONE * (bx * WARPS + (threadIdx.x >> 5));
@@ -421,7 +430,11 @@ __device__ __forceinline__ void moe_down_block_1(const float* h, int hidden, int
 #pragma unroll
             for (int e = 0; e < 8; ++e) a[f][e] = 0.0f;
         }
-        lane_dotn_split<DOWN_FEATURES_ONE, DOWN_UNROLL_ONE>(w, h + item * inter, inter, lane, a);
+        if (EARLY && i == 0) {
+            lane_dotn_split<DOWN_FEATURES_ONE, UNR, true>(w, h + item * inter, inter, lane, a, wait);
+        } else {
+            lane_dotn_split<DOWN_FEATURES_ONE, UNR>(w, h + item * inter, inter, lane, a);
+        }
         const float wt = item_weight[item];
 #pragma unroll
         for (int f = 0; f < DOWN_FEATURES_ONE; ++f) {
@@ -582,5 +595,142 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
     spx_grid_wait();
     for (; v < blocks; v += stride) {
         moe_down_block_1(h, hidden, inter, groups, item_weight, out, (v - gx) % gx1, (v - gx) / gx1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_f16_experts_1: a one-row MoE layer's experts in one launch, which moe_f16_gate_up_1,
+// moe_f16_down_shared_1 and moe_combine run in three: the shared experts' down product, every
+// routed expert's gate/up and down, and the combine y = sum of the row's items' outputs (ascending
+// item, as moe_combine) + the shared output. Each work block runs the code of the launch it comes
+// from, so every output has that launch's bits.
+//
+// Why one launch: between dependent launches every multiprocessor drains the first launch's last
+// blocks before the next one's start reading (docs/BENCHMARKS-LOG.md: about 3 us a boundary in a
+// chain of one-row products). Here a routed down block waits only for the gate/up blocks of its
+// own expert, and the combine of 16 outputs runs in the block that finishes them last. (The
+// routing and the shared gate/up in the same launch, their blocks waited on by the routed
+// gate/up and the shared down, measured slower on the H200: branch `moe-layer-one-launch`.)
+//
+// Order and progress. A block takes a ticket from a counter when it starts and runs that work
+// block: tickets [0, gs) the shared down's (their first weights load before the wait for the
+// routing launch, as in moe_f16_down_shared_1), then the routed gate/up's (gx per group), then
+// the routed down's (gx1 per group). A routed down block waits for its group's gate/up blocks,
+// whose tickets are all lower than its own: blocks that took them are running and wait for
+// nothing in the launch, so every wait ends, however many blocks are resident.
+//
+// Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; its last block to finish sets
+// them back to zero (the backend zeroes the buffer once and gives consecutive launches different
+// slots). Words: the ticket, finished blocks, gate/up blocks done per group (MAX_TOP_K), then
+// arrivals per 16-output chunk of the combine. Signals are release reductions after a block
+// barrier; a wait acquires once its count is reached, and the combine reads past L1.
+#define EXPERTS_ONE_TICKET 0
+#define EXPERTS_ONE_FINISHED 1
+#define EXPERTS_ONE_DONE 2
+#define EXPERTS_ONE_ARRIVED 18
+static_assert(EXPERTS_ONE_ARRIVED == EXPERTS_ONE_DONE + MAX_TOP_K, "a done count per group");
+// Pieces in flight per feature of the routed down blocks here: the launch holds every role at
+// 128 registers (four blocks a multiprocessor, as moe_f16_gate_up_1), which moe_down_block_1's
+// DOWN_UNROLL_ONE exceeds (at 168 registers, three blocks, the step measured slower). The same
+// arithmetic.
+#define EXPERTS_ONE_DOWN_UNROLL 3
+
+// Counter operations at GPU scope. Waits poll with relaxed loads and acquire once, by a fence,
+// after the count is reached: an acquire invalidates the multiprocessor's L1 (CCTL.IVALL), where
+// the other blocks' warps keep the activation row they all read. Polling with acquire loads made
+// the step 4.5% slower than the three launches; this way it is faster (docs/BENCHMARKS-LOG.md).
+__device__ __forceinline__ unsigned spx_load_relaxed(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void spx_fence_acq_rel() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+__device__ __forceinline__ void spx_add_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned spx_fetch_add_release(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.release.gpu.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+// A routed down warp's wait: until its group's gate/up blocks have all signalled.
+struct GroupDone {
+    const unsigned* done;
+    unsigned want;
+    __device__ __forceinline__ void operator()() const {
+        while (spx_load_relaxed(done) < want) __nanosleep(32);
+        spx_fence_acq_rel();
+    }
+};
+
+// Grid: gs + (gx + gx1) num_groups blocks of 32 * WARPS threads (gs = ceil(hidden / (FEATURES *
+// WARPS)), gx = ceil(inter / WARPS), gx1 = ceil(hidden / (DOWN_FEATURES_ONE * WARPS))); groups of
+// at most one item; num_groups <= MAX_TOP_K; `counters` as above.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) moe_f16_experts_1(
+    const float* x, int hidden, int inter, const ExpertGroup* groups, int num_groups,
+    const unsigned* item_row, float* h, const float* item_weight, float* out,
+    const float* h_shared, int inter_shared, const __half* SPX_READONLY w_down, float* y_shared,
+    const unsigned* row_items, int top_k, float* __restrict__ y, unsigned* counters) {
+    __shared__ unsigned ticket, last;
+    spx_launch_dependents();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + EXPERTS_ONE_TICKET, 1u);
+    __syncthreads();
+    const int v = (int)ticket;
+    const int gs = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);
+    const int gx = (inter + WARPS - 1) / WARPS;
+    const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
+    const int gate_up_end = gs + gx * num_groups;
+    const int total = gate_up_end + gx1 * num_groups;
+    if (v >= total) return;  // not with the grid above
+    // The combine chunk (16 outputs: two shared down blocks, one routed down block per group)
+    // this block finishes outputs of; -1 for gate/up blocks.
+    int chunk = -1;
+    if (v < gs) {
+        linear_block<true, true>(h_shared, 1, inter_shared, w_down, hidden, nullptr, y_shared, v);
+        chunk = v / 2;
+    } else if (v < gate_up_end) {
+        spx_grid_wait();
+        moe_gate_up_block<1>(x, hidden, inter, groups, item_row, h, (v - gs) % gx, (v - gs) / gx);
+    } else {
+        spx_grid_wait();
+        const int d = v - gate_up_end;
+        const GroupDone wait{counters + EXPERTS_ONE_DONE + d / gx1, (unsigned)gx};
+        moe_down_block_1<EXPERTS_ONE_DOWN_UNROLL, true>(h, hidden, inter, groups, item_weight,
+                                                        out, d % gx1, d / gx1, wait);
+        chunk = d % gx1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = 0;
+        if (chunk < 0) {
+            spx_add_release(counters + EXPERTS_ONE_DONE + (v - gs) / gx, 1u);
+        } else {
+            const unsigned want = (unsigned)(num_groups + min(2, gs - 2 * chunk));
+            last = spx_fetch_add_release(counters + EXPERTS_ONE_ARRIVED + chunk, 1u) + 1u == want;
+            if (last) spx_fence_acq_rel();
+        }
+    }
+    __syncthreads();
+    if (last && threadIdx.x < 2 * FEATURES * WARPS) {
+        const int c = 2 * FEATURES * WARPS * chunk + threadIdx.x;
+        if (c < hidden) {
+            float acc = 0.0f;
+            for (int j = 0; j < top_k; ++j) acc += __ldcg(out + (size_t)row_items[j] * hidden + c);
+            acc = acc + __ldcg(y_shared + c);
+            y[c] = acc;
+        }
+    }
+    if (threadIdx.x == 0 &&
+        spx_fetch_add_release(counters + EXPERTS_ONE_FINISHED, 1u) + 1u == (unsigned)total) {
+        // Every block has taken its ticket and passed its waits: back to zero for the next launch.
+        spx_fence_acq_rel();
+        const int words = EXPERTS_ONE_ARRIVED + gx1;
+        for (int i = 0; i < words; ++i) counters[i] = 0u;
     }
 }

@@ -254,7 +254,8 @@ fn every_fixture_every_residency(speculative: bool) {
 }
 
 /// Running an MoE layer's shared experts inside its routed experts' launches
-/// (`CudaOptions::fuse_shared_experts`), and thread block clusters (`CudaOptions::clusters`:
+/// (`CudaOptions::fuse_shared_experts`), a one-row layer's FP16 experts in one launch
+/// (`CudaOptions::experts_in_one_launch`), and thread block clusters (`CudaOptions::clusters`:
 /// attention's chunks combined in shared memory, a draft step's combine in its INT4 down launch)
 /// change no bit: the target's and the draft's logits for a prompt (one window of rows) and four
 /// decode steps after it equal those of the separate ops without clusters, with passes recorded
@@ -267,9 +268,10 @@ fn gpu_logits_do_not_depend_on_fusing_the_shared_experts_or_clusters() {
         let fixture = Fixture::load(name);
         let (_dir, bundle) = fixture.bundle();
         let prompt = fixture.prompts()[0].clone();
-        let logits = |fuse: bool, graphs: bool, clusters: bool| -> Vec<Vec<u32>> {
+        let logits = |fuse: bool, one: bool, graphs: bool, clusters: bool| -> Vec<Vec<u32>> {
             let options = CudaOptions {
                 fuse_shared_experts: fuse,
+                experts_in_one_launch: one,
                 graphs,
                 clusters,
                 ..CudaOptions::default()
@@ -295,20 +297,21 @@ fn gpu_logits_do_not_depend_on_fusing_the_shared_experts_or_clusters() {
             }
             passes
         };
-        let separate = logits(false, true, false);
-        for (fuse, graphs, clusters) in [
-            (true, true, true),
-            (true, false, true),
-            (true, true, false),
-            (false, true, true),
+        let separate = logits(false, false, true, false);
+        for (fuse, one, graphs, clusters) in [
+            (true, true, true, true),
+            (true, true, false, true),
+            (true, true, true, false),
+            (true, false, true, true),
+            (false, true, true, true),
         ] {
-            let got = logits(fuse, graphs, clusters);
+            let got = logits(fuse, one, graphs, clusters);
             for (pass, (a, b)) in got.iter().zip(&separate).enumerate() {
                 let variant = if pass < 5 { "target" } else { "draft" };
                 let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
                 assert!(
                     a.len() == b.len() && differ == 0,
-                    "{name}: {variant} pass {} (fused {fuse}, graphs {graphs}, clusters {clusters}): {differ} logits differ from the separate ops'",
+                    "{name}: {variant} pass {} (fused {fuse}, one launch {one}, graphs {graphs}, clusters {clusters}): {differ} logits differ from the separate ops'",
                     pass % 5
                 );
             }

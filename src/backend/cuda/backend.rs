@@ -86,6 +86,12 @@ pub struct CudaBackend {
     pub(super) clusters: bool,
     /// See [`CudaOptions::fuse_shared_experts`].
     pub(super) fuse_shared_experts: bool,
+    /// See [`CudaOptions::experts_in_one_launch`].
+    pub(super) experts_in_one_launch: bool,
+    /// `moe_f16_experts_1`'s counters: `EXPERTS_ONE_SLOTS` slots, zero between launches
+    /// (kernels/gemv_f16.cu), and the slot the next launch takes.
+    pub(super) experts_counters: CudaSlice<u32>,
+    pub(super) experts_slot: std::sync::atomic::AtomicUsize,
     /// See [`CudaOptions::chain_greedy`].
     pub(super) chain_greedy: bool,
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
@@ -160,6 +166,9 @@ impl CudaBackend {
                     stream.alloc_zeros::<u32>(ARGMAX_ROWS)?,
                 ))
             })?;
+        let experts_counters = guarded("cuda: cannot allocate the MoE launch counters", || {
+            stream.alloc_zeros::<u32>(EXPERTS_ONE_SLOTS * EXPERTS_ONE_SLOT_WORDS)
+        })?;
         let readback_done = guarded("cuda: cannot create an event", || {
             dev.context().new_event(None)
         })?;
@@ -188,6 +197,9 @@ impl CudaBackend {
             launches,
             clusters,
             fuse_shared_experts: options.fuse_shared_experts,
+            experts_in_one_launch: options.experts_in_one_launch,
+            experts_counters,
+            experts_slot: std::sync::atomic::AtomicUsize::new(0),
             chain_greedy: options.chain_greedy,
             attention_counters,
             argmax_keys,

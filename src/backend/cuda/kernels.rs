@@ -49,6 +49,8 @@ pub(super) struct Kernels {
     pub(super) moe_gate_up_1: GridStride,
     pub(super) moe_down_1: GridStride,
     pub(super) moe_down_shared_1: GridStride,
+    /// A one-row MoE layer's shared down, routed experts and combine in one launch.
+    pub(super) moe_experts_1: CudaFunction,
     /// Split-key attention (kernels/attention.cu): each chunk's partial softmax, then the
     /// combine of a (row, head)'s chunks.
     pub(super) attention: CudaFunction,
@@ -96,6 +98,7 @@ impl Kernels {
             moe_gate_up_1: GridStride::load(dev, gemv("moe_f16_gate_up_1")?)?,
             moe_down_1: GridStride::load(dev, gemv("moe_f16_down_1")?)?,
             moe_down_shared_1: GridStride::load(dev, gemv("moe_f16_down_shared_1")?)?,
+            moe_experts_1: gemv("moe_f16_experts_1")?,
             attention: dev.function("attention", "attention")?,
             attention_combine: dev.function("attention", "attention_combine")?,
         })

@@ -42,6 +42,23 @@ pub(crate) const GEMV_FEATURES: usize = 2;
 /// routed rows of `moe_f16_down_shared_1`): `DOWN_FEATURES_ONE` in kernels/gemv_f16.cu.
 pub(crate) const GEMV_DOWN_FEATURES_ONE: usize = 4;
 
+/// Counter words of a `moe_f16_experts_1` launch before its combine's arrivals (the ticket, the
+/// finished blocks, a done count per group): `EXPERTS_ONE_ARRIVED` in kernels/gemv_f16.cu.
+pub(crate) const EXPERTS_ONE_ARRIVED: usize = 18;
+
+/// Widest hidden size `moe_f16_experts_1` runs (an arrival count per 16 outputs in its counter
+/// slot); wider layers take the separate launches. A host choice.
+pub(crate) const EXPERTS_ONE_MAX_HIDDEN: usize = 8192;
+
+/// Counter slots of `moe_f16_experts_1`, taken in turn by its launches: a launch's last block
+/// zeroes its slot, and a slot's next launch comes four MoE layers later, after attention
+/// launches that start only once every kernel before them has finished. A host choice.
+pub(crate) const EXPERTS_ONE_SLOTS: usize = 4;
+
+/// Words of one slot.
+pub(crate) const EXPERTS_ONE_SLOT_WORDS: usize =
+    EXPERTS_ONE_ARRIVED + EXPERTS_ONE_MAX_HIDDEN / (GEMV_WARPS * GEMV_DOWN_FEATURES_ONE);
+
 /// Threads per block of `attention`: `ATT_THREADS` in kernels/attention.cu (also its
 /// `__launch_bounds__`).
 pub(crate) const ATT_THREADS: u32 = 256;
@@ -253,6 +270,10 @@ mod tests {
         assert_eq!(
             GEMV_DOWN_FEATURES_ONE as i64,
             define(&gemv, "gemv_f16", "DOWN_FEATURES_ONE")
+        );
+        assert_eq!(
+            EXPERTS_ONE_ARRIVED as i64,
+            define(&gemv, "gemv_f16", "EXPERTS_ONE_ARRIVED")
         );
     }
 

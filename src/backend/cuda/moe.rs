@@ -457,6 +457,68 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// Whether [`Self::launch_moe_f16_one`] runs this one-row FP16 layer.
+    pub(super) fn experts_fit_one_launch(&self, l: &MoeLaunch, shared: &SharedDown) -> bool {
+        self.experts_in_one_launch
+            && l.max_count <= 1
+            && shared.rows == 1
+            && l.num_groups <= MAX_TOP_K
+            && l.hidden <= EXPERTS_ONE_MAX_HIDDEN
+    }
+
+    /// A one-row MoE layer's FP16 experts in one launch (`moe_f16_experts_1`): the shared down
+    /// into `shared.y`, the routed gate/up and down, and `y = sum of the top_k item outputs +
+    /// shared.y` (with `moe_combine`'s bits), which the separate launches compute in three. For
+    /// layers [`Self::experts_fit_one_launch`] takes; `row_items` as the routing launch wrote it.
+    pub(super) fn launch_moe_f16_one(
+        &self,
+        l: &MoeLaunch,
+        shared: &SharedDown,
+        row_items: u64,
+        top_k: usize,
+        y: u64,
+    ) -> Result<()> {
+        let per = |n: usize, width: usize| n.div_ceil(width);
+        let blocks = per(l.hidden, GEMV_WARPS * GEMV_FEATURES)
+            + l.num_groups
+                * (per(l.inter, GEMV_WARPS) + per(l.hidden, GEMV_WARPS * GEMV_DOWN_FEATURES_ONE));
+        let blocks = u32::try_from(blocks)
+            .map_err(|_| shape_err("moe_experts", format!("{blocks} work blocks")))?;
+        // Consecutive launches take different slots (see EXPERTS_ONE_SLOTS).
+        let slot = self
+            .experts_slot
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % EXPERTS_ONE_SLOTS;
+        let counters =
+            ptr(&self.experts_counters, &self.stream) + (4 * slot * EXPERTS_ONE_SLOT_WORDS) as u64;
+        let args = [
+            l.x,
+            int(l.hidden, "hidden")?,
+            int(l.inter, "inter")?,
+            l.groups,
+            int(l.num_groups, "groups")?,
+            l.item_row,
+            l.h,
+            l.item_weight,
+            l.out,
+            shared.h,
+            int(shared.inter, "shared inter")?,
+            shared.down,
+            shared.y,
+            row_items,
+            int(top_k, "top_k")?,
+            y,
+            counters,
+        ];
+        self.launch(
+            &self.k.moe_experts_1,
+            "moe experts",
+            (blocks, 1, 1),
+            32 * GEMV_WARPS as u32,
+            &args,
+        )
+    }
+
     pub(crate) fn upload_groups(&self, groups: &[ExpertGroup]) -> Result<CudaSlice<u32>> {
         let words: &[u32] = bytemuck::cast_slice(groups);
         self.upload_u32(words)

@@ -401,6 +401,12 @@ impl CudaBackend {
                         down: sh.down,
                         y: ptr(&shared_out.buf, s),
                     };
+                    if !int4 && self.experts_fit_one_launch(&launch, &down) {
+                        // The shared down, routed experts and combine in one launch.
+                        let (items, out) = (ptr(&row_items, s), ptr(&y.buf, s));
+                        self.launch_moe_f16_one(&launch, &down, items, top_k, out)?;
+                        return Ok(y);
+                    }
                     match (int4, &combine) {
                         // One row (a draft step): the shared down runs in the gate/up launch's
                         // spare blocks, with linear_f16_1's bits.

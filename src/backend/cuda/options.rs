@@ -1,7 +1,9 @@
 //! Settings of a CUDA backend that a caller chooses. The library reads no environment variables;
-//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_SEGMENTS`, `SPECTER_CUDA_OVERLAP`, `SPECTER_CUDA_CLUSTERS`, `SPECTER_CUDA_FUSE_SHARED`,
-//! `SPECTER_CUDA_CHAIN`, `SPECTER_HOST_SPLIT` and `SPECTER_LOAD_THREADS` onto these fields (and `bench_step --skip-launches` onto the
-//! measurement-only `skip_launches`, `SPECTER_CUDA_SERIAL` onto the measurement-only `serial_launches`).
+//! the binaries map `SPECTER_CUDA_GRAPHS`, `SPECTER_CUDA_SEGMENTS`, `SPECTER_CUDA_OVERLAP`,
+//! `SPECTER_CUDA_CLUSTERS`, `SPECTER_CUDA_FUSE_SHARED`, `SPECTER_CUDA_ONE_LAUNCH_EXPERTS`,
+//! `SPECTER_CUDA_CHAIN`, `SPECTER_HOST_SPLIT` and `SPECTER_LOAD_THREADS` onto these fields (and
+//! `bench_step --skip-launches` onto the measurement-only `skip_launches`, `SPECTER_CUDA_SERIAL`
+//! onto the measurement-only `serial_launches`).
 
 use super::{HostExpertsConfig, HostPath, LoadIo, SplitExperts};
 
@@ -45,6 +47,12 @@ pub struct CudaOptions {
     /// ops. The same bits either way; what it saves is two launches per layer and the routing's
     /// latency.
     pub fuse_shared_experts: bool,
+    /// With `fuse_shared_experts`, run a one-row MoE layer's FP16 experts (the shared down, each
+    /// routed expert's gate/up and down, the combine) in one launch whose blocks wait only for
+    /// the work they read, instead of three launches (kernels/gemv_f16.cu,
+    /// `moe_f16_experts_1`). The same bits either way; what it saves is two launch boundaries
+    /// per layer of a decode step.
+    pub experts_in_one_launch: bool,
     /// Feed greedy choices to the next recorded pass on the device, so a chain of greedy
     /// one-row passes (decode steps, a draft window) runs without waiting for the host between
     /// passes (`Backend::feed_choice`). The same tokens either way.
@@ -92,6 +100,7 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "mla_latent",
     "moe combine",
     "moe down",
+    "moe experts",
     "moe gate/up",
     "moe int4 down",
     "moe int4 down + combine",
@@ -220,6 +229,7 @@ impl Default for CudaOptions {
             overlap_launches: true,
             clusters: true,
             fuse_shared_experts: true,
+            experts_in_one_launch: true,
             chain_greedy: true,
             split_experts: true,
             skip_launches: Vec::new(),
