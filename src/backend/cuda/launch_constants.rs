@@ -53,9 +53,9 @@ pub(crate) const EXPERTS_ONE_MAX_HIDDEN: usize = 8192;
 /// Counter slots of `moe_f16_experts_1`, taken in turn by its launches. A launch takes its
 /// tickets before its wait for the kernels before and its last block zeroes the slot, so a slot
 /// must not be taken again while its previous launch runs. In a model's passes a slot's next
-/// launch comes 64 launches later, after attention launches that start only once every kernel
-/// before them has finished; op calls back to back would need 63 launches queued and started
-/// within one launch's run. A host choice (133 KB a backend).
+/// launch comes 64 launches later, after attention launches, which let the next kernel start
+/// only once every kernel before them has finished; op calls back to back would need 63
+/// launches queued and started within one launch's run. A host choice (133 KB a backend).
 pub(crate) const EXPERTS_ONE_SLOTS: usize = 64;
 
 /// Words of one slot.
