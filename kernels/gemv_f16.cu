@@ -619,11 +619,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // whose tickets are all lower than its own: blocks that took them are running and wait for
 // nothing in the launch, so every wait ends, however many blocks are resident.
 //
-// Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; its last block to finish sets
-// them back to zero (the backend zeroes the buffer once and gives consecutive launches different
-// slots). Words: the ticket, finished blocks, gate/up blocks done per group (MAX_TOP_K), then
-// arrivals per 16-output chunk of the combine. Signals are release reductions after a block
-// barrier; a wait acquires once its count is reached, and the combine reads past L1.
+// Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; its last block to
+// finish sets them back to zero (the backend zeroes the buffer once and gives consecutive
+// launches different slots: src/backend/cuda/launch_constants.rs, EXPERTS_ONE_SLOTS). Words:
+// the ticket, finished blocks, gate/up blocks done per group (MAX_TOP_K), then arrivals per
+// 16-output chunk of the combine. Signals are release reductions after a block barrier; a wait
+// acquires once its count is reached, and the combine reads past L1.
 #define EXPERTS_ONE_TICKET 0
 #define EXPERTS_ONE_FINISHED 1
 #define EXPERTS_ONE_DONE 2
