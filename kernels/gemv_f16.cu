@@ -610,7 +610,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // chain of one-row products). Here a routed down block waits only for the gate/up blocks of its
 // own expert, and the combine of 16 outputs runs in the block that finishes them last. (The
 // routing and the shared gate/up in the same launch, their blocks waited on by the routed
-// gate/up and the shared down, measured slower on the H200: branch `moe-layer-one-launch`.)
+// gate/up and the shared down, measured slower on the H200: branch `moe-layer-one-launch`; so
+// did the shared gate/up alone as its first blocks, the routing then a launch of its own: branch
+// `shared-gate-up-in-experts`. Beside the routing, its blocks run seven a multiprocessor, and
+// all of them load their first weights before their wait.)
 //
 // Order and progress. A block takes a ticket from a counter when it starts and runs that work
 // block: tickets [0, gs) the shared down's (their first weights load before the wait for the
