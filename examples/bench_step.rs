@@ -15,6 +15,7 @@
 //! `--windows-only` times the verification windows alone (for a profiler's view of them).
 //! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 //! `SPECTER_CUDA_ONE_LAUNCH_EXPERTS=0` a one-row layer's FP16 experts in three launches,
+//! `SPECTER_CUDA_INT4_INTERLEAVE=0` lists the INT4 gate/up launch's routed blocks first,
 //! `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters, and
 //! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, and
 //! `SPECTER_CUDA_SERIAL=LABEL[@BLOCKS],...` starts the named launches only after the kernel
@@ -100,6 +101,9 @@ fn main() -> anyhow::Result<()> {
     }
     if off("SPECTER_CUDA_ONE_LAUNCH_EXPERTS") {
         opts.cuda.experts_in_one_launch = false;
+    }
+    if off("SPECTER_CUDA_INT4_INTERLEAVE") {
+        opts.cuda.int4_interleave_roles = false;
     }
     if off("SPECTER_CUDA_CLUSTERS") {
         opts.cuda.clusters = false;

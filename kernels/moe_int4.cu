@@ -446,7 +446,7 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
                                               const float* x,
                                               const u32* item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
-                                              MoeShared<MAXI>& sh) {
+                                              MoeShared<MAXI>& sh, u32 bx) {
     if (threadIdx.x < count) {
         sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
     }
@@ -459,14 +459,14 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     const u32 up_step = inter / MOE_COLS;
     if constexpr (PAIRED) {
         block_pass<NT, MAXI, STAGED, 2, RING / 2, RING, PAIRED>(qweight, scales, n, hidden,
-                                                                blockIdx.x, up_step, count, sh,
+                                                                bx, up_step, count, sh,
                                                                 staged, true);
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
             const float gate = warps_total<MAXI, RING, PAIRED>(0, m, c);
             const float up = warps_total<MAXI, RING, PAIRED>(1, m, c);
-            h[(u64)(item0 + m) * inter + MOE_COLS * blockIdx.x + c] = __fmul_rn(silu(gate), up);
+            h[(u64)(item0 + m) * inter + MOE_COLS * bx + c] = __fmul_rn(silu(gate), up);
         }
         // The warp spaces are rewritten by the next chunk, as are sh.rows and the staged
         // activations.
@@ -476,7 +476,7 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     // Pass 0: gate block x; pass 1: the up block, on the same staged x.
 #pragma unroll 1
     for (u32 pass = 0; pass < 2; ++pass) {
-        const u32 b = blockIdx.x + pass * up_step;
+        const u32 b = bx + pass * up_step;
         block_pass<NT, MAXI, STAGED, 1, RING, RING, PAIRED>(qweight, scales, n, hidden, b, 0,
                                                             count, sh, staged, pass == 0);
         __syncthreads();
@@ -486,7 +486,7 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
             if (pass == 0) {
                 sh.gate[m][c] = v;
             } else {
-                h[(u64)(item0 + m) * inter + MOE_COLS * blockIdx.x + c] =
+                h[(u64)(item0 + m) * inter + MOE_COLS * bx + c] =
                     __fmul_rn(silu(sh.gate[m][c]), v);
             }
         }
@@ -517,28 +517,29 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
     __syncthreads();
 }
 
-// grid = (inter / 64, groups), block = 256. Chunks of MAXI items; a chunk of at most 8 items
-// takes the one-tile path (same bits, half the mma work).
+// Block column bx of group by (grid = (inter / 64, groups) or more), block = 256. Chunks of
+// MAXI items; a chunk of at most 8 items takes the one-tile path (same bits, half the mma work).
 template <int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* groups,
                                                const float* x,
                                                const u32* item_row,
-                                               float* __restrict__ h, u32 hidden, u32 inter) {
+                                               float* __restrict__ h, u32 hidden, u32 inter,
+                                               u32 bx, u32 by) {
     // Two tiles of gate and up accumulators at once would not fit the registers.
     static_assert(!(PAIRED && MAXI > 8), "a paired variant takes at most 8 items a chunk");
     __shared__ MoeShared<MAXI> sh;
-    const ExpertGroup g = groups[blockIdx.y];
+    const ExpertGroup g = groups[by];
     for (u32 done = 0; done < g.count; done += MAXI) {
         const u32 n = min((u32)MAXI, g.count - done);
         if constexpr (MAXI > 8) {
             if (n > 8) {
                 gate_up_chunk<2, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, x, item_row,
-                                                             h, hidden, inter, sh);
+                                                             h, hidden, inter, sh, bx);
                 continue;
             }
         }
         gate_up_chunk<1, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, x, item_row, h,
-                                                     hidden, inter, sh);
+                                                     hidden, inter, sh, bx);
     }
 }
 
@@ -568,25 +569,48 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* groups,
 }
 
 // The shared experts' down product of one row, s_y = s_h @ s_down^T (s_down: [hidden][s_inter]
-// f16), by the blocks of a gate_up launch past its routed groups (blockIdx.y >= num_groups): it
+// f16), by the blocks of a gate_up launch beside its routed ones (gate_up_role): it
 // needs no routing, and the one-row gate_up leaves SMs free (132 blocks of 2 an SM at
 // DeepSeek-V2-Lite's shape). A block of 8 warps runs two of linear_f16_1's 4-warp work blocks
 // (linear_block's features follow the warp index), so each output gets linear_f16_1's
 // arithmetic and bits; its first weights load before the wait (EARLY), as linear_f16_1's.
-__device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s_h,
+// `block`: the shared down's block index, 0 onwards.
+__device__ __forceinline__ void shared_down_block(u32 block, const float* s_h,
                                                   u32 s_inter, const __half* SPX_READONLY s_down,
                                                   float* __restrict__ s_y, u32 hidden) {
-    const u32 block = (blockIdx.y - num_groups) * gridDim.x + blockIdx.x;
     linear_block<true, true>(s_h, 1, (int)s_inter, s_down, (int)hidden, nullptr, s_y,
                              (int)(2 * block));
+}
+
+// The role of a gate_up block: routed block `index` (block column index % gx of group
+// index / gx) or shared down block `index`. In launch order the grid's rows hold the routed
+// blocks, then the shared down's; with `interleave` the two alternate while both last (even
+// blocks routed). Which blocks share a multiprocessor is the block scheduler's choice; the draft's
+// chained steps measured 1.3% faster interleaved on the H200 (docs/BENCHMARKS-LOG.md). The
+// same work and bits either way.
+struct GateUpRole {
+    bool shared;
+    u32 index;
+};
+
+__device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups, u32 interleave) {
+    const u32 gx = gridDim.x;
+    const u32 l = blockIdx.y * gx + blockIdx.x;
+    const u32 routed = num_groups * gx;
+    if (!interleave) return l < routed ? GateUpRole{false, l} : GateUpRole{true, l - routed};
+    const u32 shared = gx * gridDim.y - routed;
+    const u32 pairs = min(routed, shared);
+    if (l < 2 * pairs) return GateUpRole{(l & 1u) != 0u, l >> 1};
+    return routed > shared ? GateUpRole{false, l - pairs} : GateUpRole{true, l - pairs};
 }
 
 // MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED): the gate_up and down kernels of one
 // variant. src/backend/cuda/launch_constants.rs mirrors the arguments (MOE_INT4_VARIANTS,
 // _STAGED, _RING, _PAIRED); src/backend/cuda/moe_int4.rs sizes a launch's dynamic shared memory
 // from them: MOE_WARPS moe_warp_space_bytes(MAXI, RING, PAIRED), plus 2 K (MAXI + 1) bytes of
-// staged activations when STAGED. gate_up's grid has num_groups rows of routed blocks, then,
-// when s_down is given, rows of shared_down_block.
+// staged activations when STAGED. gate_up's grid has room for num_groups rows of routed blocks
+// and, when s_down is given, rows of shared_down_block, in the order gate_up_role gives
+// (`interleave`: 1 to alternate them).
 //
 // The 8-item variant, which runs the draft's one-row steps: 16 ring slots (gate_up: 8 tile rows
 // each of gate and up; down: 16 rows, more than the 11 a warp has at DeepSeek-V2-Lite's inter
@@ -600,16 +624,20 @@ __device__ __forceinline__ void shared_down_block(u32 num_groups, const float* s
                                 const float* x, const u32* item_row,                              \
                                 float* __restrict__ h, u32 hidden, u32 inter, u32 num_groups,     \
                                 const float* s_h, u32 s_inter,                                    \
-                                const __half* SPX_READONLY s_down, float* __restrict__ s_y) {     \
-        if (blockIdx.y >= num_groups) {                                                           \
+                                const __half* SPX_READONLY s_down, float* __restrict__ s_y,       \
+                                u32 interleave) {                                                 \
+        const GateUpRole role = gate_up_role(num_groups, interleave);                             \
+        if (role.shared) {                                                                        \
             spx_launch_dependents();                                                              \
-            shared_down_block(num_groups, s_h, s_inter, s_down, s_y, hidden);                     \
+            shared_down_block(role.index, s_h, s_inter, s_down, s_y, hidden);                     \
             return;                                                                               \
         }                                                                                         \
         /* The down launch reads its groups before its wait: see group_before_wait. */            \
         spx_grid_wait();                                                                          \
         spx_launch_dependents();                                                                  \
-        gate_up_kernel<MAXI, STAGED, RING, PAIRED>(groups, x, item_row, h, hidden, inter);        \
+        gate_up_kernel<MAXI, STAGED, RING, PAIRED>(groups, x, item_row, h, hidden, inter,         \
+                                                   role.index % gridDim.x,                        \
+                                                   role.index / gridDim.x);                       \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MIN_BLOCKS)                         \
         moe_int4_down_##MAXI(const ExpertGroup* groups, const float* h,                           \

@@ -382,6 +382,7 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
 /// it has finished, `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters,
 /// `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
 /// `SPECTER_CUDA_ONE_LAUNCH_EXPERTS=0` a one-row layer's FP16 experts in three launches,
+/// `SPECTER_CUDA_INT4_INTERLEAVE=0` lists the INT4 gate/up launch's routed blocks first,
 /// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
 /// `SPECTER_HOST_SPLIT=0` keeps the host path to whole experts,
 /// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time, and (a measurement)
@@ -410,6 +411,9 @@ fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions
     }
     if let Some(value) = var("SPECTER_CUDA_ONE_LAUNCH_EXPERTS") {
         opts.experts_in_one_launch = value.trim() != "0";
+    }
+    if let Some(value) = var("SPECTER_CUDA_INT4_INTERLEAVE") {
+        opts.int4_interleave_roles = value.trim() != "0";
     }
     if let Some(value) = var("SPECTER_CUDA_CHAIN") {
         opts.chain_greedy = value.trim() != "0";
@@ -452,6 +456,7 @@ mod tests {
             ("SPECTER_CUDA_OVERLAP", "0"),
             ("SPECTER_CUDA_FUSE_SHARED", "0"),
             ("SPECTER_CUDA_ONE_LAUNCH_EXPERTS", "0"),
+            ("SPECTER_CUDA_INT4_INTERLEAVE", "0"),
             ("SPECTER_CUDA_CLUSTERS", "0"),
             ("SPECTER_CUDA_CHAIN", "0"),
             ("SPECTER_HOST_SPLIT", "0"),
@@ -464,6 +469,7 @@ mod tests {
         assert!(!opts.overlap_launches);
         assert!(!opts.fuse_shared_experts);
         assert!(!opts.experts_in_one_launch);
+        assert!(!opts.int4_interleave_roles);
         assert!(!opts.clusters);
         assert_eq!(opts.load_threads, Some(3));
         assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);

@@ -147,7 +147,9 @@ impl CudaBackend {
             options.overlap_launches && dev.compute_capability().0 >= 9,
             options,
         );
-        let int4 = MoeInt4Kernels::new(&dev)?.launching(launches.clone());
+        let int4 = MoeInt4Kernels::new(&dev)?
+            .launching(launches.clone())
+            .interleaving(options.int4_interleave_roles);
         let clusters = options.clusters && dev.compute_capability().0 >= 9;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
