@@ -219,6 +219,32 @@ __device__ __forceinline__ void stage_activations(u32* xs, const float* const* i
     const u32 r = lane >> 2;
     const u32 feature = 16u * (tr_begin + r) + 2u * (lane & 3u);
     uint2* d = reinterpret_cast<uint2*>(xs + r * MOE_XS_STRIDE(MAXI)) + (lane & 3u);
+    if (count == 1) {
+        // One item (a draft step): two tile rows' loads at a time, so that their round trips
+        // overlap; the other item slots get zeros. The same words as the loop below.
+        const float* x = item_rows[0];
+        const u32 next = 4u * MOE_XS_STRIDE(MAXI);  // 8 tile rows on, in uint2
+#pragma unroll 1
+        for (u32 i = r, f = feature; i < rows; i += 16, f += 256, d += 2 * next) {
+            const bool second = i + 8 < rows;
+            const float2 a0 = *reinterpret_cast<const float2*>(x + f);
+            const float2 a8 = *reinterpret_cast<const float2*>(x + f + 8);
+            float2 b0 = make_float2(0.0f, 0.0f), b8 = b0;
+            if (second) {
+                b0 = *reinterpret_cast<const float2*>(x + f + 128);
+                b8 = *reinterpret_cast<const float2*>(x + f + 136);
+            }
+            d[0] = make_uint2(pack_half2(a0.x, a0.y), pack_half2(a8.x, a8.y));
+#pragma unroll
+            for (int m = 1; m < 8 * NT; ++m) d[4 * m] = make_uint2(0u, 0u);
+            if (second) {
+                d[next] = make_uint2(pack_half2(b0.x, b0.y), pack_half2(b8.x, b8.y));
+#pragma unroll
+                for (int m = 1; m < 8 * NT; ++m) d[next + 4 * m] = make_uint2(0u, 0u);
+            }
+        }
+        return;
+    }
 #pragma unroll 1
     for (u32 i = r, f = feature; i < rows; i += 8, f += 128, d += 4 * MOE_XS_STRIDE(MAXI)) {
         // All items' loads first, so their latencies overlap.
