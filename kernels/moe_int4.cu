@@ -219,6 +219,32 @@ __device__ __forceinline__ void stage_activations(u32* xs, const float* const* i
     const u32 r = lane >> 2;
     const u32 feature = 16u * (tr_begin + r) + 2u * (lane & 3u);
     uint2* d = reinterpret_cast<uint2*>(xs + r * MOE_XS_STRIDE(MAXI)) + (lane & 3u);
+    if (count == 1) {
+        // One item (a draft step): two tile rows' loads at a time, so that their round trips
+        // overlap; the other item slots get zeros. The same words as the loop below.
+        const float* x = item_rows[0];
+        const u32 next = 4u * MOE_XS_STRIDE(MAXI);  // 8 tile rows on, in uint2
+#pragma unroll 1
+        for (u32 i = r, f = feature; i < rows; i += 16, f += 256, d += 2 * next) {
+            const bool second = i + 8 < rows;
+            const float2 a0 = *reinterpret_cast<const float2*>(x + f);
+            const float2 a8 = *reinterpret_cast<const float2*>(x + f + 8);
+            float2 b0 = make_float2(0.0f, 0.0f), b8 = b0;
+            if (second) {
+                b0 = *reinterpret_cast<const float2*>(x + f + 128);
+                b8 = *reinterpret_cast<const float2*>(x + f + 136);
+            }
+            d[0] = make_uint2(pack_half2(a0.x, a0.y), pack_half2(a8.x, a8.y));
+#pragma unroll
+            for (int m = 1; m < 8 * NT; ++m) d[4 * m] = make_uint2(0u, 0u);
+            if (second) {
+                d[next] = make_uint2(pack_half2(b0.x, b0.y), pack_half2(b8.x, b8.y));
+#pragma unroll
+                for (int m = 1; m < 8 * NT; ++m) d[next + 4 * m] = make_uint2(0u, 0u);
+            }
+        }
+        return;
+    }
 #pragma unroll 1
     for (u32 i = r, f = feature; i < rows; i += 8, f += 128, d += 4 * MOE_XS_STRIDE(MAXI)) {
         // All items' loads first, so their latencies overlap.
@@ -256,6 +282,33 @@ __device__ __forceinline__ u32* staged_space() {
     return reinterpret_cast<u32*>(warp_space<MAXI, RING, PAIRED>(MOE_WARPS));
 }
 
+// block_pass's `fill_rows` when the caller has set sh.rows.
+struct RowsSet {
+    template <class Shared>
+    __device__ __forceinline__ void operator()(Shared&) const {}
+};
+
+// block_pass's `fill_rows` for a gate/up chunk: each item's activation row, from the routing's
+// item list. A round trip to L2 that the block's weights need not wait for, so it runs once
+// they are in flight. Every thread of the block calls it (a barrier); `active` is the same for
+// all of them.
+template <int MAXI>
+struct ChunkRows {
+    const float* x;
+    const u32* item_row;
+    u32 item0;
+    u32 count;
+    u32 hidden;
+    bool active;
+    __device__ __forceinline__ void operator()(MoeShared<MAXI>& sh) const {
+        if (!active) return;
+        if (threadIdx.x < count) {
+            sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
+        }
+        __syncthreads();
+    }
+};
+
 // This warp's sums over its K range for the 64 columns of block column b0 + p b_step of each of
 // the P matrices of the pass (P = 2: gate and up, streamed side by side) and the chunk's `count`
 // items (rows in sh.rows), written to red array p of its warp space (the caller synchronises
@@ -264,11 +317,14 @@ __device__ __forceinline__ u32* staged_space() {
 // part of `staged`, which the pass first fills if `stage` (else it holds this chunk's
 // activations from an earlier pass); without, straight from global memory. Each matrix's
 // arithmetic is the same whatever P and STAGES are.
-template <int NT, int MAXI, bool STAGED, int P, int STAGES, int RING, bool PAIRED>
+// `fill_rows` sets sh.rows once the weights are in flight (RowsSet: the caller has).
+template <int NT, int MAXI, bool STAGED, int P, int STAGES, int RING, bool PAIRED,
+          class Rows = RowsSet>
 __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
                                            const uint4* SPX_READONLY scales, u32 n, u32 k,
                                            u32 b0, u32 b_step, u32 count, MoeShared<MAXI>& sh,
-                                           u32* staged, bool stage, bool wait_after_ring = false) {
+                                           u32* staged, bool stage, bool wait_after_ring = false,
+                                           Rows fill_rows = Rows()) {
     static_assert(STAGES * P <= RING, "the ring holds STAGES tile rows of P matrices");
     const u32 lane = threadIdx.x & 31;
     const u32 warp = threadIdx.x >> 5;
@@ -300,6 +356,7 @@ __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
     }
     // The weights in flight, the caller's wait for the kernels before (see down_kernel).
     if (wait_after_ring) spx_grid_wait();
+    fill_rows(sh);
     // The loop steps these pointers (the refill source; the next group's scales) rather than
     // recomputing them, which keeps its integer work small.
     const uint4* refill = wp + (u64)STAGES * row_vecs;
@@ -447,10 +504,6 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
                                               const u32* item_row,
                                               float* __restrict__ h, u32 hidden, u32 inter,
                                               MoeShared<MAXI>& sh, u32 bx) {
-    if (threadIdx.x < count) {
-        sh.rows[threadIdx.x] = x + (u64)item_row[item0 + threadIdx.x] * hidden;
-    }
-    __syncthreads();
     u32* staged = staged_space<MAXI, RING, PAIRED>();
     const uint4* qweight = reinterpret_cast<const uint4*>(g.gate_up);
     const uint4* scales = reinterpret_cast<const uint4*>(g.gate_up_scales);
@@ -458,9 +511,10 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     // The up block column matching gate block column x is inter/64 columns further.
     const u32 up_step = inter / MOE_COLS;
     if constexpr (PAIRED) {
+        const ChunkRows<MAXI> rows{x, item_row, item0, count, hidden, true};
         block_pass<NT, MAXI, STAGED, 2, RING / 2, RING, PAIRED>(qweight, scales, n, hidden,
                                                                 bx, up_step, count, sh,
-                                                                staged, true);
+                                                                staged, true, false, rows);
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
@@ -477,8 +531,10 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
 #pragma unroll 1
     for (u32 pass = 0; pass < 2; ++pass) {
         const u32 b = bx + pass * up_step;
+        const ChunkRows<MAXI> rows{x, item_row, item0, count, hidden, pass == 0};
         block_pass<NT, MAXI, STAGED, 1, RING, RING, PAIRED>(qweight, scales, n, hidden, b, 0,
-                                                            count, sh, staged, pass == 0);
+                                                            count, sh, staged, pass == 0, false,
+                                                            rows);
         __syncthreads();
         for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
             const u32 m = o / MOE_COLS, c = o % MOE_COLS;
