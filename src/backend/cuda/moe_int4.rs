@@ -425,12 +425,12 @@ impl MoeInt4Kernels {
         ];
         // The arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x, const u32*
         // item_row, float* h, u32 hidden, u32 inter, u32 num_groups, const float* s_h, u32
-        // s_inter, const __half* s_down, float* s_y, u32 interleave); the shapes were checked above, and the
-        // caller's MoeLaunch promises device buffers of the sizes it documents, groups whose
-        // items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter matrix, and a
-        // SharedDown one row of s_inter inputs, a [hidden][s_inter] f16 weight and hidden
-        // outputs. The dynamic shared memory is what the variant needs for K = hidden, within
-        // the limit set on the function at load.
+        // s_inter, const __half* s_down, float* s_y, u32 interleave); the shapes were checked
+        // above, and the caller's MoeLaunch promises device buffers of the sizes it documents,
+        // groups whose items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter
+        // matrix, and a SharedDown one row of s_inter inputs, a [hidden][s_inter] f16 weight and
+        // hidden outputs. The dynamic shared memory is what the variant needs for K = hidden,
+        // within the limit set on the function at load.
         self.issue(stream, "moe int4 gate/up", &kernel.func, grid, bytes, &args)
             .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))
     }
