@@ -552,23 +552,72 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     }
 }
 
+// The address of `local` (a shared-window address) in the shared memory of block `rank` of this
+// block's thread block cluster.
+__device__ __forceinline__ u32 cluster_shared_addr(u32 local, u32 rank) {
+    u32 remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+#else
+    __trap();
+#endif
+    return remote;
+}
+
+// Stores v at `addr`, an address from cluster_shared_addr.
+__device__ __forceinline__ void cluster_store(u32 addr, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// The halves of spx_cluster_sync: every block of the cluster arrives (relaxed: it orders no
+// memory), and later waits for the others' arrival. Between them a block may do anything.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// No lead_slot: a down launch's outputs go to `out` only.
+#define NO_LEAD_SLOT 0xFFFFFFFFu
+
+// `lead_slot` (a down launch in clusters, one item a block): where in the cluster's first block
+// this block's 64 outputs also go (cluster_shared_addr), NO_LEAD_SLOT for none. Before storing
+// there the block waits for the cluster's blocks to have started (their arrival at the kernel's
+// start).
 template <int NT, int MAXI, bool STAGED, int RING, bool PAIRED>
 __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 count,
                                            const float* h,
                                            const float* item_weight,
                                            float* __restrict__ out, u32 hidden, u32 inter,
-                                           MoeShared<MAXI>& sh, bool early) {
+                                           MoeShared<MAXI>& sh, bool early,
+                                           u32 lead_slot = NO_LEAD_SLOT) {
     if (threadIdx.x < count) sh.rows[threadIdx.x] = h + (u64)(item0 + threadIdx.x) * inter;
     __syncthreads();
     block_pass<NT, MAXI, STAGED, 1, RING, RING, PAIRED>(
         reinterpret_cast<const uint4*>(g.down), reinterpret_cast<const uint4*>(g.down_scales),
         hidden, inter, blockIdx.x, 0, count, sh, staged_space<MAXI, RING, PAIRED>(), true, early);
     __syncthreads();
+    if (lead_slot != NO_LEAD_SLOT) cluster_wait();
     for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
         const u32 item = item0 + m;
-        out[(u64)item * hidden + MOE_COLS * blockIdx.x + c] =
-            __fmul_rn(item_weight[item], warps_total<MAXI, RING, PAIRED>(0, m, c));
+        const float v = __fmul_rn(item_weight[item], warps_total<MAXI, RING, PAIRED>(0, m, c));
+        out[(u64)item * hidden + MOE_COLS * blockIdx.x + c] = v;
+        if (lead_slot != NO_LEAD_SLOT) cluster_store(lead_slot + 4u * c, v);
     }
     __syncthreads();
 }
@@ -603,11 +652,14 @@ __device__ __forceinline__ void gate_up_kernel(const ExpertGroup* groups,
 // group_before_wait), so the first chunk's weights are in flight before it: they stream while
 // the gate/up launch drains, as the one-row dense products' first pieces do (linear_block's
 // EARLY). A block whose group is empty reads nothing an earlier kernel writes but its group.
+// `lead_slot`: as down_chunk's (the one-row combine; groups of one item). Returns the group's
+// item count.
 template <int MAXI, bool STAGED, int RING, bool PAIRED>
-__device__ __forceinline__ void down_kernel(const ExpertGroup* groups,
-                                            const float* h,
-                                            const float* item_weight,
-                                            float* __restrict__ out, u32 hidden, u32 inter) {
+__device__ __forceinline__ u32 down_kernel(const ExpertGroup* groups,
+                                           const float* h,
+                                           const float* item_weight,
+                                           float* __restrict__ out, u32 hidden, u32 inter,
+                                           u32 lead_slot = NO_LEAD_SLOT) {
     __shared__ MoeShared<MAXI> sh;
     const ExpertGroup g = group_before_wait(groups, blockIdx.y);
     for (u32 done = 0; done < g.count; done += MAXI) {
@@ -620,8 +672,9 @@ __device__ __forceinline__ void down_kernel(const ExpertGroup* groups,
             }
         }
         down_chunk<1, MAXI, STAGED, RING, PAIRED>(g, g.first + done, n, h, item_weight, out,
-                                                  hidden, inter, sh, done == 0);
+                                                  hidden, inter, sh, done == 0, lead_slot);
     }
+    return g.count;
 }
 
 // The shared experts' down product of one row, s_y = s_h @ s_down^T (s_down: [hidden][s_inter]
@@ -709,26 +762,40 @@ MOE_INT4_KERNELS(16, 2, true, 8, false)
 // The one-row down launch of the 8-item variant with the layer's combine in it (the draft's
 // steps): moe_combine's y = sum over the row's top_k items of out[item] (ascending item) + s_y
 // (the shared experts' output, which the gate/up launch wrote; null without shared experts).
-// Launched in thread block clusters of (1, top_k) blocks, the groups of one block column: after
-// every block of the cluster has stored its columns of out, the first computes y's. Each block
-// computes what moe_int4_down_8 computes, so out and y have the bits of that launch and
-// moe_combine's. For a row whose groups are its items (group g holds item g, as the one-row plan
-// makes them). Grid: (hidden / 64, top_k).
+// Launched in thread block clusters of (1, top_k) blocks, the groups of one block column: every
+// block stores its columns of out, and the same values into the first block's shared memory
+// (distributed shared memory); after the cluster's barrier the first block adds them there, not
+// through L2. Each block computes what moe_int4_down_8 computes, so out and y have the bits of
+// that launch and moe_combine's. For a row whose groups are its items (group g holds item g, as
+// the one-row plan makes them; top_k <= 8). Grid: (hidden / 64, top_k).
 extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     moe_int4_down_combine_8(const ExpertGroup* groups, const float* h, const float* item_weight,
                             float* __restrict__ out, u32 hidden, u32 inter, u32 top_k,
                             const float* s_y, float* __restrict__ y) {
+    // The first block of the cluster (rank 0: the cluster is one block column's top_k blocks)
+    // keeps every block's 64 outputs here, so its sum reads shared memory, not L2.
+    __shared__ float lead_out[8][MOE_COLS];
     spx_launch_dependents();
-    down_kernel<8, true, 16, true>(groups, h, item_weight, out, hidden, inter);
-    spx_cluster_sync();
-    if (blockIdx.y != 0 || threadIdx.x >= MOE_COLS) return;
-    // (A block whose group is empty would not have waited; y may still be read by a kernel
-    // before it.)
-    spx_grid_wait();
+    cluster_arrive_relaxed();
+    const u32 slot = cluster_shared_addr(shared_addr(&lead_out[blockIdx.y][0]), 0);
+    // A block with no item has not waited for the others' start (down_chunk): it does so here,
+    // as every block waits once between its two arrivals.
+    if (down_kernel<8, true, 16, true>(groups, h, item_weight, out, hidden, inter, slot) == 0) {
+        cluster_wait();
+    }
+    const bool lead = blockIdx.y == 0 && threadIdx.x < MOE_COLS;
     const u32 c = MOE_COLS * blockIdx.x + threadIdx.x;
-    // Past L1: other blocks of the cluster wrote them.
+    float shared_out = 0.0f;
+    if (lead) {
+        // (A block whose group is empty would not have waited; y may still be read by a kernel
+        // before it.) The shared experts' output is read while the other blocks finish.
+        spx_grid_wait();
+        if (s_y != nullptr) shared_out = __ldcg(s_y + c);
+    }
+    spx_cluster_sync();
+    if (!lead) return;
     float acc = 0.0f;
-    for (u32 j = 0; j < top_k; ++j) acc += __ldcg(out + (u64)j * hidden + c);
-    if (s_y != nullptr) acc = acc + __ldcg(s_y + c);
+    for (u32 j = 0; j < top_k; ++j) acc += lead_out[j][threadIdx.x];
+    if (s_y != nullptr) acc = acc + shared_out;
     y[c] = acc;
 }
