@@ -107,26 +107,6 @@ struct ClusterParts {
     __device__ __forceinline__ float operator()(int c, int i) const { return p[c][i]; }
 };
 
-// Distributed shared memory (thread block clusters, sm_90 and newer): the address of this block's
-// shared `p` in the shared memory of cluster block `rank`, and a store to such an address
-// (visible to that block after spx_cluster_sync).
-__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
-    unsigned out = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
-#endif
-    return out;
-}
-
-__device__ __forceinline__ void cluster_store(unsigned addr, float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-#else
-    __trap();
-#endif
-}
-
 // Where a chunk block puts its partials: its row of `part`, or (cluster) its row in the first
 // cluster block's shared memory.
 struct PartSink {

@@ -127,6 +127,46 @@ __device__ __forceinline__ void spx_cluster_sync() {
 #endif
 }
 
+// Distributed shared memory (thread block clusters, sm_90 and newer): the address of this block's
+// shared `p` in the shared memory of cluster block `rank`, and a store to such an address
+// (visible to that block after spx_cluster_sync, or after its own barrier's wait).
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+#endif
+    return out;
+}
+
+__device__ __forceinline__ void cluster_store(unsigned addr, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// The halves of spx_cluster_sync: every block of the cluster arrives (relaxed: it orders no
+// memory), and later waits for the others' arrival. Between them a block may do anything; a
+// block stores into another's shared memory only once that block has started, which the wait
+// after its arrival guarantees.
+__device__ __forceinline__ void spx_cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void spx_cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
 // Asks L2 to fetch `bytes` bytes from `p` (the weights of a block's next work block), one
 // 128-byte line per lane and step. Not before `spx_grid_wait`: fetching the next kernel's weights
 // while the previous one streams its own measured slower on the H200 (docs/BENCHMARKS-LOG.md).

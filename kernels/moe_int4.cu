@@ -552,50 +552,11 @@ __device__ __forceinline__ void gate_up_chunk(const ExpertGroup& g, u32 item0, u
     }
 }
 
-// The address of `local` (a shared-window address) in the shared memory of block `rank` of this
-// block's thread block cluster.
-__device__ __forceinline__ u32 cluster_shared_addr(u32 local, u32 rank) {
-    u32 remote = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-#else
-    __trap();
-#endif
-    return remote;
-}
-
-// Stores v at `addr`, an address from cluster_shared_addr.
-__device__ __forceinline__ void cluster_store(u32 addr, float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-#else
-    __trap();
-#endif
-}
-
-// The halves of spx_cluster_sync: every block of the cluster arrives (relaxed: it orders no
-// memory), and later waits for the others' arrival. Between them a block may do anything.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-
 // No lead_slot: a down launch's outputs go to `out` only.
 #define NO_LEAD_SLOT 0xFFFFFFFFu
 
 // `lead_slot` (a down launch in clusters, one item a block): where in the cluster's first block
-// this block's 64 outputs also go (cluster_shared_addr), NO_LEAD_SLOT for none. Before storing
+// this block's 64 outputs also go (cluster_addr), NO_LEAD_SLOT for none. Before storing
 // there the block waits for the cluster's blocks to have started (their arrival at the kernel's
 // start).
 template <int NT, int MAXI, bool STAGED, int RING, bool PAIRED>
@@ -611,7 +572,7 @@ __device__ __forceinline__ void down_chunk(const ExpertGroup& g, u32 item0, u32 
         reinterpret_cast<const uint4*>(g.down), reinterpret_cast<const uint4*>(g.down_scales),
         hidden, inter, blockIdx.x, 0, count, sh, staged_space<MAXI, RING, PAIRED>(), true, early);
     __syncthreads();
-    if (lead_slot != NO_LEAD_SLOT) cluster_wait();
+    if (lead_slot != NO_LEAD_SLOT) spx_cluster_wait();
     for (u32 o = threadIdx.x; o < count * MOE_COLS; o += MOE_THREADS) {
         const u32 m = o / MOE_COLS, c = o % MOE_COLS;
         const u32 item = item0 + m;
@@ -776,12 +737,12 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     // keeps every block's 64 outputs here, so its sum reads shared memory, not L2.
     __shared__ float lead_out[8][MOE_COLS];
     spx_launch_dependents();
-    cluster_arrive_relaxed();
-    const u32 slot = cluster_shared_addr(shared_addr(&lead_out[blockIdx.y][0]), 0);
+    spx_cluster_arrive_relaxed();
+    const u32 slot = cluster_addr(&lead_out[blockIdx.y][0], 0);
     // A block with no item has not waited for the others' start (down_chunk): it does so here,
     // as every block waits once between its two arrivals.
     if (down_kernel<8, true, 16, true>(groups, h, item_weight, out, hidden, inter, slot) == 0) {
-        cluster_wait();
+        spx_cluster_wait();
     }
     const bool lead = blockIdx.y == 0 && threadIdx.x < MOE_COLS;
     const u32 c = MOE_COLS * blockIdx.x + threadIdx.x;
