@@ -462,7 +462,7 @@ impl CudaBackend {
         self.experts_in_one_launch
             && l.max_count <= 1
             && shared.rows == 1
-            && l.num_groups <= MAX_TOP_K
+            && (1..=MAX_TOP_K).contains(&l.num_groups)
             && l.hidden <= EXPERTS_ONE_MAX_HIDDEN
     }
 
