@@ -46,6 +46,10 @@ pub(crate) const GEMV_DOWN_FEATURES_ONE: usize = 4;
 /// combines past their wait, a done count per group): `EXPERTS_ONE_ARRIVED` in kernels/gemv_f16.cu.
 pub(crate) const EXPERTS_ONE_ARRIVED: usize = 18;
 
+/// Routed gate/up work blocks (of `moe_f16_gate_up_1`'s) a block of `moe_f16_experts_1` runs:
+/// `EXPERTS_ONE_GATE_UP_WORK` in kernels/gemv_f16.cu.
+pub(crate) const EXPERTS_ONE_GATE_UP_WORK: usize = 2;
+
 /// Widest hidden size `moe_f16_experts_1` runs (an arrival count per 16 outputs in its counter
 /// slot); wider layers take the separate launches. A host choice.
 pub(crate) const EXPERTS_ONE_MAX_HIDDEN: usize = 8192;
@@ -280,6 +284,10 @@ mod tests {
         assert_eq!(
             EXPERTS_ONE_ARRIVED as i64,
             define(&gemv, "gemv_f16", "EXPERTS_ONE_ARRIVED")
+        );
+        assert_eq!(
+            EXPERTS_ONE_GATE_UP_WORK as i64,
+            define(&gemv, "gemv_f16", "EXPERTS_ONE_GATE_UP_WORK")
         );
     }
 
