@@ -608,7 +608,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // Why one launch: between dependent launches every multiprocessor drains the first launch's last
 // blocks before the next one's start reading (docs/BENCHMARKS-LOG.md: about 3 us a boundary in a
 // chain of one-row products). Here a routed down block waits only for the gate/up blocks of its
-// own expert, and the combine of 16 outputs runs in the block that finishes them last. (The
+// own expert, and the combine of 16 outputs runs in the last group's routed down block for
+// them. (The
 // routing and the shared gate/up in the same launch, their blocks waited on by the routed
 // gate/up and the shared down, measured slower on the H200: branch `moe-layer-one-launch`; so
 // did the shared gate/up alone as its first blocks, the routing then a launch of its own: branch
@@ -617,19 +618,29 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 //
 // Order and progress. A block takes a ticket from a counter when it starts and runs that work
 // block: tickets [0, gs) the shared down's (their first weights load before the wait for the
-// routing launch, as in moe_f16_down_shared_1), then the routed gate/up's (gx per group), then
-// the routed down's (gx1 per group). A routed down block waits for its group's gate/up blocks,
-// whose tickets are all lower than its own: blocks that took them are running and wait for
-// nothing in the launch, so every wait ends, however many blocks are resident.
+// routing launch, as in moe_f16_down_shared_1), then the routed gate/up's (gx per group, each
+// two work blocks of moe_f16_gate_up_1), then
+// the routed down's (gx1 per group, group by group). A routed down block waits for its group's
+// gate/up blocks, and the last group's, which combine, then wait for the other blocks of their
+// chunk (the other groups' and the shared down's): every block waited on has a lower ticket and
+// waits only for blocks of lower tickets still, so every wait ends, however many blocks are
+// resident.
 //
-// Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; its last block to
-// finish sets them back to zero (the backend zeroes the buffer once and gives consecutive
-// launches different slots: src/backend/cuda/launch_constants.rs, EXPERTS_ONE_SLOTS). Words:
-// the ticket, finished blocks, gate/up blocks done per group (MAX_TOP_K), then arrivals per
-// 16-output chunk of the combine. Signals are release reductions after a block barrier; a wait
-// acquires once its count is reached, and the combine reads past L1.
+// Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; the block that counts
+// the last combine's wait done sets them back to zero (the backend zeroes the buffer once and
+// gives consecutive launches different slots: src/backend/cuda/launch_constants.rs,
+// EXPERTS_ONE_SLOTS). By then every block has taken its ticket and made its last signal: every
+// chunk's combine has waited for a routed down block of each group, which waited for all of its
+// group's gate/up blocks, and for the chunk's shared down blocks. Words: the ticket, combines
+// past their wait, gate/up blocks done per group (MAX_TOP_K), then arrivals per 16-output chunk
+// of the combine. Signals are release reductions after a block barrier (no block waits for its
+// signal's answer before ending); a wait acquires once its count is reached, and the combine
+// reads past L1. (On the H200 the one-launch step was 2.5% slower when every block counted its
+// end for the reset, and slower again when the block arriving last at a chunk combined it,
+// which made every arrival wait for its answer.)
+
 #define EXPERTS_ONE_TICKET 0
-#define EXPERTS_ONE_FINISHED 1
+#define EXPERTS_ONE_COMBINED 1
 #define EXPERTS_ONE_DONE 2
 #define EXPERTS_ONE_ARRIVED 18
 static_assert(EXPERTS_ONE_ARRIVED == EXPERTS_ONE_DONE + MAX_TOP_K, "a done count per group");
@@ -638,6 +649,10 @@ static_assert(EXPERTS_ONE_ARRIVED == EXPERTS_ONE_DONE + MAX_TOP_K, "a done count
 // DOWN_UNROLL_ONE exceeds (at 168 registers, three blocks, the step measured slower). The same
 // arithmetic.
 #define EXPERTS_ONE_DOWN_UNROLL 3
+// Routed gate/up work blocks a block of the launch runs, one after the other, the second's
+// weights asked of L2 before the first's loads: a ticket and a signal for twice the bytes (on
+// the H200 the step was 1% faster, its chained steps 2%, than with one).
+#define EXPERTS_ONE_GATE_UP_WORK 2
 
 // Counter operations at GPU scope. Waits poll with relaxed loads and acquire once, by a fence,
 // after the count is reached: an acquire invalidates the multiprocessor's L1 (CCTL.IVALL), where
@@ -663,8 +678,9 @@ __device__ __forceinline__ unsigned spx_fetch_add_release(unsigned* p, unsigned 
     return old;
 }
 
-// A routed down warp's wait: until its group's gate/up blocks have all signalled.
-struct GroupDone {
+// A wait until a counter reaches `want`: a routed down warp's for its group's gate/up blocks, a
+// combine's for the other blocks of its chunk.
+struct CountWait {
     const unsigned* done;
     unsigned want;
     __device__ __forceinline__ void operator()() const {
@@ -674,54 +690,70 @@ struct GroupDone {
 };
 
 // Grid: gs + (gx + gx1) num_groups blocks of 32 * WARPS threads (gs = ceil(hidden / (FEATURES *
-// WARPS)), gx = ceil(inter / WARPS), gx1 = ceil(hidden / (DOWN_FEATURES_ONE * WARPS))); groups of
-// at most one item; num_groups <= MAX_TOP_K; `counters` as above.
+// WARPS)), gx = ceil(ceil(inter / WARPS) / EXPERTS_ONE_GATE_UP_WORK), gx1 = ceil(hidden /
+// (DOWN_FEATURES_ONE * WARPS))); groups of at most one item; 1 <= num_groups <= MAX_TOP_K;
+// `counters` as above.
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) moe_f16_experts_1(
     const float* x, int hidden, int inter, const ExpertGroup* groups, int num_groups,
     const unsigned* item_row, float* h, const float* item_weight, float* out,
     const float* h_shared, int inter_shared, const __half* SPX_READONLY w_down, float* y_shared,
     const unsigned* row_items, int top_k, float* __restrict__ y, unsigned* counters) {
-    __shared__ unsigned ticket, last;
+    __shared__ unsigned ticket;
     spx_launch_dependents();
     if (threadIdx.x == 0) ticket = atomicAdd(counters + EXPERTS_ONE_TICKET, 1u);
     __syncthreads();
     const int v = (int)ticket;
     const int gs = (hidden + FEATURES * WARPS - 1) / (FEATURES * WARPS);
-    const int gx = (inter + WARPS - 1) / WARPS;
+    const int gw = (inter + WARPS - 1) / WARPS;
+    const int gx = (gw + EXPERTS_ONE_GATE_UP_WORK - 1) / EXPERTS_ONE_GATE_UP_WORK;
     const int gx1 = (hidden + DOWN_FEATURES_ONE * WARPS - 1) / (DOWN_FEATURES_ONE * WARPS);
     const int gate_up_end = gs + gx * num_groups;
     const int total = gate_up_end + gx1 * num_groups;
     if (v >= total) return;  // not with the grid above
     // The combine chunk (16 outputs: two shared down blocks, one routed down block per group)
-    // this block finishes outputs of; -1 for gate/up blocks.
-    int chunk = -1;
+    // this shared or routed down block computes outputs of.
+    int chunk = 0;
+    bool combines = false;
     if (v < gs) {
         linear_block<true, true>(h_shared, 1, inter_shared, w_down, hidden, nullptr, y_shared, v);
         chunk = v / 2;
     } else if (v < gate_up_end) {
+        static_assert(EXPERTS_ONE_GATE_UP_WORK == 2, "the two work blocks below");
         spx_grid_wait();
-        moe_gate_up_block<1>(x, hidden, inter, groups, item_row, h, (v - gs) % gx, (v - gs) / gx);
+        const int by = (v - gs) / gx, b0 = (v - gs) % gx * EXPERTS_ONE_GATE_UP_WORK;
+        const bool second = b0 + 1 < gw;
+        if (second) {
+            gate_up_prefetch(reinterpret_cast<const __half*>(groups[by].gate_up), hidden, inter,
+                             (b0 + 1) * WARPS + (int)(threadIdx.x >> 5));
+        }
+        moe_gate_up_block<1>(x, hidden, inter, groups, item_row, h, b0, by);
+        if (second) moe_gate_up_block<1>(x, hidden, inter, groups, item_row, h, b0 + 1, by);
+        __syncthreads();
+        if (threadIdx.x == 0) spx_add_release(counters + EXPERTS_ONE_DONE + by, 1u);
+        return;
     } else {
         spx_grid_wait();
         const int d = v - gate_up_end;
-        const GroupDone wait{counters + EXPERTS_ONE_DONE + d / gx1, (unsigned)gx};
+        const CountWait wait{counters + EXPERTS_ONE_DONE + d / gx1, (unsigned)gx};
         moe_down_block_1<EXPERTS_ONE_DOWN_UNROLL, true>(h, hidden, inter, groups, item_weight,
                                                         out, d % gx1, d / gx1, wait);
         chunk = d % gx1;
+        combines = d / gx1 == num_groups - 1;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        last = 0;
-        if (chunk < 0) {
-            spx_add_release(counters + EXPERTS_ONE_DONE + (v - gs) / gx, 1u);
-        } else {
-            const unsigned want = (unsigned)(num_groups + min(2, gs - 2 * chunk));
-            last = spx_fetch_add_release(counters + EXPERTS_ONE_ARRIVED + chunk, 1u) + 1u == want;
-            if (last) spx_fence_acq_rel();
+    if (!combines) {
+        if (threadIdx.x == 0) {
+            spx_add_release(counters + EXPERTS_ONE_ARRIVED + chunk, 1u);
         }
+        return;
+    }
+    if (threadIdx.x == 0) {
+        const CountWait arrived{counters + EXPERTS_ONE_ARRIVED + chunk,
+                                (unsigned)(num_groups - 1 + min(2, gs - 2 * chunk))};
+        arrived();
     }
     __syncthreads();
-    if (last && threadIdx.x < 2 * FEATURES * WARPS) {
+    if (threadIdx.x < 2 * FEATURES * WARPS) {
         const int c = 2 * FEATURES * WARPS * chunk + threadIdx.x;
         if (c < hidden) {
             float acc = 0.0f;
@@ -729,10 +761,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 4) moe_f16_experts_1(
             acc = acc + __ldcg(y_shared + c);
             y[c] = acc;
         }
-    }
-    if (threadIdx.x == 0 &&
-        spx_fetch_add_release(counters + EXPERTS_ONE_FINISHED, 1u) + 1u == (unsigned)total) {
-        // Every block has taken its ticket and passed its waits: back to zero for the next launch.
+    } else if (threadIdx.x == 32 &&
+               spx_fetch_add_release(counters + EXPERTS_ONE_COMBINED, 1u) + 1u == (unsigned)gx1) {
+        // Every block has taken its ticket and made its signals, and every combine has passed its
+        // wait: back to zero for the next launch (beside this block's combine, which reads no
+        // counter).
         spx_fence_acq_rel();
         const int words = EXPERTS_ONE_ARRIVED + gx1;
         for (int i = 0; i < words; ++i) counters[i] = 0u;

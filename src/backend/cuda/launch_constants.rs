@@ -43,15 +43,19 @@ pub(crate) const GEMV_FEATURES: usize = 2;
 pub(crate) const GEMV_DOWN_FEATURES_ONE: usize = 4;
 
 /// Counter words of a `moe_f16_experts_1` launch before its combine's arrivals (the ticket, the
-/// finished blocks, a done count per group): `EXPERTS_ONE_ARRIVED` in kernels/gemv_f16.cu.
+/// combines past their wait, a done count per group): `EXPERTS_ONE_ARRIVED` in kernels/gemv_f16.cu.
 pub(crate) const EXPERTS_ONE_ARRIVED: usize = 18;
+
+/// Routed gate/up work blocks (of `moe_f16_gate_up_1`'s) a block of `moe_f16_experts_1` runs:
+/// `EXPERTS_ONE_GATE_UP_WORK` in kernels/gemv_f16.cu.
+pub(crate) const EXPERTS_ONE_GATE_UP_WORK: usize = 2;
 
 /// Widest hidden size `moe_f16_experts_1` runs (an arrival count per 16 outputs in its counter
 /// slot); wider layers take the separate launches. A host choice.
 pub(crate) const EXPERTS_ONE_MAX_HIDDEN: usize = 8192;
 
 /// Counter slots of `moe_f16_experts_1`, taken in turn by its launches. A launch takes its
-/// tickets before its wait for the kernels before and its last block zeroes the slot, so a slot
+/// tickets before its wait for the kernels before and its last combine zeroes the slot, so a slot
 /// must not be taken again while its previous launch runs. In a model's passes a slot's next
 /// launch comes 64 launches later, after attention launches, which let the next kernel start
 /// only once every kernel before them has finished; op calls back to back would need 63
@@ -280,6 +284,10 @@ mod tests {
         assert_eq!(
             EXPERTS_ONE_ARRIVED as i64,
             define(&gemv, "gemv_f16", "EXPERTS_ONE_ARRIVED")
+        );
+        assert_eq!(
+            EXPERTS_ONE_GATE_UP_WORK as i64,
+            define(&gemv, "gemv_f16", "EXPERTS_ONE_GATE_UP_WORK")
         );
     }
 

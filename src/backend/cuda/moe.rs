@@ -462,7 +462,7 @@ impl CudaBackend {
         self.experts_in_one_launch
             && l.max_count <= 1
             && shared.rows == 1
-            && l.num_groups <= MAX_TOP_K
+            && (1..=MAX_TOP_K).contains(&l.num_groups)
             && l.hidden <= EXPERTS_ONE_MAX_HIDDEN
     }
 
@@ -481,7 +481,8 @@ impl CudaBackend {
         let per = |n: usize, width: usize| n.div_ceil(width);
         let blocks = per(l.hidden, GEMV_WARPS * GEMV_FEATURES)
             + l.num_groups
-                * (per(l.inter, GEMV_WARPS) + per(l.hidden, GEMV_WARPS * GEMV_DOWN_FEATURES_ONE));
+                * (per(l.inter, GEMV_WARPS).div_ceil(EXPERTS_ONE_GATE_UP_WORK)
+                    + per(l.hidden, GEMV_WARPS * GEMV_DOWN_FEATURES_ONE));
         let blocks = u32::try_from(blocks)
             .map_err(|_| shape_err("moe_experts", format!("{blocks} work blocks")))?;
         // Consecutive launches take different slots (see EXPERTS_ONE_SLOTS).
