@@ -608,9 +608,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // Why one launch: between dependent launches every multiprocessor drains the first launch's last
 // blocks before the next one's start reading (docs/BENCHMARKS-LOG.md: about 3 us a boundary in a
 // chain of one-row products). Here a routed down block waits only for the gate/up blocks of its
-// own expert, and the combine of 16 outputs runs in the last group's routed down block for
-// them. (The
-// routing and the shared gate/up in the same launch, their blocks waited on by the routed
+// own expert, and the combine of 16 outputs runs in the last group's routed down block for them.
+// (The routing and the shared gate/up in the same launch, their blocks waited on by the routed
 // gate/up and the shared down, measured slower on the H200: branch `moe-layer-one-launch`; so
 // did the shared gate/up alone as its first blocks, the routing then a launch of its own: branch
 // `shared-gate-up-in-experts`. Beside the routing, its blocks run seven a multiprocessor, and
@@ -619,12 +618,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // Order and progress. A block takes a ticket from a counter when it starts and runs that work
 // block: tickets [0, gs) the shared down's (their first weights load before the wait for the
 // routing launch, as in moe_f16_down_shared_1), then the routed gate/up's (gx per group, each
-// two work blocks of moe_f16_gate_up_1), then
-// the routed down's (gx1 per group, group by group). A routed down block waits for its group's
-// gate/up blocks, and the last group's, which combine, then wait for the other blocks of their
-// chunk (the other groups' and the shared down's): every block waited on has a lower ticket and
-// waits only for blocks of lower tickets still, so every wait ends, however many blocks are
-// resident.
+// two work blocks of moe_f16_gate_up_1), then the routed down's (gx1 per group, group by
+// group). A routed down block waits for its group's gate/up blocks, and the last group's, which
+// combine, then wait for the other blocks of their chunk (the other groups' and the shared
+// down's): every block waited on has a lower ticket and waits only for blocks of lower tickets
+// still, so every wait ends, however many blocks are resident.
 //
 // Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; the block that counts
 // the last combine's wait done sets them back to zero (the backend zeroes the buffer once and
@@ -635,9 +633,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // past their wait, gate/up blocks done per group (MAX_TOP_K), then arrivals per 16-output chunk
 // of the combine. Signals are release reductions after a block barrier (no block waits for its
 // signal's answer before ending); a wait acquires once its count is reached, and the combine
-// reads past L1. (On the H200 the one-launch step was 2.5% slower when every block counted its
-// end for the reset, and slower again when the block arriving last at a chunk combined it,
-// which made every arrival wait for its answer.)
+// reads past L1. (On the H200 the one-launch step was 2-3% slower when every block counted its
+// end for the reset, and 2.5% slower again when the block arriving last at a chunk combined it,
+// which made every arrival wait for its answer: docs/BENCHMARKS-LOG.md. Asking L2 ahead for the
+// weights of the blocks a residency later, and blocks of 8 or 16 warps, measured slower.)
 
 #define EXPERTS_ONE_TICKET 0
 #define EXPERTS_ONE_COMBINED 1
@@ -651,7 +650,7 @@ static_assert(EXPERTS_ONE_ARRIVED == EXPERTS_ONE_DONE + MAX_TOP_K, "a done count
 #define EXPERTS_ONE_DOWN_UNROLL 3
 // Routed gate/up work blocks a block of the launch runs, one after the other, the second's
 // weights asked of L2 before the first's loads: a ticket and a signal for twice the bytes (on
-// the H200 the step was 1% faster, its chained steps 2%, than with one).
+// the H200 the step was 1.4% faster, its chained steps 0.6%, than with one).
 #define EXPERTS_ONE_GATE_UP_WORK 2
 
 // Counter operations at GPU scope. Waits poll with relaxed loads and acquire once, by a fence,
