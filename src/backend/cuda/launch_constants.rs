@@ -275,20 +275,15 @@ mod tests {
     #[test]
     fn gemv_kernels_match_gemv_f16_cu() {
         let gemv = integer_defines("gemv_f16");
-        assert_eq!(GEMV_WARPS as i64, define(&gemv, "gemv_f16", "WARPS"));
-        assert_eq!(GEMV_FEATURES as i64, define(&gemv, "gemv_f16", "FEATURES"));
-        assert_eq!(
-            GEMV_DOWN_FEATURES_ONE as i64,
-            define(&gemv, "gemv_f16", "DOWN_FEATURES_ONE")
-        );
-        assert_eq!(
-            EXPERTS_ONE_ARRIVED as i64,
-            define(&gemv, "gemv_f16", "EXPERTS_ONE_ARRIVED")
-        );
-        assert_eq!(
-            EXPERTS_ONE_GATE_UP_WORK as i64,
-            define(&gemv, "gemv_f16", "EXPERTS_ONE_GATE_UP_WORK")
-        );
+        for (name, value) in [
+            ("WARPS", GEMV_WARPS),
+            ("FEATURES", GEMV_FEATURES),
+            ("DOWN_FEATURES_ONE", GEMV_DOWN_FEATURES_ONE),
+            ("EXPERTS_ONE_ARRIVED", EXPERTS_ONE_ARRIVED),
+            ("EXPERTS_ONE_GATE_UP_WORK", EXPERTS_ONE_GATE_UP_WORK),
+        ] {
+            assert_eq!(value as i64, define(&gemv, "gemv_f16", name), "{name}");
+        }
     }
 
     #[test]
