@@ -138,6 +138,26 @@ __device__ __forceinline__ void copy_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Loads from a shared window address (as shared_addr gives). The K loop addresses its ring and
+// staged activations this way, with the slot and tile row stepped: from generic pointers the
+// compiler rebuilt the shared window's base and the lane from the thread index in every
+// iteration, and the one-row loops issued 11-17% more instructions a tile row (the draft step
+// was 1% slower on the H200, docs/BENCHMARKS-LOG.md). Volatile, so they stay after the cp.async
+// wait before them.
+__device__ __forceinline__ uint4 load_shared_u4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ uint2 load_shared_u2(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+
 __device__ __forceinline__ float half_to_float(u32 bits16) {
     float f;
     unsigned short h = (unsigned short)bits16;
@@ -376,8 +396,9 @@ __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
             xr[nt] = m < count ? sh.rows[m] + 2u * t : nullptr;
         }
     }
-    // Lane i's B fragment of tile row r, n8 tile nt: the 8 bytes at xb[r * stride / 2 + 32 nt].
-    const uint2* xb = reinterpret_cast<const uint2*>(xs) + lane;
+    // Lane i's B fragment of tile row r, n8 tile nt: the 8 bytes at shared address xb + 4 r
+    // stride + 256 nt (xb: this lane's 8 bytes of tile row 0).
+    const u32 xb = shared_addr(xs) + 8u * lane;
 
     float acc[P][NT][4][4];
     float part[P][NT][4][4];
@@ -399,15 +420,19 @@ __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
 #pragma unroll
     for (int p = 0; p < P; ++p) s[p] = spx_ldg(next_scales - scale_vecs + p * p_scales);
 
+    // This lane's 16 bytes of row i's slot (slot i % STAGES), and the end of its ring.
+    u32 slot_lane = ring_lane;
+    const u32 ring_end = ring_lane + STAGES * P * 512u;
+    // Row i's tile row (tr_begin + i), stepped rather than recomputed from the warp index.
+    u32 tr = tr_begin;
 #pragma unroll 1
-    for (u32 i = 0; i < rows; ++i) {
-        const u32 tr = tr_begin + i;
+    for (u32 i = 0; i < rows; ++i, ++tr) {
         // Activations first: their loads overlap the wait for the weights.
         u32 bx[NT][2];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             if constexpr (STAGED) {
-                const uint2 v = xb[i * (MOE_XS_STRIDE(MAXI) / 2) + 32u * nt];
+                const uint2 v = load_shared_u2(xb + i * (4u * MOE_XS_STRIDE(MAXI)) + 256u * nt);
                 bx[nt][0] = v.x;
                 bx[nt][1] = v.y;
             } else {
@@ -430,10 +455,9 @@ __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
 
         // Row i is complete once at most STAGES - 1 later rows are pending.
         copy_wait<STAGES - 1>();
-        const u32 slot = i % STAGES;
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-            const uint4 w = ring[(P * slot + p) * 32u + lane];
+            const uint4 w = load_shared_u4(slot_lane + p * 512u);
             const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -450,12 +474,12 @@ __device__ __forceinline__ void block_pass(const uint4* SPX_READONLY qweight,
         // completed).
         if (i + STAGES < rows) {
 #pragma unroll
-            for (int p = 0; p < P; ++p) {
-                copy_async(ring_lane + (P * slot + p) * 512u, refill + p * p_weights);
-            }
+            for (int p = 0; p < P; ++p) copy_async(slot_lane + p * 512u, refill + p * p_weights);
         }
         refill += row_vecs;
         copy_commit();
+        // The next row's slot: rows go round the ring in order.
+        slot_lane = slot_lane + P * 512u == ring_end ? ring_lane : slot_lane + P * 512u;
         if ((tr & 7u) == 7u || i + 1 == rows) {
 #pragma unroll
             for (int p = 0; p < P; ++p) flush_group<NT>(s[p], part[p], acc[p]);
