@@ -141,7 +141,7 @@ __device__ __forceinline__ void copy_wait() {
 // Loads from a shared window address (as shared_addr gives). The K loop addresses its ring and
 // staged activations this way, with the slot and tile row stepped: from generic pointers the
 // compiler rebuilt the shared window's base and the lane from the thread index in every
-// iteration, and the one-row loops issued 11-17% more instructions a tile row (the draft step
+// iteration, and the one-row loops issued 11-16% more instructions a tile row (the draft step
 // was 1% slower on the H200, docs/BENCHMARKS-LOG.md). Volatile, so they stay after the cp.async
 // wait before them.
 __device__ __forceinline__ uint4 load_shared_u4(u32 addr) {
