@@ -67,12 +67,15 @@ enum Command {
     /// Example: specter-pack synth --preset deepseek-v2-lite --layers 4 -o ./dsv2-lite-4l
     Synth {
         /// deepseek-v2-lite, qwen1.5-moe-a2.7b or phi-3.5-moe; or a tiny fixture of any supported
-        /// architecture with --fixture.
-        #[arg(long, required_unless_present = "fixture", conflicts_with = "fixture")]
+        /// architecture with --fixture, or any config.json with --config.
+        #[arg(long, required_unless_present_any = ["fixture", "config"], conflicts_with_all = ["fixture", "config"])]
         preset: Option<String>,
         /// A tiny model of this architecture (a Hugging Face model_type), as the tests use.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "config")]
         fixture: Option<String>,
+        /// A model of this config.json (any supported architecture and size), written verbatim.
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// Keep only the first N decoder layers.
         #[arg(long)]
         layers: Option<usize>,
@@ -192,12 +195,22 @@ fn main() -> ExitCode {
         Command::Synth {
             preset,
             fixture,
+            config,
             layers,
             output,
             seed,
             std,
             shard_mib,
-        } => synth(preset, fixture, layers, output, seed, std, shard_mib),
+        } => synth(
+            SynthModel {
+                preset,
+                fixture,
+                config,
+                layers,
+            },
+            output,
+            (seed, std, shard_mib),
+        ),
         Command::Verify { bundle } => verify(bundle),
         Command::Inspect {
             bundle,
@@ -631,14 +644,18 @@ fn kind_name(kind: &specter_format::SectionKind) -> String {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn synth(
+/// Which model `synth` writes: a preset (optionally cut to `layers`), a fixture or a config file.
+struct SynthModel {
     preset: Option<String>,
     fixture: Option<String>,
+    config: Option<PathBuf>,
     layers: Option<usize>,
+}
+
+fn synth(
+    model: SynthModel,
     output: PathBuf,
-    seed: u64,
-    std: f32,
-    shard_mib: u64,
+    (seed, std, shard_mib): (u64, f32, u64),
 ) -> Result<ExitCode> {
     if !(std.is_finite() && std > 0.0) {
         anyhow::bail!("--std must be a positive number");
@@ -646,15 +663,30 @@ fn synth(
     if shard_mib == 0 {
         anyhow::bail!("--shard-mib must be at least 1");
     }
-    let config_json = match (&preset, &fixture) {
-        (Some(name), _) => specter::synth::preset_config_layers(name, layers)?,
-        (None, Some(model_type)) => {
+    let SynthModel {
+        preset,
+        fixture,
+        config,
+        layers,
+    } = model;
+    let config_json = match (&preset, &fixture, &config) {
+        (Some(name), _, _) => specter::synth::preset_config_layers(name, layers)?,
+        (None, Some(model_type), _) => {
             if layers.is_some() {
                 anyhow::bail!("--layers applies to --preset only");
             }
             specter::synth::fixture_config(model_type)?
         }
-        (None, None) => anyhow::bail!("give --preset NAME or --fixture MODEL_TYPE"),
+        (None, None, Some(path)) => {
+            if layers.is_some() {
+                anyhow::bail!("--layers applies to --preset only");
+            }
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the config {}", path.display()))?
+        }
+        (None, None, None) => {
+            anyhow::bail!("give --preset NAME, --fixture MODEL_TYPE or --config config.json")
+        }
     };
     let cfg = specter::arch::ArchConfig::from_config_json(&config_json)?;
     let tensors = specter::arch::expected_tensors(&cfg);
