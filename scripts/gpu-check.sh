@@ -15,9 +15,16 @@
 #             load I/O method gives the per-tensor upload's weights (tests/cuda_load.rs)
 #   lossless  every fixture model: speculative decoding on the GPU equals target-only, and greedy
 #             passes chained on the device give the CPU's choices
+#   placement every fixture and a 3-layer model of DeepSeek-V2-Lite's widths: the target's logits
+#             at every position bitwise equal, and the greedy tokens equal, across residencies,
+#             policies, the host path, pinned staging, modes and every same-bits switch
+#             (tests/cuda_placement.rs)
 #   bench     a DeepSeek-V2-Lite-shaped random model (27 layers; $LAYERS to change): target-only
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   compare   old against new binaries ($OLD_CARRY): TPOT all resident and lru16 on the bench model
+#             ($CMP_VARIANTS: "name|generate args" items separated by ';' instead)
+#   residency target-only greedy tokens equal to all-resident's at every residency, lru, ondemand,
+#             the host path, pinned staging (see residency() below)
 #   hostexp   the host expert kernel: same bits as the GPU kernel, and its bandwidth against the
 #             host's read bandwidth (tests/cuda_host_experts.rs, examples/bench_host_experts.rs)
 #   hybrid    on the bench model: target-only TPOT copying every miss (lru) against the host path
@@ -85,7 +92,7 @@ build() {
     cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
-    local tests=(cuda_device cuda_doctor cuda_ops cuda_ops_fused cuda_fixtures cuda_load cuda_host_experts cuda_pace)
+    local tests=(cuda_device cuda_doctor cuda_ops cuda_ops_fused cuda_fixtures cuda_placement cuda_load cuda_host_experts cuda_pace)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -421,7 +428,9 @@ compare() {
         for side in old new; do
             local bin="$CARRY/specter-run"
             [ "$side" = old ] && bin="$old/specter-run"
-            for v in "resident|" "lru16|--resident-experts 16 --policy lru"; do
+            local variants=("resident|" "lru16|--resident-experts 16 --policy lru")
+            [ -n "${CMP_VARIANTS:-}" ] && IFS=';' read -r -a variants <<< "$CMP_VARIANTS"
+            for v in "${variants[@]}"; do
                 local name=${v%%|*} args=${v#*|}
                 # shellcheck disable=SC2086
                 "$bin" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 \
@@ -446,6 +455,67 @@ for name in dict.fromkeys(r[1] for r in rows):
     fmt = lambda v: ", ".join(f"{x:.3f}" for x in v)
     print(f"| {name} | {mo:.3f} ({fmt(t['old'])}) | {mn:.3f} ({fmt(t['new'])}) | {mn / mo:.3f} | {len(toks) == 1} |")
 EOF
+}
+
+# Target-only greedy tokens at every residency on the bench model: `specter-run bench` with
+# all-resident target-only as its reference, lru, ondemand and the host path (hybrid) at each of
+# $RESIDENCY_SLOTS (default "63 48 32 8"; an item N=MODES runs those bench modes at N) experts
+# per layer, $RESIDENCY_PROMPTS prompts (12) of
+# $RESIDENCY_TOKENS new tokens (128); then pinned staging and waiting for registration through
+# `generate` on 3 prompts at 32 slots. The bench fails on any token that differs. With
+# $OLD_CARRY, the earlier binaries' bench too (its agreement column: runs equal to resident), at
+# the slot counts in $OLD_SLOTS (default: all).
+residency() {
+    local dir=$1 out=$2
+    bench_model "$dir" "$out"
+    local sides=(new)
+    [ -n "${OLD_CARRY:-}" ] && sides+=(old)
+    local status=0
+    for item in ${RESIDENCY_SLOTS:-63 48 32 8}; do
+        # N or N=MODES (a comma-separated list for that slot count).
+        local n=${item%%=*} modes=resident,lru,ondemand,hybrid
+        [ "$item" != "$n" ] && modes=${item#*=}
+        for side in "${sides[@]}"; do
+            local bin="$CARRY/specter-run"
+            if [ "$side" = old ]; then
+                [[ " ${OLD_SLOTS:-$n} " == *" $n "* ]] || continue
+                bin="$OLD_CARRY/specter-run"
+            fi
+            "$bin" bench "$dir/dsv2.specter" --backend cuda --case custom --depth 4 \
+                --resident-experts "$n" --matched-experts "$n" --modes "$modes" \
+                --num-prompts "${RESIDENCY_PROMPTS:-12}" --new-tokens "${RESIDENCY_TOKENS:-128}" \
+                --repeats 1 --json "$out/residency-$side-$n.json" > "$out/residency-$side-$n.md" \
+                2> "$out/residency-$side-$n.err" || { echo "bench $side $n: $(tail -1 "$out/residency-$side-$n.err")"; status=1; }
+        done
+    done
+    local want=""
+    for i in 0 1 2; do
+        local prompt
+        prompt=$(python3 -c "import random; r = random.Random($i); print(','.join(str(r.randrange(3, 102400)) for _ in range(16)))")
+        for v in "resident|" "pinned32|--resident-experts 32 --pinned-staging" "registered32|--resident-experts 32 --wait-registration"; do
+            local name=${v%%|*} args=${v#*|}
+            # shellcheck disable=SC2086
+            "$CARRY/specter-run" generate "$dir/dsv2.specter" --backend cuda --mode target --prompt-ids "$prompt" \
+                --max-new-tokens "${RESIDENCY_TOKENS:-128}" --ignore-eos --json $args > "$out/gen-$name-$i.json"
+            local toks
+            toks=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['tokens'])" "$out/gen-$name-$i.json")
+            [ "$name" = resident ] && want=$toks
+            if [ "$toks" = "$want" ]; then echo "prompt $i $name: tokens equal resident"; else echo "prompt $i $name: TOKENS DIFFER"; status=1; fi
+        done
+    done
+    python3 - "$out" <<'EOF2'
+import glob, json, os, sys
+print("| binaries | experts/layer | mode | runs equal to all-resident target-only | mean TPOT ms |")
+print("|---|---|---|---|---|")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "residency-*.json"))):
+    side, n = os.path.basename(f)[len("residency-"):-len(".json")].split("-")
+    d = json.load(open(f))
+    for m in d["modes"]:
+        runs = [r for r in d["runs"] if r["mode"] == m["mode"]]
+        eq = sum(r["agrees"] for r in runs)
+        print(f"| {side} | {n} | {m['mode']} | {eq} of {len(runs)} | {m['mean_tpot_ms']:.2f} |")
+EOF2
+    return $status
 }
 
 # Plain decoding on the bench model, copying every miss against the host path, per slot count;
@@ -729,8 +799,10 @@ run() {
             lossless) run_test cuda_fixtures "$out/lossless.log" gpu_speculative || status=1
                 run_test cuda_fixtures "$out/chained.log" gpu_chained || status=1 ;;
             errors) run_test cuda_fixtures "$out/errors.log" impossible_residency || status=1 ;;
+            placement) run_test cuda_placement "$out/placement.log" || status=1 ;;
             bench) bench "$dir" "$out" || status=1 ;;
             compare) compare "$dir" "$out" 2>&1 | tee "$out/compare.log" || status=1 ;;
+            residency) residency "$dir" "$out" 2>&1 | tee "$out/residency.log" || status=1 ;;
             hostexp) hostexp "$out" || status=1 ;;
             hybrid) SLOTS=${SLOTS:-1,16,32} hybrid "$dir" "$out" 2>&1 | tee -a "$out/hybrid.log" || status=1 ;;
             pace) run_test cuda_pace "$out/pace.log" || status=1 ;;

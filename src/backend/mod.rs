@@ -146,7 +146,18 @@ pub enum SegmentStart<A> {
     Replayed(Vec<A>),
 }
 
-/// What the caller of [`Backend::end_step`] or [`Backend::end_segment`] does next.
+/// What the caller of [`Backend::end_segment`] does next.
+pub enum SegmentEnd<A> {
+    /// The segment ran; its outputs stand.
+    Done,
+    /// The ops were only recorded, and recording failed: run the segment again (it will not be
+    /// recorded a second time) from these, the inputs [`Backend::begin_segment`] was given, in
+    /// its order. An op of the segment may have replaced the caller's handle on an input with
+    /// a new buffer that nothing wrote.
+    Rerun(Vec<A>),
+}
+
+/// What the caller of [`Backend::end_step`] does next.
 pub enum StepEnd {
     /// The pass ran; its result stands.
     Done,
@@ -549,9 +560,9 @@ pub trait Backend: Send + Sync {
 
     /// Ends the segment [`Self::begin_segment`] started; `outputs` are the activations later
     /// ops read, or `None` when an op failed.
-    fn end_segment(&self, outputs: Option<&[&Self::Act]>) -> Result<StepEnd> {
+    fn end_segment(&self, outputs: Option<&[&Self::Act]>) -> Result<SegmentEnd<Self::Act>> {
         let _ = outputs;
-        Ok(StepEnd::Done)
+        Ok(SegmentEnd::Done)
     }
 
     /// Greedy passes fed on the device, for a backend that records passes: chooses the greedy

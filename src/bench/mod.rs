@@ -1,5 +1,6 @@
 //! `specter-run bench`: the paper's protocol on one bundle, every mode measured in one run on the
-//! same weights and prompts, with a greedy-agreement check of every mode against target-only.
+//! same weights and prompts. Every greedy run must give all-resident target-only tokens (the GPU's
+//! where the model fits, else the CPU reference's: reference.rs); one that does not is an error.
 //!
 //! Protocol (docs/BENCHMARKS.md and the paper's): single request, greedy, 16-token prompts, 128
 //! new tokens; TPOT = (last commit - first commit) / (N - 1) and TTFT per run; the expert cache
@@ -19,6 +20,7 @@
 //!   [`Mode::SpecMoeOff`]): if anything that makes its acceptance better than the original's.
 
 mod auto;
+mod reference;
 
 use std::time::Instant;
 
@@ -341,7 +343,15 @@ pub fn run(
             "bench needs at least one mode, one prompt, one repeat and two new tokens".into(),
         ));
     }
-    let reference_mode = opts.modes.iter().copied().find(|m| m.target_only()).ok_or_else(|| {
+    // All-resident target-only decoding, where it is one of the modes, runs first and is the
+    // reference every greedy run must match.
+    let reference_mode = opts
+        .modes
+        .iter()
+        .copied()
+        .find(|&m| m == BenchMode::Resident)
+        .or_else(|| opts.modes.iter().copied().find(|m| m.target_only()))
+        .ok_or_else(|| {
         Error::Request(
             "include a target-only mode (resident, lru or ondemand): every mode's tokens are checked against it"
                 .into(),
@@ -364,7 +374,16 @@ pub fn run(
     order.extend(opts.modes.iter().copied().filter(|&m| m != reference_mode));
     let total = order.len() * opts.prompts.len() * opts.repeats;
     let mut done = 0;
-    let mut reference: Vec<Vec<u32>> = Vec::new();
+    // Greedy runs must give all-resident target-only tokens; without that mode they are
+    // computed first, untimed (sampled runs agree in distribution, not token by token).
+    let greedy = opts.sampling.is_greedy();
+    let (mut reference, reference_source) = match greedy && reference_mode != BenchMode::Resident {
+        true => {
+            let r = reference::compute(path, opts)?;
+            (r.tokens, r.source)
+        }
+        false => (Vec::new(), "target-only, every expert resident".to_string()),
+    };
     let mut runs = Vec::new();
     let mut summaries = Vec::new();
     let mut device = String::new();
@@ -445,8 +464,16 @@ pub fn run(
                     g.reset_offload()?;
                 }
                 let (out, bytes_at_first) = run_one(&session, prompt, &gen, auto_start.as_ref())?;
-                if mode == reference_mode && repeat == 0 {
+                if mode == reference_mode && repeat == 0 && reference.len() == p {
                     reference.push(out.tokens.clone());
+                }
+                if greedy {
+                    let want = reference.get(p).map_or(&[][..], |r| &r[..]);
+                    if let Some(e) =
+                        reference::mismatch(mode, p, repeat, &out.tokens, want, &reference_source)
+                    {
+                        return Err(e);
+                    }
                 }
                 let agrees = reference.get(p) == Some(&out.tokens);
                 agree += usize::from(agrees);

@@ -5,7 +5,7 @@
 //! launch instead of one per op, and its kernels run without the host's launch gaps.
 
 use super::{Mlp, MoeKv, MoeModel};
-use crate::backend::{Backend, SegmentStart, StepEnd};
+use crate::backend::{Backend, SegmentEnd, SegmentStart};
 use crate::model::{RouteHook, Variant};
 use crate::{Error, Result};
 
@@ -30,8 +30,9 @@ impl<B: Backend> MoeModel<B> {
         for index in 0.. {
             let boundary = (from..layers).find(|&l| matches!(self.layers[l].mlp, Mlp::Moe(_)));
             let made_x = x.is_none();
-            // The segment's outputs but the residual stream, which a first segment run op by op
-            // leaves in `x` and a replayed one gives first.
+            // A segment's first output is always the residual stream: an op may leave it in a
+            // new buffer rather than update it in place (the fused add + norm + products does),
+            // so a replay hands back the buffer the recording wrote it to.
             let mut outs = loop {
                 let inputs: Vec<(&B::Act, bool)> = x
                     .iter()
@@ -39,13 +40,13 @@ impl<B: Backend> MoeModel<B> {
                     .chain(pending.iter().map(|m| (m, false)))
                     .collect();
                 if let SegmentStart::Replayed(mut outs) = be.begin_segment(index, &inputs)? {
-                    if made_x && !outs.is_empty() {
-                        x = Some(outs.remove(0));
+                    if outs.is_empty() {
+                        return Err(Error::Backend(format!(
+                            "segment {index} of a pass was replayed without its residual stream"
+                        )));
                     }
+                    x = Some(outs.remove(0));
                     break outs;
-                }
-                if made_x {
-                    x = None;
                 }
                 let ran = self.segment(
                     tokens,
@@ -59,10 +60,21 @@ impl<B: Backend> MoeModel<B> {
                 let refs: Option<Vec<&B::Act>> = ran
                     .as_ref()
                     .ok()
-                    .map(|outs| x.iter().filter(|_| made_x).chain(outs.iter()).collect());
+                    .map(|outs| x.iter().chain(outs.iter()).collect());
                 match be.end_segment(refs.as_deref())? {
-                    StepEnd::Rerun => continue,
-                    StepEnd::Done => break ran?,
+                    SegmentEnd::Rerun(given) => {
+                        // Nothing ran: start again from the residual stream as it was given
+                        // (none for the first segment, which makes it).
+                        x = match made_x {
+                            true => None,
+                            false => Some(given.into_iter().next().ok_or_else(|| {
+                                Error::Backend(format!(
+                                    "segment {index}'s failed recording gave back no inputs"
+                                ))
+                            })?),
+                        };
+                    }
+                    SegmentEnd::Done => break ran?,
                 }
             };
             let wanted = if boundary.is_some() { 2 } else { 1 };

@@ -13,7 +13,7 @@ use crate::backend::{
     check, AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, NormedProducts, RopeSpec,
     RouteSpec, Routing,
 };
-use crate::backend::{SegmentStart, StepEnd, StepRequest, StepStart};
+use crate::backend::{SegmentEnd, SegmentStart, StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
 
 impl Backend for CudaBackend {
@@ -770,7 +770,7 @@ impl Backend for CudaBackend {
         self.begin_segment_impl(index, inputs)
     }
 
-    fn end_segment(&self, outputs: Option<&[&GpuAct]>) -> Result<StepEnd> {
+    fn end_segment(&self, outputs: Option<&[&GpuAct]>) -> Result<SegmentEnd<GpuAct>> {
         self.end_segment_impl(outputs)
     }
 

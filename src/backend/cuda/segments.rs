@@ -11,8 +11,11 @@
 //! A segment's inputs (the residual stream and the MoE output before it) lie wherever the ops
 //! before it put them; the graph reads them where they lay when it was recorded. A replay copies
 //! an input that has moved into that buffer first (and one the segment writes in place back
-//! after). The recording keeps those buffers, and every buffer its ops allocated, out of the
-//! pool for as long as it lives.
+//! after). Its outputs are where the recording wrote them, the residual stream first: an op may
+//! leave the stream in a buffer of its own rather than update it in place (the fused add + norm +
+//! products does), so the pass takes the stream from the outputs, never assumes it stayed in its
+//! input. The recording keeps those buffers, and every buffer its ops allocated, out of the pool
+//! for as long as it lives.
 
 use cudarc::driver::sys;
 
@@ -21,7 +24,7 @@ use super::backend::CudaBackend;
 use super::driver::guarded;
 use super::graphs::*;
 use super::kernels::ptr;
-use crate::backend::{SegmentStart, StepEnd};
+use crate::backend::{SegmentEnd, SegmentStart};
 use crate::Result;
 
 /// What a replay does with one input: nothing (it lies where the graph reads it), or a copy in
@@ -99,17 +102,21 @@ impl CudaBackend {
         Ok(SegmentStart::Run)
     }
 
-    pub(super) fn end_segment_impl(&self, outputs: Option<&[&GpuAct]>) -> Result<StepEnd> {
+    pub(super) fn end_segment_impl(
+        &self,
+        outputs: Option<&[&GpuAct]>,
+    ) -> Result<SegmentEnd<GpuAct>> {
         let mut g = self.lock(&self.steps)?;
         let Some(capture) = g.segments.capture.take() else {
-            return Ok(StepEnd::Done);
+            return Ok(SegmentEnd::Done);
         };
         let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         let (Ok(Some(graph)), Some(outputs)) = (ended, outputs) else {
             // Nothing of the segment ran: run it again op by op, and never capture it.
             g.segments.failed.insert(capture.key);
             g.stats.failures += 1;
-            return Ok(StepEnd::Rerun);
+            let given = capture.inputs.into_iter().map(|(a, _)| a).collect();
+            return Ok(SegmentEnd::Rerun(given));
         };
         guarded("cuda: graph launch failed", || graph.launch())
             .map_err(|e| crate::Error::Backend(format!("{e} (first replay of a segment)")))?;
@@ -137,7 +144,7 @@ impl CudaBackend {
             _keep: capture.keep,
             bytes,
         });
-        Ok(StepEnd::Done)
+        Ok(SegmentEnd::Done)
     }
 }
 
