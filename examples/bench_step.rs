@@ -3,34 +3,30 @@
 //! several rows (the target over a drafted window, the KV cropped back after each).
 //!
 //!     cargo run --release --example bench_step -- BUNDLE [--backend cuda|cpu] [--steps N]
-//!         [--window R]... [--windows-only] [--no-overlap] [--skip-launches LABEL[@BLOCKS],...]
-//!         [--json OUT]
+//!         [--window R]... [--windows-only] [--no-overlap] [--serial LABEL[@BLOCKS],...]
+//!         [--plain] [--skip-launches LABEL[@BLOCKS],...] [--json OUT]
 //!
 //! Each figure is the median wall time of `--steps` passes (after as many untimed ones), each
 //! pass's greedy choices back on the host as the greedy decode loop receives them
 //! (`LanguageModel::forward_greedy`: on the GPU, one id a row instead of its logits). A 16-token prompt is prefilled
 //! first; the one-row steps then run at positions 16, 17, ...; a window always starts at the
 //! same position, so every pass sees the same cache length. `--no-overlap` launches each kernel
-//! only after the one before it has finished (`CudaOptions::overlap_launches` off).
-//! `--windows-only` times the verification windows alone (for a profiler's view of them).
-//! `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
-//! `SPECTER_CUDA_ONE_LAUNCH_EXPERTS=0` a one-row layer's FP16 experts in three launches,
-//! `SPECTER_CUDA_INT4_INTERLEAVE=0` lists the INT4 gate/up launch's routed blocks first,
-//! `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters, and
-//! `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host, and
-//! `SPECTER_CUDA_SERIAL=LABEL[@BLOCKS],...` starts the named launches only after the kernel
-//! before them has finished (`CudaOptions::serial_launches`), as in specter-run. The
+//! only after the one before it has finished, `--serial LABEL[@BLOCKS],...` the named launches
+//! alone, and `--plain` runs every op in its plain form (`CudaOptions::plain`).
+//! `--windows-only` times the verification windows alone (for a profiler's view of them). The
 //! chained figures time greedy steps run back to back (`LanguageModel::forward_greedy_chain`):
 //! the time between two choices reaching the host.
 //!
 //! `--skip-launches` (a measurement, not a run: the outputs are meaningless) leaves the named
-//! kernels' launches out of every pass (`CudaOptions::skip_launches`; the labels are
+//! kernels' launches out of every pass (`MeasureOptions::skip`; the labels are
 //! `specter::backend::cuda::LAUNCH_LABELS`), so the step time saved is what those kernels cost
 //! inside a recorded pass. Skipping a kernel that feeds the routing changes which experts a
-//! window reads, so only one-row steps measure it cleanly.
+//! window reads, so only one-row steps measure it cleanly. Built with the `measure` feature:
+//! `cargo build --release --features measure --example bench_step`.
 
 use std::time::Instant;
 
+use specter::backend::cuda::{LaunchMatch, MeasureOptions, LAUNCH_LABELS};
 use specter::model::{KvCache, LanguageModel, NoHook, Variant};
 use specter::session::{BackendKind, Session, SessionOptions};
 use specter::with_session_model;
@@ -55,7 +51,9 @@ fn main() -> anyhow::Result<()> {
     let mut json = None;
     let mut overlap = true;
     let mut windows_only = false;
+    let mut plain = false;
     let mut skip = Vec::new();
+    let mut serial = Vec::new();
     while let Some(a) = args.next() {
         let mut value = |name: &str| {
             args.next()
@@ -74,9 +72,14 @@ fn main() -> anyhow::Result<()> {
             "--json" => json = Some(value("--json")?),
             "--no-overlap" => overlap = false,
             "--windows-only" => windows_only = true,
+            "--plain" => plain = true,
             "--skip-launches" => {
-                skip = specter::backend::cuda::LaunchMatch::parse_list(&value("--skip-launches")?)
+                skip = LaunchMatch::parse_list(&value("--skip-launches")?)
                     .map_err(|e| anyhow::anyhow!("--skip-launches: {e}"))?
+            }
+            "--serial" => {
+                serial = LaunchMatch::parse_list(&value("--serial")?)
+                    .map_err(|e| anyhow::anyhow!("--serial: {e}"))?
             }
             _ if bundle.is_none() && !a.starts_with('-') => bundle = Some(a),
             _ => anyhow::bail!("unknown argument {a}"),
@@ -88,33 +91,22 @@ fn main() -> anyhow::Result<()> {
         windows.push(17);
     }
     let mut opts = SessionOptions::new(backend);
-    opts.cuda.overlap_launches = overlap;
     anyhow::ensure!(
-        skip.is_empty() || backend == BackendKind::Cuda,
-        "--skip-launches needs --backend cuda"
+        (skip.is_empty() && serial.is_empty() && overlap) || backend == BackendKind::Cuda,
+        "--skip-launches, --serial and --no-overlap need --backend cuda"
     );
-    opts.cuda.skip_launches = skip;
-    // Switches specter-run reads from the environment, for A/B runs of one binary.
-    let off = |name: &str| std::env::var(name).is_ok_and(|v| v.trim() == "0");
-    if off("SPECTER_CUDA_FUSE_SHARED") {
-        opts.cuda.fuse_shared_experts = false;
+    if !overlap {
+        // Every launch starts once the kernel before it has finished.
+        serial = LAUNCH_LABELS
+            .iter()
+            .map(|l| LaunchMatch {
+                kernel: l.to_string(),
+                blocks: None,
+            })
+            .collect();
     }
-    if off("SPECTER_CUDA_ONE_LAUNCH_EXPERTS") {
-        opts.cuda.experts_in_one_launch = false;
-    }
-    if off("SPECTER_CUDA_INT4_INTERLEAVE") {
-        opts.cuda.int4_interleave_roles = false;
-    }
-    if off("SPECTER_CUDA_CLUSTERS") {
-        opts.cuda.clusters = false;
-    }
-    if off("SPECTER_CUDA_CHAIN") {
-        opts.cuda.chain_greedy = false;
-    }
-    if let Ok(list) = std::env::var("SPECTER_CUDA_SERIAL") {
-        opts.cuda.serial_launches = specter::backend::cuda::LaunchMatch::parse_list(&list)
-            .map_err(|e| anyhow::anyhow!("SPECTER_CUDA_SERIAL: {e}"))?;
-    }
+    opts.cuda.plain = plain;
+    opts.measure = MeasureOptions { skip, serial };
     let session = Session::open_with(std::path::Path::new(&bundle), &opts)?;
     let prompt: Vec<u32> = (5..21).collect();
     let report = with_session_model!(session, |m| time_passes(

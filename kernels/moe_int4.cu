@@ -677,21 +677,18 @@ __device__ __forceinline__ void shared_down_block(u32 block, const float* s_h,
 }
 
 // The role of a gate_up block: routed block `index` (block column index % gx of group
-// index / gx) or shared down block `index`. In launch order the grid's rows hold the routed
-// blocks, then the shared down's; with `interleave` the two alternate while both last (even
-// blocks routed). Which blocks share a multiprocessor is the block scheduler's choice; the draft's
-// chained steps measured 1.3% faster interleaved on the H200 (docs/BENCHMARKS-LOG.md). The
-// same work and bits either way.
+// index / gx) or shared down block `index`. In launch order the two kinds alternate while both
+// last (even blocks routed), then the rest of the longer kind follows, so routed and shared
+// blocks share the multiprocessors. Every block's work and bits do not depend on its place.
 struct GateUpRole {
     bool shared;
     u32 index;
 };
 
-__device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups, u32 interleave) {
+__device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups) {
     const u32 gx = gridDim.x;
     const u32 l = blockIdx.y * gx + blockIdx.x;
     const u32 routed = num_groups * gx;
-    if (!interleave) return l < routed ? GateUpRole{false, l} : GateUpRole{true, l - routed};
     const u32 shared = gx * gridDim.y - routed;
     const u32 pairs = min(routed, shared);
     if (l < 2 * pairs) return GateUpRole{(l & 1u) != 0u, l >> 1};
@@ -703,8 +700,7 @@ __device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups, u32 interleav
 // _STAGED, _RING, _PAIRED); src/backend/cuda/moe_int4.rs sizes a launch's dynamic shared memory
 // from them: MOE_WARPS moe_warp_space_bytes(MAXI, RING, PAIRED), plus 2 K (MAXI + 1) bytes of
 // staged activations when STAGED. gate_up's grid has room for num_groups rows of routed blocks
-// and, when s_down is given, rows of shared_down_block, in the order gate_up_role gives
-// (`interleave`: 1 to alternate them).
+// and, when s_down is given, rows of shared_down_block, in the order gate_up_role gives.
 //
 // The 8-item variant, which runs the draft's one-row steps: 16 ring slots (gate_up: 8 tile rows
 // each of gate and up; down: 16 rows, more than the 11 a warp has at DeepSeek-V2-Lite's inter
@@ -718,9 +714,8 @@ __device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups, u32 interleav
                                 const float* x, const u32* item_row,                              \
                                 float* __restrict__ h, u32 hidden, u32 inter, u32 num_groups,     \
                                 const float* s_h, u32 s_inter,                                    \
-                                const __half* SPX_READONLY s_down, float* __restrict__ s_y,       \
-                                u32 interleave) {                                                 \
-        const GateUpRole role = gate_up_role(num_groups, interleave);                             \
+                                const __half* SPX_READONLY s_down, float* __restrict__ s_y) {     \
+        const GateUpRole role = gate_up_role(num_groups);                                         \
         if (role.shared) {                                                                        \
             spx_launch_dependents();                                                              \
             shared_down_block(role.index, s_h, s_inter, s_down, s_y, hidden);                     \

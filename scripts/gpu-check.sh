@@ -52,8 +52,8 @@
 #             (examples/bench_step.rs), and 128-token TPOT of --mode target and draft, all resident,
 #             with the target run's host time and device wait per token;
 #             with $OLD_CARRY, old and new binaries taking turns; with $NEW_ENV (variables for
-#             the new binaries, runs separated by ';', e.g. "SPECTER_CUDA_FUSE_SHARED=0;A=0 B=0";
-#             a value may hold spaces: "SPECTER_CUDA_SERIAL=moe int4 down + combine"),
+#             the new binaries, runs separated by ';', e.g. "SPECTER_LOAD_THREADS=4;A=0 B=0";
+#             a value may hold spaces: "NAME=a b c"),
 #             also the new binaries under each (newenv0, newenv1, ...); with $BUILDS (directories
 #             of other builds' specter-run and bench_step, separated by spaces), those too (build0,
 #             build1, ...)
@@ -96,7 +96,9 @@ build() {
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
-    cargo test --release --no-run "${args[@]}" --message-format=json 2>/dev/null |
+    # The `measure` feature: cuda_ops_fused checks which launches the fused ops make by leaving
+    # them out (the production binaries above are built without it).
+    cargo test -p specter --features measure --release --no-run "${args[@]}" --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys, shutil
 for line in sys.stdin:
@@ -104,7 +106,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         shutil.copy(m["executable"], sys.argv[1] + "/test-" + m["target"]["name"])
 ' "$CARRY"
-    cargo build --release --example bench_host_experts --example bench_step
+    cargo build --release --features measure --example bench_host_experts --example bench_step
     cp target/release/examples/bench_host_experts target/release/examples/bench_step "$CARRY/"
     if [ -f examples/bench_w4a16.rs ]; then
         cargo build --release --example bench_w4a16
@@ -271,7 +273,7 @@ wprofile() {
 # turns, $REPEATS rounds.
 # The assignments of one $NEW_ENV variant into VARIANT_ENV: each word that starts NAME= begins
 # one, and a word that does not continues the value before it, so a value may hold spaces
-# (SPECTER_CUDA_SERIAL=moe int4 down + combine).
+# (NAME=a b c).
 variant_env() {
     VARIANT_ENV=()
     local w
@@ -529,8 +531,7 @@ hybrid() {
     local tag=${HYBRID_TAG:-hybrid}
     local variants=(lru hybrid)
     [ -n "${OLD_CARRY:-}" ] && variants=(lru old-hybrid hybrid)
-    # HYBRID_VARIANTS=old-lru,lru,old-hybrid,hybrid: any of these (old-*: $OLD_CARRY's binary;
-    # *-noseg: the new one without recorded segments, SPECTER_CUDA_SEGMENTS=0).
+    # HYBRID_VARIANTS=old-lru,lru,old-hybrid,hybrid: any of these (old-*: $OLD_CARRY's binary).
     # shellcheck disable=SC2206
     [ -n "${HYBRID_VARIANTS:-}" ] && variants=(${HYBRID_VARIANTS//,/ })
     # A busy host: $HYBRID_BUSY processes spinning at nice 19 on the cores while every run goes.
@@ -546,10 +547,8 @@ hybrid() {
                 # shellcheck disable=SC2206
                 case $variant in *hybrid*) host=(--host-experts auto ${HOST_ARGS:-}) ;; esac
                 case $variant in old-*) run="$OLD_CARRY/specter-run" ;; esac
-                local seg=1
-                case $variant in *-noseg) seg=0 ;; esac
                 local f="$out/$tag-$variant-$slots-$round"
-                SPECTER_CUDA_SEGMENTS=$seg "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
+                "$run" generate "$dir/dsv2.specter" --prompt-ids "$prompt" --max-new-tokens 128 --ignore-eos \
                     --json --backend cuda --mode target --resident-experts "$slots" --policy lru \
                     --wait-registration "${host[@]}" "${extra[@]}" > "$f.json" 2> "$f.err" ||
                     { tail -3 "$f.err"; [ ${#busy[@]} -eq 0 ] || kill "${busy[@]}"; return 1; }

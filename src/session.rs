@@ -37,6 +37,9 @@ pub struct SessionOptions {
     pub verify: VerifyMode,
     /// CUDA only: how the backend runs (recorded passes, load threads and I/O, copy path).
     pub cuda: CudaOptions,
+    /// Measurement only: launches every pass leaves out or starts late (examples/bench_step.rs).
+    #[cfg(feature = "measure")]
+    pub measure: crate::backend::cuda::MeasureOptions,
 }
 
 impl SessionOptions {
@@ -47,6 +50,8 @@ impl SessionOptions {
             offload: None,
             verify: VerifyMode::Manifest,
             cuda: CudaOptions::default(),
+            #[cfg(feature = "measure")]
+            measure: Default::default(),
         }
     }
 }
@@ -126,12 +131,16 @@ impl Session {
                         link_pace_bytes_per_s: opts.cuda.link_pace_bytes_per_s,
                     });
                 let cuda = opts.cuda.clone();
+                #[cfg(feature = "measure")]
+                let measure = opts.measure.clone();
                 Some(
                     std::thread::Builder::new()
                         .name("specter-device".into())
                         .spawn(move || -> Result<(CudaBackend, f64)> {
                             let device = Arc::new(CudaDevice::open(0)?);
                             let backend = CudaBackend::with_device(device, offload, &cuda)?;
+                            #[cfg(feature = "measure")]
+                            let backend = backend.measuring(measure);
                             Ok((backend, since_start_ms()))
                         })
                         .map_err(|e| {

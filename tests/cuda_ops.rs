@@ -234,8 +234,9 @@ fn mla_expand_kv() {
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn attention() {
     let mut p = Family::new("attention", 29);
+    // The plain backend combines chunks through global memory, not in clusters.
     let global = common::gpu::backend_with(&CudaOptions {
-        clusters: false,
+        plain: true,
         ..CudaOptions::default()
     });
     // GQA with a window, MHA, and MLA-like widths; prefill rows and a decode row.

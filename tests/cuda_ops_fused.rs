@@ -8,7 +8,7 @@ mod common;
 use common::ops::*;
 use specter::arch::RopeStyle;
 use specter::backend::cpu::Cpu;
-use specter::backend::cuda::{CudaBackend, CudaOptions, LaunchMatch};
+use specter::backend::cuda::{CudaBackend, CudaOptions, LaunchMatch, MeasureOptions};
 use specter::backend::{
     add_rms_norm_linear_ops, mla_kv_append_ops, Backend, MlaAppend, MlaShape, RopeSpec,
 };
@@ -453,15 +453,16 @@ fn skipping(kernel: &str) -> CudaBackend {
     CudaBackend::with_device(
         std::sync::Arc::new(common::gpu::device()),
         None,
-        &CudaOptions {
-            skip_launches: vec![LaunchMatch {
-                kernel: kernel.into(),
-                blocks: None,
-            }],
-            ..CudaOptions::default()
-        },
+        &CudaOptions::default(),
     )
     .expect("a second CUDA backend")
+    .measuring(MeasureOptions {
+        skip: vec![LaunchMatch {
+            kernel: kernel.into(),
+            blocks: None,
+        }],
+        serial: Vec::new(),
+    })
 }
 
 /// [`Family::weight`] with the same values also on `other`.

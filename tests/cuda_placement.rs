@@ -2,8 +2,9 @@
 //! position are bitwise equal, and its greedy tokens over 64 steps equal, whether every routed
 //! expert is in VRAM or one or half of each layer's are (lru and ondemand), with the host path
 //! on and off, with pinned staging on and off, in target-only, Specter and SpecMoEOff decoding,
-//! and with each switch that claims the same bits either way turned off. The draft's logits,
-//! call by call, do not depend on the target's placement either.
+//! with passes recorded or run op by op, and with the fused kernels or their plain forms
+//! (`CudaOptions::plain`). The draft's logits, call by call, do not depend on the target's
+//! placement either.
 //!
 //! Run for every fixture and for a random model of DeepSeek-V2-Lite's real widths (3 layers): at
 //! a fixture's tiny widths some paths coincide that do not at real ones (the fused add + norm +
@@ -123,35 +124,23 @@ fn check_model(
     // The host path splitting misses with the link (and one miss a layer split across both),
     // and every miss on the host (a link a billion times slower).
     let shared_host = host(50e9, SplitExperts::Measured);
+    let whole_host = host(50e9, SplitExperts::Never);
     let all_host = host(50.0, SplitExperts::Never);
     let off = |f: fn(&mut CudaOptions)| {
         let mut o = CudaOptions::default();
         f(&mut o);
         o
     };
-    let mut placements = vec![
+    let placements = vec![
         Placement::resident("resident", CudaOptions::default()),
         Placement::resident("resident, op by op", off(|o| o.graphs = false)),
+        Placement::resident("resident, plain kernels", off(|o| o.plain = true)),
         Placement::resident(
-            "resident, no early launch",
-            off(|o| o.overlap_launches = false),
-        ),
-        Placement::resident("resident, no clusters", off(|o| o.clusters = false)),
-        Placement::resident(
-            "resident, shared unfused",
-            off(|o| o.fuse_shared_experts = false),
-        ),
-        Placement::resident(
-            "resident, experts in three launches",
-            off(|o| o.experts_in_one_launch = false),
-        ),
-        Placement::resident(
-            "resident, INT4 roles in order",
-            off(|o| o.int4_interleave_roles = false),
-        ),
-        Placement::resident(
-            "resident, choices on the host",
-            off(|o| o.chain_greedy = false),
+            "resident, plain kernels op by op",
+            off(|o| {
+                o.plain = true;
+                o.graphs = false
+            }),
         ),
         Placement::offloaded("lru 1 slot", 1, Policy::Lru, HostPath::Auto, None),
         Placement::offloaded("lru half", half, Policy::Lru, HostPath::Auto, None),
@@ -177,35 +166,34 @@ fn check_model(
             Some(shared_host),
         ),
         Placement::offloaded(
+            "lru half, host path, whole experts",
+            half,
+            Policy::Lru,
+            HostPath::Auto,
+            Some(whole_host),
+        ),
+        Placement::offloaded(
             "lru 1 slot, every miss on the host",
             1,
             Policy::Lru,
             HostPath::Auto,
             Some(all_host),
         ),
+        Placement {
+            options: off(|o| o.graphs = false),
+            ..Placement::offloaded("lru 1 slot, op by op", 1, Policy::Lru, HostPath::Auto, None)
+        },
+        Placement {
+            options: off(|o| o.plain = true),
+            ..Placement::offloaded(
+                "lru half, plain kernels",
+                half,
+                Policy::Lru,
+                HostPath::Auto,
+                None,
+            )
+        },
     ];
-    let mut segments_off = Placement::offloaded(
-        "lru half, segments op by op",
-        half,
-        Policy::Lru,
-        HostPath::Auto,
-        None,
-    );
-    segments_off.options.segment_graphs = false;
-    placements.push(segments_off);
-    let mut op_by_op =
-        Placement::offloaded("lru 1 slot, op by op", 1, Policy::Lru, HostPath::Auto, None);
-    op_by_op.options.graphs = false;
-    placements.push(op_by_op);
-    let mut whole = Placement::offloaded(
-        "lru half, host path, whole experts",
-        half,
-        Policy::Lru,
-        HostPath::Auto,
-        Some(shared_host),
-    );
-    whole.options.split_experts = false;
-    placements.push(whole);
 
     let modes = [
         (Mode::Target, 1),
@@ -273,13 +261,11 @@ fn check_model(
             }
             if placement.offload.is_some() && placement.options.graphs {
                 let graphs = model.backend().step_graph_stats().unwrap();
-                if placement.options.segment_graphs {
-                    assert!(
-                        graphs.segment_replays > 0,
-                        "{name} ({}): no segment was replayed: {graphs:?}",
-                        placement.label
-                    );
-                }
+                assert!(
+                    graphs.segment_replays > 0,
+                    "{name} ({}): no segment was replayed: {graphs:?}",
+                    placement.label
+                );
             }
             if let Some((_, _, _, Some(_))) = placement.offload {
                 let stats = model.backend().offload_stats().unwrap().expect("offloaded");

@@ -2,9 +2,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use clap::ValueEnum;
-use specter::backend::cuda::{CudaOptions, LaunchMatch};
+use specter::backend::cuda::CudaOptions;
 use specter::decode::Mode;
 use specter::generate::{resolve_backend as resolve, BackendChoice};
 use specter::offload::Policy;
@@ -376,60 +376,20 @@ pub fn resolve_backend(arg: BackendArg) -> BackendKind {
     resolved.kind
 }
 
-/// The CUDA options that scripts set through the environment: `SPECTER_CUDA_GRAPHS=0` turns
-/// recorded passes off, `SPECTER_CUDA_SEGMENTS=0` the recorded segments of passes that wait
-/// for the device midway, `SPECTER_CUDA_OVERLAP=0` launches each kernel only after the one before
-/// it has finished, `SPECTER_CUDA_CLUSTERS=0` launches no kernel in thread block clusters,
-/// `SPECTER_CUDA_FUSE_SHARED=0` runs the shared experts as separate ops,
-/// `SPECTER_CUDA_ONE_LAUNCH_EXPERTS=0` a one-row layer's FP16 experts in three launches,
-/// `SPECTER_CUDA_INT4_INTERLEAVE=0` lists the INT4 gate/up launch's routed blocks first,
-/// `SPECTER_CUDA_CHAIN=0` waits for each greedy choice on the host before the next pass,
-/// `SPECTER_HOST_SPLIT=0` keeps the host path to whole experts,
-/// `SPECTER_LOAD_THREADS=N` sets the threads that read weights at load time, and (a measurement)
-/// `SPECTER_CUDA_SERIAL=LABEL[@BLOCKS],...` starts the named launches only after the kernel
-/// before them has finished (`CudaOptions::serial_launches`).
+/// The CUDA options that scripts set through the environment: `SPECTER_LOAD_THREADS=N` sets the
+/// threads that read weights at load time. (No variable chooses between forms of a kernel that
+/// give the same bits: the measured winners are the only paths.)
 pub fn cuda_options_from_env() -> Result<CudaOptions> {
     cuda_options_from(|name| std::env::var(name).ok())
 }
 
 fn cuda_options_from(var: impl Fn(&str) -> Option<String>) -> Result<CudaOptions> {
     let mut opts = CudaOptions::default();
-    if let Some(value) = var("SPECTER_CUDA_GRAPHS") {
-        opts.graphs = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_SEGMENTS") {
-        opts.segment_graphs = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_OVERLAP") {
-        opts.overlap_launches = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_CLUSTERS") {
-        opts.clusters = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_FUSE_SHARED") {
-        opts.fuse_shared_experts = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_ONE_LAUNCH_EXPERTS") {
-        opts.experts_in_one_launch = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_INT4_INTERLEAVE") {
-        opts.int4_interleave_roles = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_CUDA_CHAIN") {
-        opts.chain_greedy = value.trim() != "0";
-    }
-    if let Some(value) = var("SPECTER_HOST_SPLIT") {
-        opts.split_experts = value.trim() != "0";
-    }
     if let Some(value) = var("SPECTER_LOAD_THREADS") {
         match value.trim().parse::<usize>() {
             Ok(n) if n > 0 => opts.load_threads = Some(n),
             _ => bail!("SPECTER_LOAD_THREADS={value:?} is not a number of threads (1 or more)"),
         }
-    }
-    if let Some(value) = var("SPECTER_CUDA_SERIAL") {
-        opts.serial_launches =
-            LaunchMatch::parse_list(&value).map_err(|e| anyhow!("SPECTER_CUDA_SERIAL: {e}"))?;
     }
     Ok(opts)
 }
@@ -449,36 +409,18 @@ mod tests {
     #[test]
     fn the_environment_maps_onto_the_cuda_options() {
         assert_eq!(from(&[]).unwrap(), CudaOptions::default());
-        let opts = from(&[
-            ("SPECTER_CUDA_GRAPHS", "0"),
-            ("SPECTER_CUDA_SEGMENTS", "0"),
-            ("SPECTER_LOAD_THREADS", "3"),
-            ("SPECTER_CUDA_OVERLAP", "0"),
+        assert_eq!(
+            from(&[("SPECTER_LOAD_THREADS", "3")]).unwrap().load_threads,
+            Some(3)
+        );
+        let err = from(&[("SPECTER_LOAD_THREADS", "0")]).unwrap_err();
+        assert!(err.to_string().contains("SPECTER_LOAD_THREADS"), "{err}");
+        // Variables that once chose between forms giving the same bits are not read.
+        let ignored = from(&[
             ("SPECTER_CUDA_FUSE_SHARED", "0"),
-            ("SPECTER_CUDA_ONE_LAUNCH_EXPERTS", "0"),
-            ("SPECTER_CUDA_INT4_INTERLEAVE", "0"),
-            ("SPECTER_CUDA_CLUSTERS", "0"),
-            ("SPECTER_CUDA_CHAIN", "0"),
-            ("SPECTER_HOST_SPLIT", "0"),
-        ])
-        .unwrap();
-        assert!(!opts.chain_greedy);
-        assert!(!opts.split_experts);
-        assert!(!opts.graphs);
-        assert!(!opts.segment_graphs);
-        assert!(!opts.overlap_launches);
-        assert!(!opts.fuse_shared_experts);
-        assert!(!opts.experts_in_one_launch);
-        assert!(!opts.int4_interleave_roles);
-        assert!(!opts.clusters);
-        assert_eq!(opts.load_threads, Some(3));
-        assert!(from(&[("SPECTER_CUDA_GRAPHS", "1")]).unwrap().graphs);
-        let serial = from(&[("SPECTER_CUDA_SERIAL", "attention,linear@8")]).unwrap();
-        assert_eq!(serial.serial_launches.len(), 2);
-        assert!(serial.serial_launches[0].matches("attention", 128));
-        assert!(serial.serial_launches[1].matches("linear", 8));
-        let err = from(&[("SPECTER_CUDA_SERIAL", "atention")]).unwrap_err();
-        assert!(err.to_string().contains("SPECTER_CUDA_SERIAL"), "{err}");
+            ("SPECTER_CUDA_GRAPHS", "0"),
+        ]);
+        assert_eq!(ignored.unwrap(), CudaOptions::default());
     }
 
     #[derive(clap::Parser)]

@@ -78,22 +78,19 @@ pub struct CudaBackend {
     pub(super) load_threads: Option<usize>,
     pub(super) pending: Mutex<Option<PendingLoad>>,
     pub(super) load_report: Mutex<Option<LoadReport>>,
-    /// How each launch starts: overlapping the tail of the kernel before it where
-    /// [`CudaOptions::overlap_launches`] asks for it and the device is sm_90 or newer, and the
-    /// measurement-only skip and serial lists (empty in real runs).
+    /// How each launch starts: overlapping the tail of the kernel before it where the device is
+    /// sm_90 or newer (not with [`CudaOptions::plain`]).
     pub(super) launches: LaunchRule,
-    /// See [`CudaOptions::clusters`]: asked for, and the device is sm_90 or newer.
+    /// Thread block clusters: the device is sm_90 or newer (not with [`CudaOptions::plain`]).
     pub(super) clusters: bool,
-    /// See [`CudaOptions::fuse_shared_experts`].
-    pub(super) fuse_shared_experts: bool,
-    /// See [`CudaOptions::experts_in_one_launch`].
-    pub(super) experts_in_one_launch: bool,
+    /// The fused forms of op sequences (the shared experts in the routed experts' launches, a
+    /// one-row layer's FP16 experts in one launch, a one-row step's add + norm + products and
+    /// MLA cache append): not with [`CudaOptions::plain`].
+    pub(super) fused: bool,
     /// `moe_f16_experts_1`'s counters: `EXPERTS_ONE_SLOTS` slots, zero between launches
     /// (kernels/gemv_f16.cu), and the slot the next launch takes.
     pub(super) experts_counters: CudaSlice<u32>,
     pub(super) experts_slot: std::sync::atomic::AtomicUsize,
-    /// See [`CudaOptions::chain_greedy`].
-    pub(super) chain_greedy: bool,
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
     /// calls of at most `ATT_COUNTERS` (row, head) pairs combine in the same launch.
     pub(super) attention_counters: CudaSlice<u32>,
@@ -143,14 +140,10 @@ impl CudaBackend {
             Some(u64::MAX),
         )?;
         let k = Kernels::load(&dev)?;
-        let launches = LaunchRule::new(
-            options.overlap_launches && dev.compute_capability().0 >= 9,
-            options,
-        );
-        let int4 = MoeInt4Kernels::new(&dev)?
-            .launching(launches.clone())
-            .interleaving(options.int4_interleave_roles);
-        let clusters = options.clusters && dev.compute_capability().0 >= 9;
+        let hopper = dev.compute_capability().0 >= 9;
+        let launches = LaunchRule::new(hopper && !options.plain);
+        let int4 = MoeInt4Kernels::new(&dev)?.launching(launches.clone());
+        let clusters = hopper && !options.plain;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
             .transpose()?;
@@ -185,11 +178,7 @@ impl CudaBackend {
             offload,
             buffers: Arc::new(BufferPool::default()),
             route_counts: Mutex::new(None),
-            steps: Mutex::new(graphs::StepGraphs::new(
-                params,
-                options.graphs,
-                options.segment_graphs,
-            )),
+            steps: Mutex::new(graphs::StepGraphs::new(params, options.graphs)),
             side_stream,
             timing: Mutex::new((HostTiming::default(), None)),
             load_io: options.load_io,
@@ -198,11 +187,9 @@ impl CudaBackend {
             load_report: Mutex::new(None),
             launches,
             clusters,
-            fuse_shared_experts: options.fuse_shared_experts,
-            experts_in_one_launch: options.experts_in_one_launch,
+            fused: !options.plain,
             experts_counters,
             experts_slot: std::sync::atomic::AtomicUsize::new(0),
-            chain_greedy: options.chain_greedy,
             attention_counters,
             argmax_keys,
             argmax_counts,
@@ -210,6 +197,15 @@ impl CudaBackend {
             readback_done,
             host_outputs: Mutex::new(None),
         })
+    }
+
+    /// Measurement only: leaves the launches `measure` names out of every pass or starts them
+    /// late (see [`super::MeasureOptions`]).
+    #[cfg(feature = "measure")]
+    pub fn measuring(mut self, measure: super::MeasureOptions) -> Self {
+        self.launches = self.launches.clone().measuring(measure);
+        self.int4.set_launches(self.launches.clone());
+        self
     }
 
     /// How the next model load reads its weights (see [`LoadIo`]).

@@ -280,7 +280,8 @@ impl CudaBackend {
             b.map(|b| self.product_over(b, cols)),
         );
         let w_norm = self.f16_vector(norm, cols, "add_rms_norm_linear").ok();
-        let takes = x.rows == 1
+        let takes = self.fused
+            && x.rows == 1
             && (y.rows, y.cols) == (1, cols)
             && cols.is_multiple_of(8)
             && (ADD_NORM_MIN_COLS..=ADD_NORM_MAX_COLS).contains(&cols)
@@ -362,7 +363,8 @@ impl CudaBackend {
             .ok()
             .filter(|&(_, rows, cols)| rows == n && cols == rank);
         let w_norm = self.f16_vector(step.norm, rank, "mla_kv_append").ok();
-        let takes = compressed.rows == 1
+        let takes = self.fused
+            && compressed.rows == 1
             && rank.is_multiple_of(8)
             && (MLA_APPEND_MIN_RANK..=MLA_APPEND_MAX_RANK).contains(&rank)
             && step.k_rope.style == step.q_rope.style

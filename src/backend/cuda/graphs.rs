@@ -103,7 +103,6 @@ pub(super) struct RecordedSegment {
 /// src/backend/cuda/segments.rs), and the one being captured.
 #[derive(Default)]
 pub(super) struct SegmentGraphs {
-    pub(super) enabled: bool,
     pub(super) recorded: Vec<RecordedSegment>,
     /// Pass keys whose segments are recorded, least recently used first.
     pub(super) passes: VecDeque<u64>,
@@ -201,7 +200,7 @@ pub(super) struct FedChoices {
 }
 
 impl StepGraphs {
-    pub fn new(params: CudaSlice<u32>, enabled: bool, segments_enabled: bool) -> Self {
+    pub fn new(params: CudaSlice<u32>, enabled: bool) -> Self {
         StepGraphs {
             enabled,
             params,
@@ -215,10 +214,7 @@ impl StepGraphs {
                 ..Default::default()
             },
             fed: None,
-            segments: SegmentGraphs {
-                enabled: segments_enabled,
-                ..Default::default()
-            },
+            segments: SegmentGraphs::default(),
         }
     }
 }

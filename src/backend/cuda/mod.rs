@@ -47,7 +47,9 @@ pub use nvrtc::{
     cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,
     PtxCache,
 };
-pub use options::{CudaOptions, LaunchMatch, LAUNCH_LABELS};
+pub use options::CudaOptions;
+#[cfg(feature = "measure")]
+pub use options::{LaunchMatch, MeasureOptions, LAUNCH_LABELS};
 pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
 pub use slots::{HostExpertsConfig, HostPath, OffloadConfig, SplitExperts};
 

@@ -459,7 +459,7 @@ impl CudaBackend {
 impl CudaBackend {
     /// Whether [`Self::launch_moe_f16_one`] runs this one-row FP16 layer.
     pub(super) fn experts_fit_one_launch(&self, l: &MoeLaunch, shared: &SharedDown) -> bool {
-        self.experts_in_one_launch
+        self.fused
             && l.max_count <= 1
             && shared.rows == 1
             && (1..=MAX_TOP_K).contains(&l.num_groups)

@@ -78,7 +78,7 @@ impl CudaBackend {
     ) -> Result<GpuAct> {
         let few_rows =
             matches!(spec, RouteSpec::SoftmaxTopK { .. }) && x.rows <= ROUTE_PLAN_MAX_ROWS;
-        if self.fuse_shared_experts && few_rows {
+        if self.fused && few_rows {
             if let (Some(top_k), Some(sh)) = (
                 self.device_routing_fits(x, logits, spec, experts, false),
                 self.shared_f16(shared, x.cols),

@@ -49,9 +49,6 @@ pub struct MoeInt4Kernels {
     down_combine: Kernel,
     /// How each launch starts (see [`Self::launching`]).
     launches: LaunchRule,
-    /// Whether a gate/up launch alternates its routed and shared down blocks in launch order
-    /// (see [`Self::interleaving`]).
-    interleave: bool,
 }
 
 impl std::fmt::Debug for MoeInt4Kernels {
@@ -229,16 +226,7 @@ impl MoeInt4Kernels {
             down: load("down")?,
             down_combine: Kernel::load(device, &format!("moe_int4_down_combine_{}", VARIANTS[0]))?,
             launches: LaunchRule::default(),
-            interleave: false,
         })
-    }
-
-    /// With `on`, a gate/up launch with the shared down alternates routed and shared down
-    /// blocks in launch order (even blocks routed) instead of listing the routed ones first:
-    /// the same work and bits, placed differently on the multiprocessors.
-    pub(super) fn interleaving(mut self, on: bool) -> Self {
-        self.interleave = on;
-        self
     }
 
     /// Launches by `rule`, the backend's (`launch_overlapping` where it says so: both kernels
@@ -247,8 +235,12 @@ impl MoeInt4Kernels {
     /// gate/up", "moe int4 down" and "moe int4 down + combine"). Without it, every launch
     /// starts once the kernel before it has finished.
     pub(super) fn launching(mut self, rule: LaunchRule) -> Self {
-        self.launches = rule;
+        self.set_launches(rule);
         self
+    }
+
+    pub(super) fn set_launches(&mut self, rule: LaunchRule) {
+        self.launches = rule;
     }
 
     /// Launches `func` (labelled `what`) with THREADS-thread blocks and its arguments in 8-byte
@@ -421,11 +413,10 @@ impl MoeInt4Kernels {
             shared.map_or(0, |sd| sd.inter as u64),
             shared.map_or(0, |sd| sd.down),
             shared.map_or(0, |sd| sd.y),
-            u64::from(self.interleave),
         ];
         // The arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x, const u32*
         // item_row, float* h, u32 hidden, u32 inter, u32 num_groups, const float* s_h, u32
-        // s_inter, const __half* s_down, float* s_y, u32 interleave); the shapes were checked
+        // s_inter, const __half* s_down, float* s_y); the shapes were checked
         // above, and the caller's MoeLaunch promises device buffers of the sizes it documents,
         // groups whose items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter
         // matrix, and a SharedDown one row of s_inter inputs, a [hidden][s_inter] f16 weight and

@@ -220,7 +220,7 @@ impl CudaBackend {
     /// Chooses `logits`' greedy token into the step buffer's id word (a fed pass's input) and
     /// starts its copy to a pinned host slot.
     pub(super) fn feed_choice_impl(&self, logits: &GpuAct) -> Result<bool> {
-        if !self.chain_greedy || logits.rows != 1 || logits.cols == 0 {
+        if logits.rows != 1 || logits.cols == 0 {
             return Ok(false);
         }
         let mut g = self.lock(&self.steps)?;

@@ -51,7 +51,7 @@ impl CudaBackend {
             Some(a) if !a.capturing && g.failed.contains(&a.key) => a.key,
             _ => return Ok(SegmentStart::Run),
         };
-        if !g.enabled || !g.segments.enabled || g.segments.capture.is_some() {
+        if !g.enabled || g.segments.capture.is_some() {
             return Ok(SegmentStart::Run);
         }
         let key = SegmentKey { pass, index };
