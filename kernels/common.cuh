@@ -25,7 +25,7 @@
 #define spx_ldg(p) (*(p))
 #endif
 
-// One routed expert's group of work items. Mirrors `ExpertGroup` in src/backend/cuda/experts.rs
+// One routed expert's group of work items. Mirrors `ExpertGroup` in src/backend/cuda/moe/experts.rs
 // (#[repr(C)], 40 bytes).
 struct ExpertGroup {
     unsigned long long gate_up;         // gate/up weight: f16 [2 * inter][hidden], or INT4 qweight

@@ -1,6 +1,6 @@
 // FP16-weight matrix products for f32 activations of few rows (decode, verification windows, short
 // prompts): plain linear layers, the fused gate/up of a gated MLP, and the grouped routed-expert
-// FFN (see src/backend/cuda/experts.rs).
+// FFN (see src/backend/cuda/moe/experts.rs).
 //
 // One warp owns two output features (two weight rows; four in the one-item routed down kernels,
 // whose rows are short): its lanes stream the rows in 16-byte pieces (8 halves), several pieces
@@ -220,7 +220,7 @@ __device__ __forceinline__ void linear_prefetch(const __half* SPX_READONLY w, in
 // blockIdx.x, blockIdx.x + gridDim.x, ... For several rows the host launches at most as many
 // blocks as fit on the device at once, so no block waits for a wave to drain, and each asks L2
 // for its next work block's weights before computing the current one; for one row, a block per
-// work block (src/backend/cuda/kernels.rs, `GridStride::grid`). Which block computes a feature
+// work block (src/backend/cuda/runtime/kernels.rs, `GridStride::grid`). Which block computes a feature
 // changes no bit.
 
 // y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias[n]), over ceil(n / (FEATURES * WARPS)) feature
@@ -626,7 +626,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 //
 // Counters: EXPERTS_ONE_ARRIVED + gx1 u32 a launch, zero when it starts; the block that counts
 // the last combine's wait done sets them back to zero (the backend zeroes the buffer once and
-// gives consecutive launches different slots: src/backend/cuda/launch_constants.rs,
+// gives consecutive launches different slots: src/backend/cuda/runtime/launch_constants.rs,
 // EXPERTS_ONE_SLOTS). By then every block has taken its ticket and made its last signal: every
 // chunk's combine has waited for a routed down block of each group, which waited for all of its
 // group's gate/up blocks, and for the chunk's shared down blocks. Words: the ticket, combines

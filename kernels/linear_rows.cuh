@@ -137,7 +137,7 @@ __device__ __forceinline__ void group_dot2(const __half* SPX_READONLY w0, const 
 
 // Rows a work block of the several-row dense kernels takes: all of them up to 2, pairs up to 4,
 // then WORK_ROWS. Parallelism only: a (row, feature)'s arithmetic does not depend on its group.
-// The host sizes grids by the same rule (src/backend/cuda/kernels.rs, `work_rows`).
+// The host sizes grids by the same rule (src/backend/cuda/runtime/kernels.rs, `work_rows`).
 __device__ __forceinline__ int work_rows(int rows) {
     return rows <= 2 ? max(rows, 1) : (rows <= 4 ? 2 : WORK_ROWS);
 }

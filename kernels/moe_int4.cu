@@ -97,7 +97,7 @@ typedef unsigned long long u64;
 // One warp's space in the block's dynamic shared memory: its load ring (RING slots of 32 x 16
 // bytes) during the K loop, then its partial sums (red: one [MAXI][MOE_RED_STRIDE] array per
 // matrix of the pass). The two are never live together (the warp finishes reading the ring
-// before it writes sums). src/backend/cuda/moe_int4.rs computes the same size.
+// before it writes sums). src/backend/cuda/moe/int4.rs computes the same size.
 __host__ __device__ constexpr unsigned moe_warp_space_bytes(int maxi, int ring, bool paired) {
     return 512u * ring > (paired ? 2u : 1u) * maxi * MOE_RED_STRIDE * 4u
                ? 512u * ring
@@ -696,8 +696,8 @@ __device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups) {
 }
 
 // MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED): the gate_up and down kernels of one
-// variant. src/backend/cuda/launch_constants.rs mirrors the arguments (MOE_INT4_VARIANTS,
-// _STAGED, _RING, _PAIRED); src/backend/cuda/moe_int4.rs sizes a launch's dynamic shared memory
+// variant. src/backend/cuda/runtime/launch_constants.rs mirrors the arguments (MOE_INT4_VARIANTS,
+// _STAGED, _RING, _PAIRED); src/backend/cuda/moe/int4.rs sizes a launch's dynamic shared memory
 // from them: MOE_WARPS moe_warp_space_bytes(MAXI, RING, PAIRED), plus 2 K (MAXI + 1) bytes of
 // staged activations when STAGED. gate_up's grid has room for num_groups rows of routed blocks
 // and, when s_down is given, rows of shared_down_block, in the order gate_up_role gives.

@@ -114,7 +114,7 @@ struct PlanShared {
     unsigned hits;
 };
 
-// The grouped-MoE work list from device routing (src/backend/cuda/experts.rs): items grouped by
+// The grouped-MoE work list from device routing (src/backend/cuda/moe/experts.rs): items grouped by
 // ascending expert id, each expert's in ascending (row, slot) order, exactly as the host builds it.
 // `table[e]` holds expert e's weight pointers. Groups past the number of experts hit get count 0,
 // so kernels launched over `max_groups` groups do nothing there. Run by the whole block (any

@@ -3,9 +3,9 @@
 //! the offload simulation on the CPU, automatic depth). `generate`, `bench`, `profile`, `demo`
 //! and `serve` all decode through [`decode_on_session`].
 
-use crate::backend::cuda::{CudaPrefetcher, FrequencyPrefetcher};
 use crate::decode::{
-    self, AutoDepth, AutoDepthReport, DecodeObserver, GenerateOptions, GenerateOutput, Mode,
+    self, AutoDepth, AutoDepthReport, DecodeObserver, DraftPrefetcher, FrequencyPrefetcher,
+    GenerateOptions, GenerateOutput, Mode,
 };
 use crate::model::{LanguageModel, NoHook};
 use crate::offload::{OffloadSimulator, Policy, SimulatorConfig};
@@ -92,7 +92,7 @@ pub fn decode_on_session(
                     }
                 }
                 Mode::Specter if offloaded => {
-                    let mut prefetcher = CudaPrefetcher::new(gpu, m.info(), plan.copy_bandwidth)?;
+                    let mut prefetcher = DraftPrefetcher::new(gpu, m.info(), plan.copy_bandwidth)?;
                     let mut out =
                         observed(m.as_ref(), prompt, opts, &mut prefetcher, auto, on_token)?;
                     if let Some(e) = prefetcher.take_error() {

@@ -15,10 +15,12 @@ use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::backend::cuda::{
-    CudaBackend, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostExpertsConfig, HostPath,
-    OffloadConfig, SplitExperts,
+    CudaBackend, CudaOptions, HostExpertsConfig, HostPath, OffloadConfig, SplitExperts,
 };
-use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
+use specter::decode::{
+    generate, generate_observed, DraftPrefetcher, FrequencyPrefetcher, GenerateOptions, Mode,
+    Sampling,
+};
 use specter::model::{KvCache, LanguageModel, NoHook, Variant};
 use specter::offload::Policy;
 
@@ -137,7 +139,7 @@ fn every_fixture_every_residency(speculative: bool) {
                 if speculative && gpu.backend().offload_slots().unwrap().is_some() {
                     // Draft-driven prefetch into the expert cache changes what is resident, never
                     // the tokens.
-                    let mut prefetcher = CudaPrefetcher::new(
+                    let mut prefetcher = DraftPrefetcher::new(
                         gpu.backend(),
                         gpu.info(),
                         specter::generate::DEFAULT_COPY_BANDWIDTH,
@@ -221,7 +223,7 @@ fn every_fixture_every_residency(speculative: bool) {
             }
             if label.contains("slots") {
                 // The target's passes wait for their routing on the host; the ops between the
-                // waits are recorded and replayed (src/backend/cuda/segments.rs).
+                // waits are recorded and replayed (src/backend/cuda/graphs/segments.rs).
                 assert!(
                     graphs.segment_captures > 0 && graphs.segment_replays > graphs.segment_captures,
                     "{name} ({label}): the target's segments were not replayed: {graphs:?}"

@@ -1,4 +1,4 @@
-//! The CUDA backend's fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit
+//! The CUDA backend's fused ops (src/backend/cuda/ops/fused.rs) against the CPU reference, and bit
 //! for bit against the GPU's own unfused sequence of the ops each replaces, in the manner of
 //! tests/cuda_ops.rs, whose harness (tests/common/ops.rs) they share. They need an NVIDIA GPU:
 //! `scripts/gpu-check.sh run ops` runs them with `--ignored`.
@@ -13,7 +13,7 @@ use specter::backend::{
     add_rms_norm_linear_ops, mla_kv_append_ops, Backend, MlaAppend, MlaShape, RopeSpec,
 };
 
-/// The fused ops (src/backend/cuda/fused.rs) against the CPU reference, and bit for bit against
+/// The fused ops (src/backend/cuda/ops/fused.rs) against the CPU reference, and bit for bit against
 /// the GPU's own unfused sequence of the ops each replaces.
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]

@@ -24,10 +24,12 @@ use common::{Fixture, FIXTURES};
 use rand::{Rng, SeedableRng};
 use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cuda::{
-    CudaBackend, CudaDevice, CudaOptions, CudaPrefetcher, FrequencyPrefetcher, HostExpertsConfig,
-    HostPath, OffloadConfig, SplitExperts,
+    CudaBackend, CudaDevice, CudaOptions, HostExpertsConfig, HostPath, OffloadConfig, SplitExperts,
 };
-use specter::decode::{generate, generate_observed, GenerateOptions, Mode, Sampling};
+use specter::decode::{
+    generate, generate_observed, DraftPrefetcher, FrequencyPrefetcher, GenerateOptions, Mode,
+    Sampling,
+};
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
 use specter::offload::Policy;
 use specter::pack::{convert, ConvertOptions, Silent};
@@ -367,7 +369,7 @@ fn decode<M: LanguageModel + Placed>(
     let offloaded = gpu.backend().offload_slots().unwrap().is_some();
     let tokens = match mode {
         Mode::Specter if offloaded => {
-            let mut p = CudaPrefetcher::new(gpu.backend(), gpu.info(), 55e9).unwrap();
+            let mut p = DraftPrefetcher::new(gpu.backend(), gpu.info(), 55e9).unwrap();
             let out = generate_observed(model, prompt, &opts, &mut p, &mut |_| {}).unwrap();
             assert!(p.take_error().is_none(), "prefetch failed");
             out.tokens

@@ -24,12 +24,12 @@ fn entries(ptx: &str) -> BTreeSet<String> {
 }
 
 /// The (module, kernel) pairs the host loads by literal name: `dev.function("m", "k")` and the
-/// `ops("k")` / `routing("k")` / `gemv("k")` helpers of src/backend/cuda/kernels.rs, plus the
+/// `ops("k")` / `routing("k")` / `gemv("k")` helpers of src/backend/cuda/runtime/kernels.rs, plus the
 /// doctor's.
 fn loaded_by_name() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut pairs = Vec::new();
-    for file in ["src/backend/cuda/kernels.rs", "src/doctor/mod.rs"] {
+    for file in ["src/backend/cuda/runtime/kernels.rs", "src/doctor/mod.rs"] {
         let text = std::fs::read_to_string(root.join(file)).expect(file);
         for (helper, module) in [
             ("ops(\"", "ops"),
@@ -145,7 +145,7 @@ fn every_kernel_compiles_for_each_architecture() {
     let loaded = loaded_by_name();
     assert!(
         loaded.len() >= 30,
-        "only {} kernels found loaded by name: has src/backend/cuda/kernels.rs changed form?",
+        "only {} kernels found loaded by name: has src/backend/cuda/runtime/kernels.rs changed form?",
         loaded.len()
     );
     for (module, name) in loaded {

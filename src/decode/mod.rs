@@ -9,10 +9,12 @@
 //! fixed depth, as a separate draft model would.
 
 mod depth;
+mod prefetch;
 // Named by path where a module the decode loop imports needs a greedy choice (no import cycle).
 pub(crate) mod sampling;
 
 pub use depth::{candidate_depths, AutoDepth, AutoDepthReport};
+pub use prefetch::{DraftPrefetcher, FrequencyPrefetcher};
 pub use sampling::{
     accept_or_resample, argmax, argmax_scan, distribution, distribution_by_sort, sample, Sampling,
 };

@@ -7,26 +7,28 @@
 //! speculative decoding on the GPU is lossless.
 //!
 //! Routed experts are either uploaded with the other weights (all resident) or kept in the
-//! bundle's mapping and copied on demand into per-layer slots (see [`super::offload`]).
+//! bundle's mapping and copied on demand into per-layer slots (see [`crate::backend::cuda::offload`]).
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
 use half::f16;
 
-use super::act::{GpuAct, GpuWeight};
-use super::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
-use super::experts::ExpertGroup;
-use super::graphs;
-use super::host::PinnedBuffer;
-use super::kernels::*;
-use super::load::{LoadIo, LoadReport, PendingLoad};
-use super::moe_int4::MoeInt4Kernels;
-use super::options::LaunchRule;
-use super::pool::{bucket, default_mem_pool, pool_attribute, BufferPool, MemPool, PooledBuf};
-use super::rope::RopeTableGpu;
-use super::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
-use super::{CudaDevice, CudaOptions};
+use crate::backend::cuda::graphs;
+use crate::backend::cuda::moe::experts::ExpertGroup;
+use crate::backend::cuda::moe::int4::MoeInt4Kernels;
+use crate::backend::cuda::offload::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
+use crate::backend::cuda::ops::rope::RopeTableGpu;
+use crate::backend::cuda::options::LaunchRule;
+use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
+use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::host::PinnedBuffer;
+use crate::backend::cuda::runtime::kernels::*;
+use crate::backend::cuda::runtime::load::{LoadIo, LoadReport, PendingLoad};
+use crate::backend::cuda::runtime::pool::{
+    bucket, default_mem_pool, pool_attribute, BufferPool, MemPool, PooledBuf,
+};
+use crate::backend::cuda::{CudaDevice, CudaOptions};
 use crate::offload::OffloadStats;
 use crate::{Error, Result};
 
@@ -66,7 +68,7 @@ pub struct CudaBackend {
     pub(super) buffers: Arc<BufferPool>,
     /// Routing counts `[moe layers, experts]` of passes whose hook counts them on the device.
     pub(super) route_counts: Mutex<Option<RouteCounts>>,
-    /// Recorded forward passes (src/backend/cuda/graphs.rs).
+    /// Recorded forward passes (src/backend/cuda/graphs/mod.rs).
     pub(super) steps: Mutex<graphs::StepGraphs>,
     /// Allocates buffers while the compute stream is being captured, outside the recording.
     pub(super) side_stream: Arc<CudaStream>,
@@ -98,7 +100,7 @@ pub struct CudaBackend {
     /// launches (kernels/ops.cu).
     pub(super) argmax_keys: CudaSlice<u64>,
     pub(super) argmax_counts: CudaSlice<u32>,
-    /// Page-locked landing space for reads to the host (src/backend/cuda/moe.rs `read_back`):
+    /// Page-locked landing space for reads to the host (src/backend/cuda/moe/mod.rs `read_back`):
     /// several activations arrive with one wait for the device.
     pub(super) readback: Mutex<Option<PinnedBuffer>>,
     /// Marks a read-back's copies done, so work issued after them (the shared experts of an
@@ -128,7 +130,7 @@ impl CudaBackend {
         // One compute stream plus the expert cache's copy stream, fenced by our own events:
         // cudarc's per-buffer event tracking would only add a record per launch.
         // SAFETY: no buffer of this context exists yet that relies on tracking; every later
-        // cross-stream use is ordered by explicit events (src/backend/cuda/offload.rs).
+        // cross-stream use is ordered by explicit events (src/backend/cuda/offload/slots.rs).
         unsafe { dev.context().disable_event_tracking() };
         let stream = dev.stream().clone();
         let pool = default_mem_pool(&dev)?;
@@ -200,9 +202,9 @@ impl CudaBackend {
     }
 
     /// Measurement only: leaves the launches `measure` names out of every pass or starts them
-    /// late (see [`super::MeasureOptions`]).
+    /// late (see [`crate::backend::cuda::MeasureOptions`]).
     #[cfg(feature = "measure")]
-    pub fn measuring(mut self, measure: super::MeasureOptions) -> Self {
+    pub fn measuring(mut self, measure: crate::backend::cuda::MeasureOptions) -> Self {
         self.launches = self.launches.clone().measuring(measure);
         self.int4.set_launches(self.launches.clone());
         self

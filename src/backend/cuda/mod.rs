@@ -8,50 +8,34 @@
 //! `nvcc` was available at build time, and always as source, which [`CudaDevice::module`]
 //! compiles with NVRTC for the device's architecture and caches on disk.
 
-mod act;
-mod attention;
+// The backend's parts by concern. Each file of a part is visible to the whole backend and no
+// further; what callers use is re-exported below.
 mod backend;
-mod device;
-mod driver;
-pub mod experts;
-mod fused;
 mod graphs;
-mod host;
-mod kernels;
-mod launch_constants;
-pub mod load;
 mod moe;
-mod moe_device;
-mod moe_int4;
-mod nvrtc;
+mod offload;
 mod ops;
 mod options;
-mod pace;
-mod pool;
-mod prefetch;
-mod readback;
-mod recording;
-mod rope;
-mod segments;
-mod slots;
+mod runtime;
 
-pub use act::{GpuAct, GpuWeight};
 pub use backend::{CudaBackend, HostTiming};
-pub use device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
-pub use driver::launch_overlapping;
 pub use graphs::StepGraphStats;
-pub use host::{PinnedBuffer, RegisteredHost};
-pub use load::{LoadIo, LoadReport};
-pub use moe_int4::{check_int4_launch, MoeInt4Kernels};
-pub use nvrtc::{
-    cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,
-    PtxCache,
-};
+pub use moe::experts;
+pub use moe::int4::{check_int4_launch, MoeInt4Kernels};
+pub use offload::slots::{HostExpertsConfig, HostPath, OffloadConfig, SplitExperts};
 pub use options::CudaOptions;
 #[cfg(feature = "measure")]
 pub use options::{LaunchMatch, MeasureOptions, LAUNCH_LABELS};
-pub use prefetch::{CudaPrefetcher, FrequencyPrefetcher};
-pub use slots::{HostExpertsConfig, HostPath, OffloadConfig, SplitExperts};
+pub use runtime::act::{GpuAct, GpuWeight};
+pub use runtime::device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
+pub use runtime::driver::launch_overlapping;
+pub use runtime::host::{PinnedBuffer, RegisteredHost};
+pub use runtime::load;
+pub use runtime::load::{LoadIo, LoadReport};
+pub use runtime::nvrtc::{
+    cache_key, compile_source, nvrtc_library_present, nvrtc_version, ptx_cache_dir, CompiledPtx,
+    PtxCache,
+};
 
 // Re-exported so callers launch kernels and hold device buffers without naming cudarc themselves.
 pub use cudarc::driver::{

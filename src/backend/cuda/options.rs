@@ -6,13 +6,13 @@
 //! With the `measure` cargo feature, [`MeasureOptions`] leaves launches out of a pass or starts
 //! them late, for the step benchmark (examples/bench_step.rs) alone.
 
-use super::{HostExpertsConfig, HostPath, LoadIo, SplitExperts};
+use crate::backend::cuda::{HostExpertsConfig, HostPath, LoadIo, SplitExperts};
 
-/// How a [`CudaBackend`](super::CudaBackend) runs.
+/// How a [`CudaBackend`](crate::backend::cuda::CudaBackend) runs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CudaOptions {
     /// Record forward passes as CUDA graphs and replay them, and the segments of passes that
-    /// wait for the device midway (see src/backend/cuda/graphs.rs). Off: every op is launched
+    /// wait for the device midway (see src/backend/cuda/graphs/mod.rs). Off: every op is launched
     /// as the pass runs. The same bits either way (tests/cuda_placement.rs).
     pub graphs: bool,
     /// Debugging: every op in its plain form: no fused op sequences (the shared experts and a

@@ -143,13 +143,13 @@ mod tests {
     #[test]
     fn launch_labels_are_the_backends() {
         let sources = [
-            include_str!("../attention.rs"),
+            include_str!("../ops/attention.rs"),
             include_str!("../backend.rs"),
-            include_str!("../fused.rs"),
-            include_str!("../moe.rs"),
-            include_str!("../moe_device.rs"),
-            include_str!("../moe_int4.rs"),
-            include_str!("../ops.rs"),
+            include_str!("../ops/fused.rs"),
+            include_str!("../moe/mod.rs"),
+            include_str!("../moe/device.rs"),
+            include_str!("../moe/int4.rs"),
+            include_str!("../ops/mod.rs"),
         ];
         let mut found = std::collections::BTreeSet::new();
         for src in sources {

@@ -11,10 +11,10 @@
 use cudarc::driver::CudaSlice;
 use half::f16;
 
-use super::act::{GpuAct, GpuWeight};
-use super::backend::CudaBackend;
-use super::kernels::*;
 use crate::arch::RopeStyle;
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
+use crate::backend::cuda::runtime::kernels::*;
 use crate::backend::{
     add_rms_norm_linear_ops, check, mla_kv_append_ops, MlaAppend, MlaShape, NormedProducts,
     RopeSpec,
@@ -24,7 +24,7 @@ use crate::Result;
 impl CudaBackend {
     /// The rotation tables of `positions`: the step buffer's in a recorded pass, else the table
     /// rebuilt for these positions.
-    pub(super) fn rope_tables(
+    pub(in crate::backend::cuda) fn rope_tables(
         &self,
         inv_freq: &[f32],
         positions: &[usize],
@@ -52,7 +52,7 @@ impl CudaBackend {
             .map_or(0, |a| a.positions))
     }
 
-    pub(super) fn add_rms_norm_op(
+    pub(in crate::backend::cuda) fn add_rms_norm_op(
         &self,
         x: &mut GpuAct,
         y: &GpuAct,
@@ -83,7 +83,7 @@ impl CudaBackend {
         Ok(out)
     }
 
-    pub(super) fn linear_pair_op(
+    pub(in crate::backend::cuda) fn linear_pair_op(
         &self,
         x: &GpuAct,
         a: &GpuWeight,
@@ -144,7 +144,7 @@ impl CudaBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn mla_latent_op(
+    pub(in crate::backend::cuda) fn mla_latent_op(
         &self,
         compressed: &GpuAct,
         norm: &GpuWeight,
@@ -187,7 +187,7 @@ impl CudaBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn mla_expand_append_op(
+    pub(in crate::backend::cuda) fn mla_expand_append_op(
         &self,
         kv: &GpuAct,
         k_pe: &GpuAct,
@@ -267,7 +267,7 @@ impl CudaBackend {
     /// applies: one row of a width the kernel takes, FP16 norm and products over that width,
     /// aligned rows. Else the ops. The sum goes to a new buffer that then replaces `x`: the
     /// kernel's blocks all read the old one.
-    pub(super) fn add_rms_norm_linear_op(
+    pub(in crate::backend::cuda) fn add_rms_norm_linear_op(
         &self,
         (x, y): (&mut GpuAct, &GpuAct),
         (norm, eps): (&GpuWeight, f32),
@@ -347,7 +347,7 @@ impl CudaBackend {
     /// `mla_kv_append` in one launch (`mla_kv_append_1`, kernels/ops.cu) where it applies: one
     /// row, FP16 `kv_b` and norm, a rank the kernel takes, one rotation style. Else the three
     /// ops.
-    pub(super) fn mla_kv_append_op(
+    pub(in crate::backend::cuda) fn mla_kv_append_op(
         &self,
         compressed: &GpuAct,
         step: &MlaAppend<'_, GpuWeight>,

@@ -4,8 +4,8 @@
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use super::{timing_event, CopyBatch, ExpertOffload, SplitExperts};
-use crate::backend::cuda::driver::guarded;
+use crate::backend::cuda::offload::slots::{timing_event, CopyBatch, ExpertOffload, SplitExperts};
+use crate::backend::cuda::runtime::driver::guarded;
 use crate::{Error, Result};
 
 /// Device space for one down matrix and its events.

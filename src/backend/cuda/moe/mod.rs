@@ -1,16 +1,20 @@
 //! Routed-expert dispatch: the host-side work list of a layer's routing ([`MoePlan`]), the expert
 //! pointer tables, and the grouped expert kernels for resident experts and, through the expert
-//! slots (src/backend/cuda/slots.rs), for offloaded ones. Routing on the device is in
-//! src/backend/cuda/moe_device.rs.
+//! slots (src/backend/cuda/offload/slots.rs), for offloaded ones. Routing on the device is in
+//! src/backend/cuda/moe/device.rs.
+
+pub(in crate::backend::cuda) mod device;
+pub mod experts;
+pub(in crate::backend::cuda) mod int4;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
-use super::act::{GpuAct, GpuWeight};
-use super::backend::CudaBackend;
-use super::experts::{ExpertGroup, MoeLaunch, SharedDown};
-use super::kernels::*;
-use super::slots::{ExpertOffload, InPlaceExpert};
 use crate::backend::cpu::{Cpu, Mat};
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::moe::experts::{ExpertGroup, MoeLaunch, SharedDown};
+use crate::backend::cuda::offload::slots::{ExpertOffload, InPlaceExpert};
+use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
+use crate::backend::cuda::runtime::kernels::*;
 use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
 use crate::host_experts::{ExpertJob, HostExperts, HostRun};
 use crate::offload::Elsewhere;
@@ -88,7 +92,7 @@ impl MoePlan {
 }
 
 /// The weight pointers of a resident expert (first/count left 0), and whether it is INT4.
-pub(super) fn expert_pointers(
+pub(in crate::backend::cuda) fn expert_pointers(
     mlp: &GatedMlp<CudaBackend>,
     e: usize,
     stream: &CudaStream,
@@ -135,7 +139,11 @@ pub(super) fn expert_pointers(
 }
 
 impl CudaBackend {
-    pub(super) fn route_op(&self, logits: &GpuAct, spec: RouteSpec) -> Result<Routing> {
+    pub(in crate::backend::cuda) fn route_op(
+        &self,
+        logits: &GpuAct,
+        spec: RouteSpec,
+    ) -> Result<Routing> {
         Ok(self.route_on_host(logits, spec, None, || Ok(()))?.0)
     }
 
@@ -144,7 +152,7 @@ impl CudaBackend {
     /// the host routes and places. The routing decides which experts are copied, so the host
     /// needs it anyway; computing it with the CPU reference's code keeps top-k ties and
     /// SparseMixer identical.
-    pub(super) fn route_on_host<T>(
+    pub(in crate::backend::cuda) fn route_on_host<T>(
         &self,
         logits: &GpuAct,
         spec: RouteSpec,
@@ -184,7 +192,7 @@ impl CudaBackend {
         })
     }
 
-    pub(super) fn routed_moe_op(
+    pub(in crate::backend::cuda) fn routed_moe_op(
         &self,
         x: &GpuAct,
         logits: &GpuAct,
@@ -208,7 +216,7 @@ impl CudaBackend {
     /// MLP, issued on the device right after the routing's read-back, so that it runs while the
     /// host routes and places the experts (and, for offloaded layers, while host threads compute
     /// some of them). With the host path, the layer input comes back with the logits.
-    pub(super) fn routed_moe_on_host(
+    pub(in crate::backend::cuda) fn routed_moe_on_host(
         &self,
         x: &GpuAct,
         logits: &GpuAct,
@@ -229,7 +237,7 @@ impl CudaBackend {
         Ok((out, routing, shared_out))
     }
 
-    pub(super) fn moe_experts_op(
+    pub(in crate::backend::cuda) fn moe_experts_op(
         &self,
         x: &GpuAct,
         routing: &Routing,
@@ -381,7 +389,11 @@ impl CudaBackend {
     /// Launches the grouped FP16 expert kernels (gate/up then down) for one work list.
     /// The grouped FP16 expert kernels; with `shared`, the down launch also computes the shared
     /// experts' down product in a last row of blocks.
-    pub(super) fn launch_moe_f16(&self, l: &MoeLaunch, shared: Option<&SharedDown>) -> Result<()> {
+    pub(in crate::backend::cuda) fn launch_moe_f16(
+        &self,
+        l: &MoeLaunch,
+        shared: Option<&SharedDown>,
+    ) -> Result<()> {
         let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
         let groups = int(l.num_groups, "groups")?;
         // Work blocks: (features, groups), run by grid-stride blocks.
@@ -458,7 +470,11 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// Whether [`Self::launch_moe_f16_one`] runs this one-row FP16 layer.
-    pub(super) fn experts_fit_one_launch(&self, l: &MoeLaunch, shared: &SharedDown) -> bool {
+    pub(in crate::backend::cuda) fn experts_fit_one_launch(
+        &self,
+        l: &MoeLaunch,
+        shared: &SharedDown,
+    ) -> bool {
         self.fused
             && l.max_count <= 1
             && shared.rows == 1
@@ -470,7 +486,7 @@ impl CudaBackend {
     /// into `shared.y`, the routed gate/up and down, and `y = sum of the top_k item outputs +
     /// shared.y` (with `moe_combine`'s bits), which the separate launches compute in three. For
     /// layers [`Self::experts_fit_one_launch`] takes; `row_items` as the routing launch wrote it.
-    pub(super) fn launch_moe_f16_one(
+    pub(in crate::backend::cuda) fn launch_moe_f16_one(
         &self,
         l: &MoeLaunch,
         shared: &SharedDown,

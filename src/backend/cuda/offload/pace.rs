@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::driver::guarded;
-use super::kernels::{ptr, PaceKernels};
-use super::CudaDevice;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::kernels::{ptr, PaceKernels};
+use crate::backend::cuda::CudaDevice;
 use crate::{Error, Result};
 
-pub(super) struct LinkPace {
+pub(in crate::backend::cuda) struct LinkPace {
     kernels: PaceKernels,
     /// The GPU clock (ns) at the start of the batch in flight: batches on the one copy stream run
     /// one after another, so one stamp serves them all.
@@ -24,7 +24,11 @@ pub(super) struct LinkPace {
 
 impl LinkPace {
     /// Pacing at `bytes_per_s` on `copy` (the stream every paced batch runs on).
-    pub(super) fn new(dev: &CudaDevice, copy: &Arc<CudaStream>, bytes_per_s: f64) -> Result<Self> {
+    pub(in crate::backend::cuda) fn new(
+        dev: &CudaDevice,
+        copy: &Arc<CudaStream>,
+        bytes_per_s: f64,
+    ) -> Result<Self> {
         check_rate(bytes_per_s)?;
         let stamp = guarded("cannot allocate the link pacing stamp", || {
             copy.alloc_zeros::<u64>(1)
@@ -36,12 +40,12 @@ impl LinkPace {
         })
     }
 
-    pub(super) fn bytes_per_s(&self) -> f64 {
+    pub(in crate::backend::cuda) fn bytes_per_s(&self) -> f64 {
         self.bytes_per_s
     }
 
     /// Stamps the start of a batch on `copy` (before its first copy).
-    pub(super) fn begin(&self, copy: &CudaStream) -> Result<()> {
+    pub(in crate::backend::cuda) fn begin(&self, copy: &CudaStream) -> Result<()> {
         let stamp = ptr(&self.stamp, copy);
         let mut b = copy.launch_builder(&self.kernels.start);
         b.arg(&stamp);
@@ -54,7 +58,7 @@ impl LinkPace {
 
     /// After a batch of `bytes` on `copy`: holds the stream until the batch has taken as long as
     /// those bytes take at the paced rate.
-    pub(super) fn end(&self, copy: &CudaStream, bytes: usize) -> Result<()> {
+    pub(in crate::backend::cuda) fn end(&self, copy: &CudaStream, bytes: usize) -> Result<()> {
         let stamp = ptr(&self.stamp, copy);
         let ns = pace_ns(bytes, self.bytes_per_s);
         let mut b = copy.launch_builder(&self.kernels.wait);

@@ -1,6 +1,6 @@
-//! Draft-driven prefetch on the GPU: the decode loop's observer that turns the INT4 draft's
-//! routing into copies of the FP16 experts the verify pass will need, issued on the copy stream
-//! while the draft keeps running.
+//! Draft-driven prefetch: the decode loop's observer that turns the INT4 draft's routing into
+//! copies of the FP16 experts the verify pass will need, issued through the backend's expert
+//! cache ([`ExpertCopies`]; on the GPU, on the copy stream while the draft keeps running).
 //!
 //! Per draft window: routing counts per MoE layer accumulate on the GPU as draft steps run (the
 //! draft's routing never comes to the host, so a draft pass has no host round trip and can be
@@ -15,20 +15,19 @@
 
 use std::time::Instant;
 
-use super::CudaBackend;
-use crate::decode::DecodeObserver;
+use super::DecodeObserver;
 use crate::model::{ModelInfo, RouteHook, Variant};
-use crate::offload::Planner;
+use crate::offload::{ExpertCopies, Planner};
 use crate::Result;
 
 /// A draft window starts: the previous plan's protection ends and the device counts restart.
-fn new_window(backend: &CudaBackend) -> Result<()> {
+fn new_window<C: ExpertCopies + ?Sized>(backend: &C) -> Result<()> {
     backend.clear_plans()?;
     backend.reset_route_counts()
 }
 
 /// The draft's routing counts so far, from the device into the planner.
-fn load_counts(backend: &CudaBackend, planner: &mut Planner) -> Result<()> {
+fn load_counts<C: ExpertCopies + ?Sized>(backend: &C, planner: &mut Planner) -> Result<()> {
     let counts = backend.route_counts()?;
     if !planner.set_counts(&counts) {
         return Err(crate::Error::Backend(format!(
@@ -40,8 +39,8 @@ fn load_counts(backend: &CudaBackend, planner: &mut Planner) -> Result<()> {
 }
 
 /// The observer; pass it to [`crate::decode::generate_observed`] in Specter mode.
-pub struct CudaPrefetcher<'a> {
-    backend: &'a CudaBackend,
+pub struct DraftPrefetcher<'a, C: ExpertCopies + ?Sized> {
+    backend: &'a C,
     planner: Planner,
     /// Decoder layer of each MoE layer.
     moe_layers: Vec<usize>,
@@ -53,13 +52,9 @@ pub struct CudaPrefetcher<'a> {
     error: Option<crate::Error>,
 }
 
-impl<'a> CudaPrefetcher<'a> {
+impl<'a, C: ExpertCopies + ?Sized> DraftPrefetcher<'a, C> {
     /// `bandwidth_bytes_per_s`: the copy bandwidth the chunk schedule assumes at first.
-    pub fn new(
-        backend: &'a CudaBackend,
-        info: &ModelInfo,
-        bandwidth_bytes_per_s: f64,
-    ) -> Result<Self> {
+    pub fn new(backend: &'a C, info: &ModelInfo, bandwidth_bytes_per_s: f64) -> Result<Self> {
         let slots = backend.offload_slots()?.ok_or_else(|| {
             crate::Error::Request(
                 "draft-driven prefetch needs offloaded experts (--resident-experts N below the expert count)"
@@ -69,7 +64,7 @@ impl<'a> CudaPrefetcher<'a> {
         backend.enable_route_counts(info.moe_layers.len(), info.num_experts)?;
         // A first guess of the draft step time; replaced by measurements after one step.
         let draft_step_s = 2e-3;
-        Ok(CudaPrefetcher {
+        Ok(DraftPrefetcher {
             backend,
             planner: Planner::new(
                 info.moe_layers.len(),
@@ -108,7 +103,7 @@ impl<'a> CudaPrefetcher<'a> {
     }
 }
 
-impl RouteHook for CudaPrefetcher<'_> {
+impl<C: ExpertCopies + ?Sized> RouteHook for DraftPrefetcher<'_, C> {
     fn on_route(
         &mut self,
         variant: Variant,
@@ -129,7 +124,7 @@ impl RouteHook for CudaPrefetcher<'_> {
     }
 }
 
-impl DecodeObserver for CudaPrefetcher<'_> {
+impl<C: ExpertCopies + ?Sized> DecodeObserver for DraftPrefetcher<'_, C> {
     fn on_target_pass(&mut self, _rows: usize) {
         if let Err(e) = self.backend.mark_verify() {
             self.error.get_or_insert(e);
@@ -161,12 +156,12 @@ impl DecodeObserver for CudaPrefetcher<'_> {
     }
 }
 
-/// SpecMoEOff's prefetch rule on the GPU, for [`crate::decode::Mode::SpecMoeOff`]: per draft
+/// SpecMoEOff's prefetch rule, for [`crate::decode::Mode::SpecMoeOff`]: per draft
 /// window, the draft's routing counts per MoE layer over draft steps 0 and 1 only; right after
 /// step 0 and again after step 1, the Top-M experts per layer by count are prefetched (and
 /// protected from eviction until the next window starts).
-pub struct FrequencyPrefetcher<'a> {
-    backend: &'a CudaBackend,
+pub struct FrequencyPrefetcher<'a, C: ExpertCopies + ?Sized> {
+    backend: &'a C,
     /// Counting and ranking only: this rule has no chunk schedule.
     planner: Planner,
     /// Decoder layer of each MoE layer.
@@ -179,10 +174,10 @@ pub struct FrequencyPrefetcher<'a> {
     error: Option<crate::Error>,
 }
 
-impl<'a> FrequencyPrefetcher<'a> {
+impl<'a, C: ExpertCopies + ?Sized> FrequencyPrefetcher<'a, C> {
     /// Top-M from [`crate::offload::frequency_top_m`]: the slots per layer, at most the
     /// `2 * top_k` experts two draft steps can route to.
-    pub fn new(backend: &'a CudaBackend, info: &ModelInfo) -> Result<Self> {
+    pub fn new(backend: &'a C, info: &ModelInfo) -> Result<Self> {
         let slots = backend.offload_slots()?.ok_or_else(|| {
             crate::Error::Request(
                 "route-frequency prefetch needs offloaded experts (--resident-experts N below the expert count)"
@@ -197,7 +192,7 @@ impl<'a> FrequencyPrefetcher<'a> {
     }
 
     /// With an explicit Top-M (at least 1; more than the slots per layer is cut to them).
-    pub fn with_top_m(backend: &'a CudaBackend, info: &ModelInfo, top_m: usize) -> Result<Self> {
+    pub fn with_top_m(backend: &'a C, info: &ModelInfo, top_m: usize) -> Result<Self> {
         let slots = backend.offload_slots()?.ok_or_else(|| {
             crate::Error::Request("route-frequency prefetch needs offloaded experts".into())
         })?;
@@ -242,7 +237,7 @@ impl<'a> FrequencyPrefetcher<'a> {
     }
 }
 
-impl RouteHook for FrequencyPrefetcher<'_> {
+impl<C: ExpertCopies + ?Sized> RouteHook for FrequencyPrefetcher<'_, C> {
     fn on_route(
         &mut self,
         variant: Variant,
@@ -268,7 +263,7 @@ impl RouteHook for FrequencyPrefetcher<'_> {
     }
 }
 
-impl DecodeObserver for FrequencyPrefetcher<'_> {
+impl<C: ExpertCopies + ?Sized> DecodeObserver for FrequencyPrefetcher<'_, C> {
     fn on_draft_window(&mut self, depth: usize) {
         if let Err(e) = new_window(self.backend) {
             self.error.get_or_insert(e);

@@ -11,7 +11,7 @@
 //! that read the slots being overwritten; the compute stream waits on the copies' "ready" event
 //! before the kernels that read them. Timing events around each batch of copies give the copy
 //! stream's busy time, hence the achieved bandwidth; with a link pace they also enclose the pacing
-//! kernels (src/backend/cuda/pace.rs). An event on the compute stream just before it waits for a
+//! kernels (src/backend/cuda/offload/pace.rs). An event on the compute stream just before it waits for a
 //! demand batch gives the time it stalled for that batch.
 
 use std::sync::Arc;
@@ -21,11 +21,11 @@ use specter_format::Bundle;
 
 mod down_stage;
 
-use super::driver::guarded;
-use super::host::{PinnedBuffer, RegisteredHost};
-use super::pace::LinkPace;
-use super::CudaDevice;
 use crate::arch::{expert_tensor_name, ArchConfig, Proj};
+use crate::backend::cuda::offload::pace::LinkPace;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::host::{PinnedBuffer, RegisteredHost};
+use crate::backend::cuda::CudaDevice;
 use crate::host_experts::{ExpertWeights, HostExperts};
 use crate::offload::{
     ExpertCache, Hit, HostShare, HostSplit, InitialResidency, Load, OffloadStats, Policy,
@@ -56,7 +56,7 @@ pub struct OffloadConfig {
     /// [`HostExpertsConfig`]); `None`: every miss is copied.
     pub host_experts: Option<HostExpertsConfig>,
     /// Hold expert copies to this many bytes per second, to emulate a slower link (see
-    /// src/backend/cuda/pace.rs); `None`: copies run at the link's own rate.
+    /// src/backend/cuda/offload/pace.rs); `None`: copies run at the link's own rate.
     pub link_pace_bytes_per_s: Option<f64>,
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use half::f16;
 
-use super::pool::PooledBuf;
+use crate::backend::cuda::runtime::pool::PooledBuf;
 
 /// A row-major `[rows, cols]` f32 activation in device memory.
 ///
@@ -14,14 +14,14 @@ use super::pool::PooledBuf;
 /// (the MLA path reads the whole latent cache every step). Writes go through device pointers on
 /// the one compute stream, which orders them after every earlier read.
 pub struct GpuAct {
-    pub(super) buf: Arc<PooledBuf>,
-    pub(super) rows: usize,
-    pub(super) cols: usize,
+    pub(in crate::backend::cuda) buf: Arc<PooledBuf>,
+    pub(in crate::backend::cuda) rows: usize,
+    pub(in crate::backend::cuda) cols: usize,
 }
 
 impl GpuAct {
     /// Another handle on the same buffer.
-    pub(super) fn share(&self) -> GpuAct {
+    pub(in crate::backend::cuda) fn share(&self) -> GpuAct {
         GpuAct {
             buf: self.buf.clone(),
             rows: self.rows,
@@ -50,7 +50,7 @@ pub enum GpuWeight {
 }
 
 impl GpuWeight {
-    pub(super) fn describe(&self) -> String {
+    pub(in crate::backend::cuda) fn describe(&self) -> String {
         match self {
             GpuWeight::F16 { name, shape, .. } => format!("{name} {shape:?}"),
             GpuWeight::Int4 { name, k, n, .. } => format!("{name} (INT4, k {k}, n {n})"),

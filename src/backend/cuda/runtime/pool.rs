@@ -5,19 +5,19 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaSlice};
 
-use super::driver::guarded;
-use super::CudaDevice;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::CudaDevice;
 use crate::Result;
 
 /// Bytes of freed activation buffers kept for reuse at most.
-pub(super) const POOL_LIMIT_BYTES: usize = 2 << 30;
+pub(in crate::backend::cuda) const POOL_LIMIT_BYTES: usize = 2 << 30;
 
 /// Freed activation buffers by element count, reused by later allocations. Every use is on the
 /// one compute stream, so a buffer handed out again is only written after the kernels that read
 /// it before (the same guarantee `cuMemFreeAsync` gives); reuse avoids an allocate/free pair of
 /// driver calls per op, dozens per layer.
 #[derive(Default)]
-pub(super) struct BufferPool {
+pub(in crate::backend::cuda) struct BufferPool {
     free: Mutex<std::collections::HashMap<usize, Vec<CudaSlice<f32>>>>,
     cached_bytes: std::sync::atomic::AtomicUsize,
 }
@@ -25,7 +25,7 @@ pub(super) struct BufferPool {
 /// Element count handed out for a request of `n`: rounded up to one of eight steps per power of
 /// two (at most 12.5% waste), so buffers of nearby sizes (attention scores grow by one key per
 /// step) are shared.
-pub(super) fn bucket(n: usize) -> usize {
+pub(in crate::backend::cuda) fn bucket(n: usize) -> usize {
     if n <= 256 {
         return 256;
     }
@@ -34,7 +34,7 @@ pub(super) fn bucket(n: usize) -> usize {
 }
 
 impl BufferPool {
-    pub(super) fn take(&self, n: usize) -> Option<CudaSlice<f32>> {
+    pub(in crate::backend::cuda) fn take(&self, n: usize) -> Option<CudaSlice<f32>> {
         let mut free = self.free.lock().ok()?;
         let s = free.get_mut(&n)?.pop()?;
         self.cached_bytes
@@ -42,7 +42,7 @@ impl BufferPool {
         Some(s)
     }
 
-    pub(super) fn give(&self, s: CudaSlice<f32>) {
+    pub(in crate::backend::cuda) fn give(&self, s: CudaSlice<f32>) {
         let n = s.len();
         if bucket(n) != n
             || self.cached_bytes.load(std::sync::atomic::Ordering::Relaxed) + 4 * n
@@ -60,8 +60,8 @@ impl BufferPool {
 
 /// A device buffer that returns to its pool when the last activation using it is dropped.
 pub struct PooledBuf {
-    pub(super) slice: Option<CudaSlice<f32>>,
-    pub(super) pool: Arc<BufferPool>,
+    pub(in crate::backend::cuda) slice: Option<CudaSlice<f32>>,
+    pub(in crate::backend::cuda) pool: Arc<BufferPool>,
 }
 
 impl std::ops::Deref for PooledBuf {
@@ -84,7 +84,7 @@ impl Drop for PooledBuf {
 
 /// A device's default memory pool handle.
 #[derive(Clone, Copy)]
-pub(super) struct MemPool(sys::CUmemoryPool);
+pub(in crate::backend::cuda) struct MemPool(sys::CUmemoryPool);
 
 // SAFETY: a pool handle is a driver object usable from any thread of the process; the default
 // pool lives as long as the device.
@@ -92,7 +92,7 @@ unsafe impl Send for MemPool {}
 // SAFETY: as above; the attribute calls made through it are thread-safe in the driver.
 unsafe impl Sync for MemPool {}
 
-pub(super) fn default_mem_pool(dev: &CudaDevice) -> Result<MemPool> {
+pub(in crate::backend::cuda) fn default_mem_pool(dev: &CudaDevice) -> Result<MemPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     guarded("cuDeviceGetDefaultMemPool", || {
         dev.context().bind_to_thread()?;
@@ -103,7 +103,7 @@ pub(super) fn default_mem_pool(dev: &CudaDevice) -> Result<MemPool> {
 }
 
 /// Sets (`Some`) or reads (`None`) a 64-bit attribute of a memory pool.
-pub(super) fn pool_attribute(
+pub(in crate::backend::cuda) fn pool_attribute(
     pool: MemPool,
     attr: sys::CUmemPool_attribute,
     set: Option<u64>,

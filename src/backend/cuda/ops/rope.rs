@@ -5,17 +5,17 @@ use cudarc::driver::CudaSlice;
 
 /// cos/sin of the last rope call's rows, kept on the device: every layer of one forward rotates
 /// the same positions, so the table is uploaded once per forward.
-pub(super) struct RopeTableGpu {
-    pub(super) inv_freq: Vec<f32>,
-    pub(super) positions: Vec<usize>,
-    pub(super) scales: Vec<f32>,
-    pub(super) cos: CudaSlice<f32>,
-    pub(super) sin: CudaSlice<f32>,
+pub(in crate::backend::cuda) struct RopeTableGpu {
+    pub(in crate::backend::cuda) inv_freq: Vec<f32>,
+    pub(in crate::backend::cuda) positions: Vec<usize>,
+    pub(in crate::backend::cuda) scales: Vec<f32>,
+    pub(in crate::backend::cuda) cos: CudaSlice<f32>,
+    pub(in crate::backend::cuda) sin: CudaSlice<f32>,
 }
 
 /// Row-major `[positions, inv_freq]` cos and sin, scaled per row: as the CPU reference, the angle
 /// rounded to f32, then cos/sin in f64.
-pub(super) fn rope_cos_sin(
+pub(in crate::backend::cuda) fn rope_cos_sin(
     inv_freq: &[f32],
     positions: &[usize],
     scales: &[f32],

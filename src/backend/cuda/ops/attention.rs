@@ -1,17 +1,17 @@
 //! Position and attention ops: rotary embeddings (with their per-step cos/sin table), the MLA
 //! key/value expansion, and decode/verify attention over the KV cache.
 
-use super::act::GpuAct;
-use super::backend::CudaBackend;
-use super::driver::{guarded, NO_CLUSTER};
-use super::kernels::*;
-use super::rope::{rope_cos_sin, RopeTableGpu};
 use crate::arch::RopeStyle;
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::ops::rope::{rope_cos_sin, RopeTableGpu};
+use crate::backend::cuda::runtime::act::GpuAct;
+use crate::backend::cuda::runtime::driver::{guarded, NO_CLUSTER};
+use crate::backend::cuda::runtime::kernels::*;
 use crate::backend::{check, AttentionSpec, RopeSpec};
 use crate::Result;
 
 impl CudaBackend {
-    pub(super) fn rope_table(
+    pub(in crate::backend::cuda) fn rope_table(
         &self,
         inv_freq: &[f32],
         positions: &[usize],
@@ -40,7 +40,7 @@ impl CudaBackend {
         Ok(table)
     }
 
-    pub(super) fn rope_op(
+    pub(in crate::backend::cuda) fn rope_op(
         &self,
         x: &mut GpuAct,
         spec: RopeSpec,
@@ -92,7 +92,7 @@ impl CudaBackend {
         )
     }
 
-    pub(super) fn mla_expand_kv_op(
+    pub(in crate::backend::cuda) fn mla_expand_kv_op(
         &self,
         kv: &GpuAct,
         k_pe: &GpuAct,
@@ -136,7 +136,7 @@ impl CudaBackend {
         Ok((keys, values))
     }
 
-    pub(super) fn attention_op(
+    pub(in crate::backend::cuda) fn attention_op(
         &self,
         q: &GpuAct,
         k: &GpuAct,

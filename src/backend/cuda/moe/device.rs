@@ -3,12 +3,12 @@
 //! passes replay them), optionally with the shared experts inside the routed launches; and the
 //! per-layer routing counts the draft's prefetch planner reads.
 
-use super::act::{GpuAct, GpuWeight};
-use super::backend::{CudaBackend, RouteCounts};
-use super::driver::guarded;
-use super::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
-use super::kernels::*;
-use super::moe::expert_pointers;
+use crate::backend::cuda::backend::{CudaBackend, RouteCounts};
+use crate::backend::cuda::moe::expert_pointers;
+use crate::backend::cuda::moe::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
+use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::kernels::*;
 use crate::backend::{Backend, GatedMlp, RouteSpec};
 use crate::{Error, Result};
 
@@ -36,7 +36,7 @@ struct SharedF16 {
 impl CudaBackend {
     /// [`crate::backend::Backend::routed_moe_plus`]: on the device, `plus` is added in the
     /// combine's launch.
-    pub(super) fn routed_moe_plus_op(
+    pub(in crate::backend::cuda) fn routed_moe_plus_op(
         &self,
         x: &GpuAct,
         logits: &GpuAct,
@@ -67,7 +67,7 @@ impl CudaBackend {
     /// shared weights, the shared gate/up runs in the routing launch and (FP16 routed experts)
     /// the shared down in the routed down's; otherwise the shared MLP runs first, as the
     /// default. The same bits either way.
-    pub(super) fn routed_moe_shared_op(
+    pub(in crate::backend::cuda) fn routed_moe_shared_op(
         &self,
         x: &GpuAct,
         logits: &GpuAct,
@@ -123,7 +123,7 @@ impl CudaBackend {
     }
 
     /// The routing's top-k when routing, work list and experts can all run on the device.
-    pub(super) fn device_routing_fits(
+    pub(in crate::backend::cuda) fn device_routing_fits(
         &self,
         x: &GpuAct,
         logits: &GpuAct,
@@ -151,7 +151,7 @@ impl CudaBackend {
     }
 
     /// [`Self::routed_moe_on_device`] with nothing added in the combine.
-    pub(super) fn routed_moe_alone_on_device(
+    pub(in crate::backend::cuda) fn routed_moe_alone_on_device(
         &self,
         x: &GpuAct,
         logits: &GpuAct,
@@ -450,7 +450,12 @@ impl CudaBackend {
 
     /// Adds `n` expert ids at device address `ids` to MoE layer `layer`'s routing counts, when
     /// counting is on.
-    pub(super) fn count_routes(&self, ids: u64, n: usize, layer: usize) -> Result<()> {
+    pub(in crate::backend::cuda) fn count_routes(
+        &self,
+        ids: u64,
+        n: usize,
+        layer: usize,
+    ) -> Result<()> {
         let counts = self.lock(&self.route_counts)?;
         let Some(c) = counts.as_ref() else {
             return Ok(());

@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::driver::guarded;
-use super::host::PinnedBuffer;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::host::PinnedBuffer;
 use crate::{Error, Result};
 
 /// Bytes read per chunk (a multiple of the page size). Pinned copies of 17 MiB and up run at the

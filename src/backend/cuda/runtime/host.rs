@@ -4,7 +4,7 @@
 //! register the bundle's read-only file mapping itself (no extra copy in host RAM); where the
 //! driver refuses that, it stages through a [`PinnedBuffer`].
 
-use super::driver::guarded;
+use crate::backend::cuda::runtime::driver::guarded;
 use crate::{Error, Result};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaEvent, CudaStream, DevicePtrMut};
 use std::marker::PhantomData;

@@ -1,14 +1,18 @@
 //! [`Backend`] for [`CudaBackend`]: weights, elementwise ops, norms and products here;
-//! attention (src/backend/cuda/attention.rs) and routed experts (src/backend/cuda/moe.rs) in
+//! attention (src/backend/cuda/ops/attention.rs) and routed experts (src/backend/cuda/moe/mod.rs) in
 //! their own files.
+
+pub(in crate::backend::cuda) mod attention;
+pub(in crate::backend::cuda) mod fused;
+pub(in crate::backend::cuda) mod rope;
 
 use half::f16;
 
-use super::act::{GpuAct, GpuWeight};
-use super::backend::CudaBackend;
-use super::driver::guarded;
-use super::kernels::*;
-use super::load::{LoadIo, PendingLoad};
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::kernels::*;
+use crate::backend::cuda::runtime::load::{LoadIo, PendingLoad};
 use crate::backend::{
     check, AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, NormedProducts, RopeSpec,
     RouteSpec, Routing,
@@ -90,8 +94,12 @@ impl Backend for CudaBackend {
         // The weights' allocations were queued on the compute stream; the copies run on other
         // streams.
         guarded("cuStreamSynchronize", || self.stream.synchronize())?;
-        let report =
-            super::load::upload(self.dev.context(), pending, self.load_io, self.load_threads)?;
+        let report = crate::backend::cuda::runtime::load::upload(
+            self.dev.context(),
+            pending,
+            self.load_io,
+            self.load_threads,
+        )?;
         tracing::info!(
             "uploaded {:.2} GB of weights in {:.3} s ({} I/O, {} threads)",
             report.bytes as f64 / 1e9,

@@ -5,11 +5,11 @@
 
 use cudarc::driver::result as drv;
 
-use super::act::GpuAct;
-use super::backend::CudaBackend;
-use super::driver::guarded;
-use super::host::PinnedBuffer;
-use super::kernels::ptr;
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::runtime::act::GpuAct;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::host::PinnedBuffer;
+use crate::backend::cuda::runtime::kernels::ptr;
 use crate::{Error, Result};
 
 /// Reads larger than this go through pageable memory: a long prompt's logits would otherwise
@@ -23,14 +23,14 @@ const PINNED_READ_MIN_BYTES: usize = 1 << 20;
 impl CudaBackend {
     /// Each of `parts` on the host (`rows x cols` values each), after one wait for the work
     /// issued so far.
-    pub(super) fn read_back(&self, parts: &[&GpuAct]) -> Result<Vec<Vec<f32>>> {
+    pub(in crate::backend::cuda) fn read_back(&self, parts: &[&GpuAct]) -> Result<Vec<Vec<f32>>> {
         Ok(self.read_back_then(parts, || Ok(()))?.0)
     }
 
     /// As [`Self::read_back`], with `meanwhile` issued on the stream after the copies: the host
     /// waits for the copies only, and the device runs what `meanwhile` issued while the host
     /// works on what came back. Its value is returned beside the parts.
-    pub(super) fn read_back_then<T>(
+    pub(in crate::backend::cuda) fn read_back_then<T>(
         &self,
         parts: &[&GpuAct],
         meanwhile: impl FnOnce() -> Result<T>,
@@ -102,7 +102,7 @@ impl CudaBackend {
 
     /// Page-locked space for `values` f32 outputs of the host expert kernel, waiting first for
     /// any copy still reading the last ones.
-    pub(super) fn host_output_staging(
+    pub(in crate::backend::cuda) fn host_output_staging(
         &self,
         values: usize,
     ) -> Result<std::sync::MutexGuard<'_, Option<PinnedBuffer>>> {

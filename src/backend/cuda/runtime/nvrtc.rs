@@ -1,6 +1,6 @@
 //! Run-time compilation of embedded kernels with NVRTC, with an on-disk PTX cache.
 
-use super::KernelSource;
+use crate::backend::cuda::KernelSource;
 use crate::{Error, Result};
 use cudarc::nvrtc::{compile_ptx_with_opts, sys as nvrtc_sys, CompileError, CompileOptions};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -14,16 +14,16 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
-use super::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
-use super::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
-use super::launch_constants::{
+use crate::backend::cuda::moe::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
+use crate::backend::cuda::options::LaunchRule;
+use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
     MOE_INT4_PAIRED as PAIRED, MOE_INT4_RED_STRIDE as RED_STRIDE, MOE_INT4_RING as RING,
     MOE_INT4_STAGED as STAGED, MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
     MOE_INT4_WARPS as WARPS,
 };
-use super::options::LaunchRule;
-use super::{CudaDevice, CudaFunction, CudaStream};
+use crate::backend::cuda::{CudaDevice, CudaFunction, CudaStream};
 use crate::{Error, Result};
 
 /// The kernel file (`kernels/moe_int4.cu`).
@@ -234,12 +234,12 @@ impl MoeInt4Kernels {
     /// writes; the measurement lists' launches left out or started late; labels "moe int4
     /// gate/up", "moe int4 down" and "moe int4 down + combine"). Without it, every launch
     /// starts once the kernel before it has finished.
-    pub(super) fn launching(mut self, rule: LaunchRule) -> Self {
+    pub(in crate::backend::cuda) fn launching(mut self, rule: LaunchRule) -> Self {
         self.set_launches(rule);
         self
     }
 
-    pub(super) fn set_launches(&mut self, rule: LaunchRule) {
+    pub(in crate::backend::cuda) fn set_launches(&mut self, rule: LaunchRule) {
         self.launches = rule;
     }
 

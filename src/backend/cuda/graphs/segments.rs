@@ -19,11 +19,11 @@
 
 use cudarc::driver::sys;
 
-use super::act::GpuAct;
-use super::backend::CudaBackend;
-use super::driver::guarded;
-use super::graphs::*;
-use super::kernels::ptr;
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::graphs::*;
+use crate::backend::cuda::runtime::act::GpuAct;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::kernels::ptr;
 use crate::backend::{SegmentEnd, SegmentStart};
 use crate::Result;
 
@@ -39,7 +39,7 @@ fn moved(
 }
 
 impl CudaBackend {
-    pub(super) fn begin_segment_impl(
+    pub(in crate::backend::cuda) fn begin_segment_impl(
         &self,
         index: usize,
         inputs: &[(&GpuAct, bool)],
@@ -102,7 +102,7 @@ impl CudaBackend {
         Ok(SegmentStart::Run)
     }
 
-    pub(super) fn end_segment_impl(
+    pub(in crate::backend::cuda) fn end_segment_impl(
         &self,
         outputs: Option<&[&GpuAct]>,
     ) -> Result<SegmentEnd<GpuAct>> {

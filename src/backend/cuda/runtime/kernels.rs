@@ -3,62 +3,62 @@
 
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
-use super::CudaDevice;
+use crate::backend::cuda::CudaDevice;
 use crate::{Error, Result};
 
-pub(super) use super::launch_constants::*;
+pub(in crate::backend::cuda) use crate::backend::cuda::runtime::launch_constants::*;
 
-pub(super) struct Kernels {
-    pub(super) embedding: CudaFunction,
-    pub(super) rms_norm: CudaFunction,
-    pub(super) add_rms_norm: CudaFunction,
+pub(in crate::backend::cuda) struct Kernels {
+    pub(in crate::backend::cuda) embedding: CudaFunction,
+    pub(in crate::backend::cuda) rms_norm: CudaFunction,
+    pub(in crate::backend::cuda) add_rms_norm: CudaFunction,
     /// add_rms_norm and one or two products of the normed row, for one row.
-    pub(super) add_norm_linear: CudaFunction,
-    pub(super) mla_latent: CudaFunction,
-    pub(super) mla_expand_append: CudaFunction,
+    pub(in crate::backend::cuda) add_norm_linear: CudaFunction,
+    pub(in crate::backend::cuda) mla_latent: CudaFunction,
+    pub(in crate::backend::cuda) mla_expand_append: CudaFunction,
     /// mla_latent, kv_b's product and mla_expand_append of one row in one launch.
-    pub(super) mla_kv_append: CudaFunction,
-    pub(super) linear2: GridStride,
-    pub(super) layer_norm: CudaFunction,
-    pub(super) copy_cols: CudaFunction,
-    pub(super) copy_rows_at: CudaFunction,
-    pub(super) clamp: CudaFunction,
-    pub(super) add: CudaFunction,
-    pub(super) add_sigmoid_gated: CudaFunction,
-    pub(super) rope: CudaFunction,
-    pub(super) mla_expand_kv: CudaFunction,
-    pub(super) argmax: CudaFunction,
-    pub(super) moe_combine: CudaFunction,
-    pub(super) route_topk: CudaFunction,
-    pub(super) route_sparse_mixer: CudaFunction,
-    pub(super) count_routes: CudaFunction,
-    pub(super) moe_plan: CudaFunction,
-    pub(super) route_plan: CudaFunction,
+    pub(in crate::backend::cuda) mla_kv_append: CudaFunction,
+    pub(in crate::backend::cuda) linear2: GridStride,
+    pub(in crate::backend::cuda) layer_norm: CudaFunction,
+    pub(in crate::backend::cuda) copy_cols: CudaFunction,
+    pub(in crate::backend::cuda) copy_rows_at: CudaFunction,
+    pub(in crate::backend::cuda) clamp: CudaFunction,
+    pub(in crate::backend::cuda) add: CudaFunction,
+    pub(in crate::backend::cuda) add_sigmoid_gated: CudaFunction,
+    pub(in crate::backend::cuda) rope: CudaFunction,
+    pub(in crate::backend::cuda) mla_expand_kv: CudaFunction,
+    pub(in crate::backend::cuda) argmax: CudaFunction,
+    pub(in crate::backend::cuda) moe_combine: CudaFunction,
+    pub(in crate::backend::cuda) route_topk: CudaFunction,
+    pub(in crate::backend::cuda) route_sparse_mixer: CudaFunction,
+    pub(in crate::backend::cuda) count_routes: CudaFunction,
+    pub(in crate::backend::cuda) moe_plan: CudaFunction,
+    pub(in crate::backend::cuda) route_plan: CudaFunction,
     /// route_plan with the shared experts' gate/up in its other blocks (kernels/gemv_f16.cu).
-    pub(super) route_plan_shared: GridStride,
-    pub(super) route_plan_shared_1: GridStride,
-    pub(super) linear: GridStride,
-    pub(super) gate_up_silu: GridStride,
-    pub(super) moe_gate_up: GridStride,
-    pub(super) moe_down: GridStride,
+    pub(in crate::backend::cuda) route_plan_shared: GridStride,
+    pub(in crate::backend::cuda) route_plan_shared_1: GridStride,
+    pub(in crate::backend::cuda) linear: GridStride,
+    pub(in crate::backend::cuda) gate_up_silu: GridStride,
+    pub(in crate::backend::cuda) moe_gate_up: GridStride,
+    pub(in crate::backend::cuda) moe_down: GridStride,
     /// moe_down with the shared experts' down product in a last row of blocks.
-    pub(super) moe_down_shared: GridStride,
+    pub(in crate::backend::cuda) moe_down_shared: GridStride,
     /// The one-row forms (kernels/gemv_f16.cu, `*_1`): the same bits, more loads in flight.
-    pub(super) linear_1: GridStride,
-    pub(super) linear2_1: GridStride,
-    pub(super) moe_gate_up_1: GridStride,
-    pub(super) moe_down_1: GridStride,
-    pub(super) moe_down_shared_1: GridStride,
+    pub(in crate::backend::cuda) linear_1: GridStride,
+    pub(in crate::backend::cuda) linear2_1: GridStride,
+    pub(in crate::backend::cuda) moe_gate_up_1: GridStride,
+    pub(in crate::backend::cuda) moe_down_1: GridStride,
+    pub(in crate::backend::cuda) moe_down_shared_1: GridStride,
     /// A one-row MoE layer's shared down, routed experts and combine in one launch.
-    pub(super) moe_experts_1: CudaFunction,
+    pub(in crate::backend::cuda) moe_experts_1: CudaFunction,
     /// Split-key attention (kernels/attention.cu): each chunk's partial softmax, then the
     /// combine of a (row, head)'s chunks.
-    pub(super) attention: CudaFunction,
-    pub(super) attention_combine: CudaFunction,
+    pub(in crate::backend::cuda) attention: CudaFunction,
+    pub(in crate::backend::cuda) attention_combine: CudaFunction,
 }
 
 impl Kernels {
-    pub(super) fn load(dev: &CudaDevice) -> Result<Self> {
+    pub(in crate::backend::cuda) fn load(dev: &CudaDevice) -> Result<Self> {
         let ops = |f: &str| dev.function("ops", f);
         let routing = |f: &str| dev.function("routing", f);
         let gemv = |f: &str| dev.function("gemv_f16", f);
@@ -107,8 +107,8 @@ impl Kernels {
 
 /// A kernel whose blocks take its work blocks in a grid-stride loop (kernels/gemv_f16.cu): a
 /// launch needs no more blocks than fit on the device at once.
-pub(super) struct GridStride {
-    pub(super) f: CudaFunction,
+pub(in crate::backend::cuda) struct GridStride {
+    pub(in crate::backend::cuda) f: CudaFunction,
     /// Blocks of `32 * GEMV_WARPS` threads resident at once: occupancy times multiprocessors.
     resident: u32,
 }
@@ -128,7 +128,7 @@ impl GridStride {
     /// one row, a block per work block (on the H200 the one-row forms, bound by their loads'
     /// latency, ran 5-25% slower as resident loops); several, as many blocks as fit at once
     /// (a 17-row verification window 6% faster).
-    pub(super) fn grid(&self, blocks: u32, one_row: bool) -> u32 {
+    pub(in crate::backend::cuda) fn grid(&self, blocks: u32, one_row: bool) -> u32 {
         if one_row {
             blocks.max(1)
         } else {
@@ -139,13 +139,13 @@ impl GridStride {
 
 /// The link pacing pair of kernels/util.cu (`link_pace_start`, `link_pace_wait`), loaded only
 /// when expert copies are paced, so that other runs never load that module.
-pub(super) struct PaceKernels {
-    pub(super) start: CudaFunction,
-    pub(super) wait: CudaFunction,
+pub(in crate::backend::cuda) struct PaceKernels {
+    pub(in crate::backend::cuda) start: CudaFunction,
+    pub(in crate::backend::cuda) wait: CudaFunction,
 }
 
 impl PaceKernels {
-    pub(super) fn load(dev: &CudaDevice) -> Result<Self> {
+    pub(in crate::backend::cuda) fn load(dev: &CudaDevice) -> Result<Self> {
         Ok(PaceKernels {
             start: dev.function("util", "link_pace_start")?,
             wait: dev.function("util", "link_pace_wait")?,
@@ -155,12 +155,12 @@ impl PaceKernels {
 
 /// A kernel argument: every argument travels as one 8-byte slot (the driver reads as many bytes as
 /// the parameter has, and the target is little-endian).
-pub(super) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+pub(in crate::backend::cuda) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
     p
 }
 
-pub(super) fn int(v: usize, what: &str) -> Result<u64> {
+pub(in crate::backend::cuda) fn int(v: usize, what: &str) -> Result<u64> {
     i32::try_from(v).map(|v| v as u32 as u64).map_err(|_| {
         Error::Backend(format!(
             "cuda: {what} = {v} exceeds the kernels' 32-bit index"
@@ -168,14 +168,14 @@ pub(super) fn int(v: usize, what: &str) -> Result<u64> {
     })
 }
 
-pub(super) fn float(v: f32) -> u64 {
+pub(in crate::backend::cuda) fn float(v: f32) -> u64 {
     v.to_bits() as u64
 }
 
-pub(super) fn shape_err(op: &str, detail: String) -> Error {
+pub(in crate::backend::cuda) fn shape_err(op: &str, detail: String) -> Error {
     Error::Backend(format!("cuda {op}: {detail}"))
 }
 
-pub(super) fn grid_for(n: usize, block: u32) -> u32 {
+pub(in crate::backend::cuda) fn grid_for(n: usize, block: u32) -> u32 {
     n.div_ceil(block as usize).clamp(1, 65_535 * 16) as u32
 }

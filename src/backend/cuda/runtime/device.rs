@@ -1,9 +1,9 @@
 //! Opening a CUDA device and loading its kernel modules.
 
-use super::driver::{guarded, panic_text};
-use super::host::{PinnedBuffer, RegisteredHost};
-use super::nvrtc::{compile_source, PtxCache};
-use super::{kernel_source, KernelSource};
+use crate::backend::cuda::runtime::driver::{guarded, panic_text};
+use crate::backend::cuda::runtime::host::{PinnedBuffer, RegisteredHost};
+use crate::backend::cuda::runtime::nvrtc::{compile_source, PtxCache};
+use crate::backend::cuda::{kernel_source, KernelSource};
 use crate::{Error, Result};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;

@@ -1,23 +1,23 @@
 //! Recording and replaying forward passes on [`CudaBackend`] (the data kept per recording is in
-//! src/backend/cuda/graphs.rs): which passes are captured, the step buffer written before each
+//! src/backend/cuda/graphs/mod.rs): which passes are captured, the step buffer written before each
 //! replay, and the buffers a recording keeps.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::act::GpuAct;
-use super::backend::CudaBackend;
-use super::driver::guarded;
-use super::graphs::*;
-use super::kernels::ptr;
-use super::pool::PooledBuf;
+use crate::backend::cuda::backend::CudaBackend;
+use crate::backend::cuda::graphs::*;
+use crate::backend::cuda::runtime::act::GpuAct;
+use crate::backend::cuda::runtime::driver::guarded;
+use crate::backend::cuda::runtime::kernels::ptr;
+use crate::backend::cuda::runtime::pool::PooledBuf;
 use crate::backend::{StepEnd, StepRequest, StepStart};
 use crate::{Error, Result};
 
 impl CudaBackend {
     /// Turns recording and replay of forward passes on or off (on unless
-    /// [`CudaOptions::graphs`](super::CudaOptions) is false); turning it off drops every recording.
+    /// [`CudaOptions::graphs`](crate::backend::cuda::CudaOptions) is false); turning it off drops every recording.
     pub fn set_step_graphs(&self, enabled: bool) -> Result<()> {
         let mut g = self.lock(&self.steps)?;
         g.enabled = enabled;
@@ -30,7 +30,7 @@ impl CudaBackend {
     }
 
     /// Drops every recording (a buffer they use is about to be replaced).
-    pub(super) fn drop_recordings(&self) -> Result<()> {
+    pub(in crate::backend::cuda) fn drop_recordings(&self) -> Result<()> {
         self.synchronize()?;
         let mut g = self.lock(&self.steps)?;
         g.recorded.clear();
@@ -43,7 +43,7 @@ impl CudaBackend {
     }
 
     /// The active step's device inputs, when a pass is running in step mode.
-    pub(super) fn step_args(&self) -> Result<Option<StepArgs>> {
+    pub(in crate::backend::cuda) fn step_args(&self) -> Result<Option<StepArgs>> {
         let g = self.lock(&self.steps)?;
         Ok(g.active.as_ref().map(|a| {
             let base = ptr(&g.params, &self.stream);
@@ -61,7 +61,7 @@ impl CudaBackend {
 
     /// Whether `tokens`, `inv_freq` and `scales` at `start` are the active step's, so an op may
     /// read them from the step buffer.
-    pub(super) fn step_rope_matches(
+    pub(in crate::backend::cuda) fn step_rope_matches(
         &self,
         inv_freq: &[f32],
         positions: &[usize],
@@ -76,13 +76,13 @@ impl CudaBackend {
         }))
     }
 
-    pub(super) fn step_tokens_match(&self, ids: &[u32]) -> Result<bool> {
+    pub(in crate::backend::cuda) fn step_tokens_match(&self, ids: &[u32]) -> Result<bool> {
         let g = self.lock(&self.steps)?;
         Ok(g.active.as_ref().is_some_and(|a| a.tokens == ids))
     }
 
     /// Marks the active pass, if any, as one that waits for the device midway.
-    pub(super) fn note_host_sync(&self) -> Result<()> {
+    pub(in crate::backend::cuda) fn note_host_sync(&self) -> Result<()> {
         if let Some(a) = self.lock(&self.steps)?.active.as_mut() {
             a.synced = true;
         }
@@ -90,13 +90,13 @@ impl CudaBackend {
     }
 
     /// Whether a pass or a segment of one is being captured now.
-    pub(super) fn capturing(&self) -> Result<bool> {
+    pub(in crate::backend::cuda) fn capturing(&self) -> Result<bool> {
         let g = self.lock(&self.steps)?;
         Ok(g.active.as_ref().is_some_and(|a| a.capturing) || g.segments.capture.is_some())
     }
 
     /// Keeps `buf` alive as long as the recording being captured.
-    pub(super) fn keep_while_recorded(&self, buf: &Arc<PooledBuf>) -> Result<()> {
+    pub(in crate::backend::cuda) fn keep_while_recorded(&self, buf: &Arc<PooledBuf>) -> Result<()> {
         let mut g = self.lock(&self.steps)?;
         if let Some(a) = g.active.as_mut().filter(|a| a.capturing) {
             a.keep.push(buf.clone());
@@ -106,7 +106,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub(super) fn begin_step_impl(&self, step: &StepRequest) -> Result<StepStart<GpuAct>> {
+    pub(in crate::backend::cuda) fn begin_step_impl(
+        &self,
+        step: &StepRequest,
+    ) -> Result<StepStart<GpuAct>> {
         let mut g = self.lock(&self.steps)?;
         g.active = None;
         let rows = step.tokens.len();
@@ -219,7 +222,7 @@ impl CudaBackend {
 
     /// Chooses `logits`' greedy token into the step buffer's id word (a fed pass's input) and
     /// starts its copy to a pinned host slot.
-    pub(super) fn feed_choice_impl(&self, logits: &GpuAct) -> Result<bool> {
+    pub(in crate::backend::cuda) fn feed_choice_impl(&self, logits: &GpuAct) -> Result<bool> {
         if logits.rows != 1 || logits.cols == 0 {
             return Ok(false);
         }
@@ -263,7 +266,7 @@ impl CudaBackend {
         Ok(true)
     }
 
-    pub(super) fn take_fed_choice_impl(&self) -> Result<u32> {
+    pub(in crate::backend::cuda) fn take_fed_choice_impl(&self) -> Result<u32> {
         let (slot, copied) = {
             let mut g = self.lock(&self.steps)?;
             let fed = g.fed.as_mut();
@@ -281,7 +284,7 @@ impl CudaBackend {
         Ok(host[slot])
     }
 
-    pub(super) fn drop_fed_choices_impl(&self) -> Result<()> {
+    pub(in crate::backend::cuda) fn drop_fed_choices_impl(&self) -> Result<()> {
         if let Some(fed) = self.lock(&self.steps)?.fed.as_mut() {
             fed.queue.clear();
         }
@@ -316,7 +319,10 @@ impl CudaBackend {
         })
     }
 
-    pub(super) fn end_step_impl(&self, logits: Option<&GpuAct>) -> Result<StepEnd> {
+    pub(in crate::backend::cuda) fn end_step_impl(
+        &self,
+        logits: Option<&GpuAct>,
+    ) -> Result<StepEnd> {
         let mut g = self.lock(&self.steps)?;
         let Some(active) = g.active.take() else {
             return Ok(StepEnd::Done);
