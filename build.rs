@@ -12,12 +12,18 @@
 //! for the device's own architecture. The build never fails because CUDA is missing: machines
 //! without CUDA still build and test the whole crate.
 //!
+//! The constants the kernels share with the host are defined once, in Rust
+//! (src/backend/cuda/runtime/kernel_defines.rs, included below): each becomes a `#define` line at
+//! the top of the embedded source of every kernel file that includes the constant's home file.
+//!
 //! Generates `$OUT_DIR/kernels.rs`, holding `KERNELS: &[KernelSource]`.
 
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+include!("src/backend/cuda/runtime/kernel_defines.rs");
 
 /// The architecture ahead-of-time PTX is built for. PTX for sm_90 is JIT-compiled by the driver
 /// for sm_90 and newer devices; the runtime uses NVRTC for anything older.
@@ -31,6 +37,7 @@ fn main() {
     let kernel_dir = manifest_dir.join("kernels");
 
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/backend/cuda/runtime/kernel_defines.rs");
     // Watching the directory notices added and removed kernel files.
     println!("cargo:rerun-if-changed={}", kernel_dir.display());
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -93,8 +100,16 @@ fn main() {
             .unwrap_or("kernel")
             .to_string();
         // A missing header is a mistake in this repository's sources, not a missing toolkit.
-        let text = splice_headers(&format!("{name}.cu"), &original, &headers)
+        let file = format!("{name}.cu");
+        let spliced_text = splice_headers(&file, &original, &headers)
             .unwrap_or_else(|err| panic!("kernels/{name}.cu: {err}"));
+        let mut homes = vec![file.as_str()];
+        homes.extend(original.lines().filter_map(local_include));
+        // The defines, then the file from its first line (compiler messages keep its numbers).
+        let text = format!(
+            "// The constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs).\n{}#line 1 \"{file}\"\n{spliced_text}",
+            kernel_define_lines(&homes)
+        );
         let spliced = spliced_dir.join(format!("{name}.cu"));
         if let Err(err) = std::fs::write(&spliced, &text) {
             panic!("cannot write {}: {err}", spliced.display());

@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use specter::backend::cuda::args::{DevPtr, KernelArgs};
 use specter::backend::cuda::launch_overlapping;
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -86,6 +87,37 @@ fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
     p
 }
 
+/// The arguments of the three kernels of examples/bench_stream.cu: (const __half* w, int k, int n,
+/// const float* x, float* y, int stages, int late).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct StreamArgs {
+    w: DevPtr,
+    k: i32,
+    n: i32,
+    x: DevPtr,
+    y: DevPtr,
+    stages: i32,
+    late: i32,
+}
+
+impl KernelArgs for StreamArgs {
+    const KERNELS: &'static [&'static str] = &["read_ldg", "read_ldg_pf", "read_bulk"];
+    const PTX: &'static [&'static str] = &[".u64", ".u32", ".u32", ".u64", ".u64", ".u32", ".u32"];
+    fn params(&mut self) -> Vec<*mut std::ffi::c_void> {
+        let p = |v: &mut dyn std::any::Any| v as *mut dyn std::any::Any as *mut std::ffi::c_void;
+        vec![
+            p(&mut self.w),
+            p(&mut self.k),
+            p(&mut self.n),
+            p(&mut self.x),
+            p(&mut self.y),
+            p(&mut self.stages),
+            p(&mut self.late),
+        ]
+    }
+}
+
 /// One product y = w . x launched with programmatic stream serialisation.
 fn launch(
     stream: &Arc<CudaStream>,
@@ -107,20 +139,20 @@ fn launch(
             stages,
         ),
     };
-    let args: [u64; 7] = [
-        w,
-        inputs as u64,
-        rows as u64,
-        x,
-        y,
-        stages as u64,
-        design.1 as u64,
-    ];
-    // SAFETY: the kernels take (pointer, int, int, pointer, pointer, int, int) in 8-byte slots and
-    // wait in `spx_grid_wait` before touching x or y; w holds rows x inputs halves, x at least
-    // `inputs` floats and y at least `rows` (both activation buffers hold the widest layer); the
-    // bulk kernel was allowed the largest ring's shared memory at load.
-    unsafe { launch_overlapping(stream, f, (grid as u32, 1, 1), block, smem as u32, &args) }
+    let args = StreamArgs {
+        w: DevPtr(w),
+        k: inputs as i32,
+        n: rows as i32,
+        x: DevPtr(x),
+        y: DevPtr(y),
+        stages: stages as i32,
+        late: design.1 as i32,
+    };
+    // SAFETY: StreamArgs are the three kernels' arguments, and they wait in `spx_grid_wait`
+    // before touching x or y; w holds rows x inputs halves, x at least `inputs` floats and y at
+    // least `rows` (both activation buffers hold the widest layer); the bulk kernel was allowed
+    // the largest ring's shared memory at load.
+    unsafe { launch_overlapping(stream, f, (grid as u32, 1, 1), block, smem as u32, args) }
         .map_err(|e| {
             format!(
                 "launch of {} ({rows} x {inputs}) failed: {e}",

@@ -29,21 +29,21 @@
 
 #include "common.cuh"
 
-#define ATT_THREADS 256
+#if !defined(ATT_THREADS) || !defined(ATT_KEYS_PER_WARP) || !defined(ATT_SPLITS) || !defined(ATT_COMBINE_THREADS) || !defined(ATT_CLUSTER_MAX_V)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_SMEM_KEYS 4096
-#define ATT_KEYS_PER_WARP 4
+// From the host's table: ATT_THREADS, the block; ATT_KEYS_PER_WARP, keys a warp scores per pass;
+// ATT_SPLITS, the most chunks a (row, head)'s keys are cut into; ATT_COMBINE_THREADS, the
+// threads of `attention_combine` (one channel each per pass); ATT_CLUSTER_MAX_V, the most value
+// channels of a clustered launch (the first block of a cluster keeps every chunk's partials
+// (m, l, o) in its shared memory).
 // Channels of the value sum per pass: 4 per lane.
 #define ATT_VTILE 128
-// Most chunks a (row, head)'s keys are cut into, and the fewest keys of a chunk (one pass of
-// the score loop).
-#define ATT_SPLITS 8
+// The fewest keys of a chunk: one pass of the score loop.
 #define ATT_CHUNK_MIN (ATT_WARPS * ATT_KEYS_PER_WARP)
-// Threads of `attention_combine`: one channel each per pass.
-#define ATT_COMBINE_THREADS 128
-// Most value channels of a clustered launch: the first block of a cluster keeps every chunk's
-// partials (m, l, o) in its shared memory.
-#define ATT_CLUSTER_MAX_V 256
 // Value rows each warp loads with the keys, before the scores need them (one round of loads
 // instead of two for short chunks; the rest of its rows load after the scores).
 #define ATT_V_EARLY 4

@@ -44,8 +44,7 @@ static_assert(sizeof(ExpertGroup) == 40, "ExpertGroup must match the Rust struct
 // (kernels/moe_int4.cu): the list's writer (the routing launch) has finished before they can
 // launch, because the gate/up launch between them lets its dependents launch only after its
 // routed blocks' own wait, and a kernel launches only once every block of the one before has
-// let it (or finished). (The FP16 one-row down measured 0.5-0.8% slower reading early beside the
-// routed gate/up's stream, docs/BENCHMARKS-LOG.md.)
+// let it (or finished).
 __device__ __forceinline__ ExpertGroup group_before_wait(const ExpertGroup* groups, unsigned y) {
     const unsigned long long* p = reinterpret_cast<const unsigned long long*>(groups + y);
     ExpertGroup g;
@@ -168,8 +167,8 @@ __device__ __forceinline__ void spx_cluster_wait() {
 }
 
 // Asks L2 to fetch `bytes` bytes from `p` (the weights of a block's next work block), one
-// 128-byte line per lane and step. Not before `spx_grid_wait`: fetching the next kernel's weights
-// while the previous one streams its own measured slower on the H200 (docs/BENCHMARKS-LOG.md).
+// 128-byte line per lane and step. Only after `spx_grid_wait`, when the kernel before has finished
+// streaming its own weights.
 __device__ __forceinline__ void spx_prefetch_l2(const void* p, size_t bytes, int lane) {
     const char* c = reinterpret_cast<const char*>(p);
     for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128) {

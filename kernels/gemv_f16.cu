@@ -23,10 +23,14 @@
 
 #include "linear_rows.cuh"
 
-// Output features per warp of the one-item routed down kernels (moe_f16_down_1 and the routed
-// rows of moe_f16_down_shared_1), and their pieces in flight per feature: six cover a lane's
-// share of DeepSeek-V2-Lite's 1408-long rows in one pass.
-#define DOWN_FEATURES_ONE 4
+#if !defined(DOWN_FEATURES_ONE) || !defined(EXPERTS_ONE_ARRIVED) || !defined(EXPERTS_ONE_GATE_UP_WORK)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+
+// DOWN_FEATURES_ONE (the host's table): output features per warp of the one-item routed down
+// kernels (moe_f16_down_1 and the routed rows of moe_f16_down_shared_1 and moe_f16_experts_1).
+// Their pieces in flight per feature: six cover a lane's share of DeepSeek-V2-Lite's 1408-long
+// rows in one pass.
 #define DOWN_UNROLL_ONE 6
 // Their register cap: three blocks an SM (<= 168 registers), as the several-row kernels.
 #define DOWN_MIN_BLOCKS_ONE 3
@@ -270,8 +274,7 @@ LINEAR_KERNELS(_1, true)
 // The gate/up product of a gated MLP with the activation fused, feature j of every row:
 // h[r][j] = silu(x[r] . w[j]) * (x[r] . w[inter + j]), w = [gate; up] of shape [2 * inter, k].
 // The two dot products are the ones linear_f16 computes (same order), so h equals linear_f16
-// followed by silu_mul bit for bit. One warp. (A one-row form with more pieces in flight measured
-// slower on the H200 for DeepSeek's shared experts.) ONE: one row, by the code group_dot2 runs
+// followed by silu_mul bit for bit. One warp. ONE: one row, by the code group_dot2 runs
 // for a group of one row (the same bits), without the registers of wider groups.
 // Rows first .. last of x (ONE: the one row).
 template <bool ONE = false>
@@ -606,14 +609,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // from, so every output has that launch's bits.
 //
 // Why one launch: between dependent launches every multiprocessor drains the first launch's last
-// blocks before the next one's start reading (docs/BENCHMARKS-LOG.md: about 3 us a boundary in a
-// chain of one-row products). Here a routed down block waits only for the gate/up blocks of its
-// own expert, and the combine of 16 outputs runs in the last group's routed down block for them.
-// (The routing and the shared gate/up in the same launch, their blocks waited on by the routed
-// gate/up and the shared down, measured slower on the H200: branch `moe-layer-one-launch`; so
-// did the shared gate/up alone as its first blocks, the routing then a launch of its own: branch
-// `shared-gate-up-in-experts`. Beside the routing, its blocks run seven a multiprocessor, and
-// all of them load their first weights before their wait.)
+// blocks before the next one's start reading. Here a routed down block waits only for the gate/up
+// blocks of its own expert, and the combine of 16 outputs runs in the last group's routed down
+// block for them. The routing and the shared gate/up stay in the launch before
+// (route_plan_shared_f16_1), whose blocks load their first weights before their wait.
+//
+// Grid: gs + (gx + gx1) num_groups blocks of 32 * WARPS threads (below). Inputs: x (one row of
+// hidden), the groups (at most one item each, 1 <= num_groups <= MAX_TOP_K), item_row,
+// item_weight, h_shared (the shared gate/up's output), w_down, row_items, the counter slot.
+// Outputs: h and out (the items' activations and outputs), y_shared, y. Numerics: each output
+// has the bits of the separate launch it stands for (moe_f16_gate_up_1, moe_f16_down_shared_1,
+// moe_combine), whatever the order blocks run in.
 //
 // Order and progress. A block takes a ticket from a counter when it starts and runs that work
 // block: tickets [0, gs) the shared down's (their first weights load before the wait for the
@@ -633,30 +639,24 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, DOWN_MIN_BLOCKS_ONE) mo
 // past their wait, gate/up blocks done per group (MAX_TOP_K), then arrivals per 16-output chunk
 // of the combine. Signals are release reductions after a block barrier (no block waits for its
 // signal's answer before ending); a wait acquires once its count is reached, and the combine
-// reads past L1. (On the H200 the one-launch step was 2-3% slower when every block counted its
-// end for the reset, and 2.5% slower again when the block arriving last at a chunk combined it,
-// which made every arrival wait for its answer: docs/BENCHMARKS-LOG.md. Asking L2 ahead for the
-// weights of the blocks a residency later, and blocks of 8 or 16 warps, measured slower.)
+// reads past L1. A slot must not be taken again while its previous launch runs: see
+// EXPERTS_ONE_SLOTS in src/backend/cuda/runtime/launch_constants.rs.
 
 #define EXPERTS_ONE_TICKET 0
 #define EXPERTS_ONE_COMBINED 1
 #define EXPERTS_ONE_DONE 2
-#define EXPERTS_ONE_ARRIVED 18
+// EXPERTS_ONE_ARRIVED (the host's table): the first word of the arrivals per chunk.
 static_assert(EXPERTS_ONE_ARRIVED == EXPERTS_ONE_DONE + MAX_TOP_K, "a done count per group");
 // Pieces in flight per feature of the routed down blocks here: the launch holds every role at
 // 128 registers (four blocks a multiprocessor, as moe_f16_gate_up_1), which moe_down_block_1's
-// DOWN_UNROLL_ONE exceeds (at 168 registers, three blocks, the step measured slower). The same
-// arithmetic.
+// DOWN_UNROLL_ONE exceeds. The same arithmetic.
 #define EXPERTS_ONE_DOWN_UNROLL 3
-// Routed gate/up work blocks a block of the launch runs, one after the other, the second's
-// weights asked of L2 before the first's loads: a ticket and a signal for twice the bytes (on
-// the H200 the step was 1.4% faster, its chained steps 0.6%, than with one).
-#define EXPERTS_ONE_GATE_UP_WORK 2
+// EXPERTS_ONE_GATE_UP_WORK (the host's table): routed gate/up work blocks a block of the launch
+// runs, one after the other, the second's weights asked of L2 before the first's loads.
 
 // Counter operations at GPU scope. Waits poll with relaxed loads and acquire once, by a fence,
 // after the count is reached: an acquire invalidates the multiprocessor's L1 (CCTL.IVALL), where
-// the other blocks' warps keep the activation row they all read. Polling with acquire loads made
-// the step 4.5% slower than the three launches; this way it is faster (docs/BENCHMARKS-LOG.md).
+// the other blocks' warps keep the activation row they all read, so the poll itself is relaxed.
 __device__ __forceinline__ unsigned spx_load_relaxed(const unsigned* p) {
     unsigned v;
     asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

@@ -8,15 +8,16 @@
 #ifndef SPECTER_KERNELS_LINEAR_ROWS_CUH
 #define SPECTER_KERNELS_LINEAR_ROWS_CUH
 
-#define WARPS 4
-// Output features per warp of linear_f16 and moe_f16_down (the rows w0 and w1 below); the host
-// sizes their grids by it.
-#define FEATURES 2
-// Most rows one warp of the several-row dense kernels (linear_f16, linear2_f16, gate_up_silu_f16
-// and the shared experts' products) takes: a work block is (a block of features, a group of at
-// most WORK_ROWS rows; see work_rows), so a verification window's rows run in parallel warps that
-// read the same weights (DRAM once, L2 after) instead of one after another in each warp.
-#define WORK_ROWS 4
+#if !defined(WARPS) || !defined(FEATURES) || !defined(WORK_ROWS)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+
+// From the host's table: WARPS, warps per block; FEATURES, output features per warp of
+// linear_f16 and moe_f16_down (the rows w0 and w1 below); WORK_ROWS, the most rows one warp of
+// the several-row dense kernels (linear_f16, linear2_f16, gate_up_silu_f16 and the shared
+// experts' products) takes: a work block is (a block of features, a group of at most WORK_ROWS
+// rows; see work_rows), so a verification window's rows run in parallel warps that read the same
+// weights (DRAM once, L2 after) instead of one after another in each warp.
 #define MR WORK_ROWS
 // 16-byte pieces of each weight row in flight per lane. (Narrower groups could take more, but
 // registers are allocated for the widest group's code: 4 keeps every kernel at <= 168 registers,

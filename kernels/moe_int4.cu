@@ -82,14 +82,16 @@
 
 #include "linear_rows.cuh"
 
+#if !defined(MOE_THREADS) || !defined(MOE_WARPS) || !defined(MOE_COLS) || !defined(MOE_RED_STRIDE)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define MOE_THREADS 256
-#define MOE_WARPS 8
-#define MOE_COLS 64
-// Row stride of the reduction buffer: 68 words puts the 32 lanes' writes in distinct banks.
-#define MOE_RED_STRIDE 68
+// From the host's table: MOE_WARPS and MOE_THREADS, the block; MOE_COLS, the output columns of a
+// block (one Marlin block column); MOE_RED_STRIDE, the row stride of the reduction buffer (68
+// words put the 32 lanes' writes in distinct banks).
 // Words per tile row of a warp's staged activations (see "Staged activations"): 8 per item slot
 // plus 8 of padding, so the stride is 8 (mod 32) banks.
 #define MOE_XS_STRIDE(MAXI) (8 * (MAXI) + 8)
@@ -140,10 +142,8 @@ __device__ __forceinline__ void copy_wait() {
 
 // Loads from a shared window address (as shared_addr gives). The K loop addresses its ring and
 // staged activations this way, with the slot and tile row stepped: from generic pointers the
-// compiler rebuilt the shared window's base and the lane from the thread index in every
-// iteration, and the one-row loops issued 11-16% more instructions a tile row (the draft step
-// was 1% slower on the H200, docs/BENCHMARKS-LOG.md). Volatile, so they stay after the cp.async
-// wait before them.
+// compiler rebuilds the shared window's base and the lane from the thread index in every
+// iteration. Volatile, so they stay after the cp.async wait before them.
 __device__ __forceinline__ uint4 load_shared_u4(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -696,8 +696,8 @@ __device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups) {
 }
 
 // MOE_INT4_KERNELS(MAXI, MIN_BLOCKS, STAGED, RING, PAIRED): the gate_up and down kernels of one
-// variant. src/backend/cuda/runtime/launch_constants.rs mirrors the arguments (MOE_INT4_VARIANTS,
-// _STAGED, _RING, _PAIRED); src/backend/cuda/moe/int4.rs sizes a launch's dynamic shared memory
+// variant; the host's table gives MAXI, STAGED, RING and PAIRED of both variants
+// (MOE_INT4_V0_*, MOE_INT4_V1_*); src/backend/cuda/moe/int4.rs sizes a launch's dynamic shared memory
 // from them: MOE_WARPS moe_warp_space_bytes(MAXI, RING, PAIRED), plus 2 K (MAXI + 1) bytes of
 // staged activations when STAGED. gate_up's grid has room for num_groups rows of routed blocks
 // and, when s_down is given, rows of shared_down_block, in the order gate_up_role gives.
@@ -736,8 +736,12 @@ __device__ __forceinline__ GateUpRole gate_up_role(u32 num_groups) {
         down_kernel<MAXI, STAGED, RING, PAIRED>(groups, h, item_weight, out, hidden, inter);      \
     }
 
-MOE_INT4_KERNELS(8, 2, true, 16, true)
-MOE_INT4_KERNELS(16, 2, true, 8, false)
+// The two variants, their shapes from the host's table (MOE_INT4_V0_*, MOE_INT4_V1_*). The
+// indirection expands the table's names before MOE_INT4_KERNELS pastes MAXI into the kernel
+// names (moe_int4_gate_up_8, moe_int4_down_16, ...).
+#define MOE_INT4_KERNELS_OF(...) MOE_INT4_KERNELS(__VA_ARGS__)
+MOE_INT4_KERNELS_OF(MOE_INT4_V0_ITEMS, 2, MOE_INT4_V0_STAGED, MOE_INT4_V0_RING, MOE_INT4_V0_PAIRED)
+MOE_INT4_KERNELS_OF(MOE_INT4_V1_ITEMS, 2, MOE_INT4_V1_STAGED, MOE_INT4_V1_RING, MOE_INT4_V1_PAIRED)
 
 // The one-row down launch of the 8-item variant with the layer's combine in it (the draft's
 // steps): moe_combine's y = sum over the row's top_k items of out[item] (ascending item) + s_y

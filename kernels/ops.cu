@@ -11,7 +11,10 @@
 
 #include "linear_rows.cuh"
 
-#define ROW_THREADS 256
+#if !defined(ROW_THREADS) || !defined(MLA_APPEND_MAX_RANK) || !defined(ADD_NORM_MAX_COLS) || !defined(ARGMAX_CHUNK)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+// ROW_THREADS (the host's table): the threads of the row-wise kernels.
 
 // Sum of `v` over the block's ROW_THREADS threads in a fixed order; every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* shared) {
@@ -344,9 +347,8 @@ extern "C" __global__ void mla_expand_append(const float* kv, const float* k_pe,
     rope_segment(qh, qh, cos_t + r * half, sin_t + r * half, half, interleaved, threadIdx.x, blockDim.x);
 }
 
-// Most latent columns mla_kv_append_1 takes: each warp keeps its own normed copy in shared memory
-// (8 KB a block at 512, DeepSeek-V2's and V3's rank).
-#define MLA_APPEND_MAX_RANK 512
+// MLA_APPEND_MAX_RANK (the host's table): the most latent columns mla_kv_append_1 takes; each
+// warp keeps its own normed copy in shared memory (8 KB a block at 512, DeepSeek-V2's rank).
 
 // The wait of mla_kv_append_1's product: after the previous kernels, the warp writes the row's
 // normed latent into its own shared copy, with rms_norm_group's arithmetic for ROW_THREADS
@@ -465,9 +467,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) mla_kv_append_1(
     }
 }
 
-// Most columns add_norm_linear_1 takes: each block keeps the normed row in shared memory (16 KB
-// at 4096), and rms_norm_group keeps a row of that width in registers (RMS_CACHE pieces a thread).
-#define ADD_NORM_MAX_COLS 4096
+// ADD_NORM_MAX_COLS (the host's table): the most columns add_norm_linear_1 takes; each block keeps
+// the normed row in shared memory (16 KB at 4096), and rms_norm_group keeps a row of that width
+// in registers (RMS_CACHE pieces a thread).
 // Its register cap: four blocks an SM (<= 128 registers), as linear2_f16_1, whose grid it runs.
 #define ADD_NORM_MIN_BLOCKS 4
 
@@ -652,7 +654,6 @@ extern "C" __global__ void silu_mul(const float* gu, int inter, unsigned long lo
 // keys[row] (atomicMax); the last block of the row (a ticket from counts[row]) writes out[row]
 // and leaves keys[row] and counts[row] zero for the next launch. A decode row of a large
 // vocabulary is read by many blocks at once instead of one.
-#define ARGMAX_CHUNK 4096
 
 __device__ __forceinline__ unsigned long long argmax_key(float v, int c) {
     if (!(v > __int_as_float(0xff800000))) return 0ull;  // NaN and -inf: never chosen (key 0: none)

@@ -10,6 +10,10 @@
 
 #include "routing.cuh"
 
+#if !defined(ROUTE_PLAN_WARPS)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+
 // Router softmax and top-k on the device, one warp per row. ids/weights: [rows, top_k].
 extern "C" __global__ void route_softmax_topk(const float* logits, int experts, int top_k,
                                               int renormalize, float scale, unsigned* __restrict__ ids,
@@ -87,7 +91,6 @@ extern "C" __global__ void moe_plan(const unsigned* ids, const float* weights,
               &sh);
 }
 
-#define ROUTE_PLAN_WARPS 8
 
 // route_softmax_topk and moe_plan in one launch, for few rows (decode, verification windows):
 // route_plan_block (routing.cuh). Grid: 1; block: 32 * ROUTE_PLAN_WARPS.

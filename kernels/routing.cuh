@@ -4,7 +4,10 @@
 #ifndef SPECTER_KERNELS_ROUTING_CUH
 #define SPECTER_KERNELS_ROUTING_CUH
 
-#define MAX_TOP_K 16
+#if !defined(MAX_TOP_K) || !defined(PLAN_MAX_EXPERTS)
+#error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
+#endif
+
 // Probabilities per lane kept in registers by route_row (experts <= 32 * ROUTE_CACHE).
 #define ROUTE_CACHE 4
 
@@ -104,7 +107,6 @@ __device__ __forceinline__ void route_row(const float* row, int experts, int top
     __syncwarp();
 }
 
-#define PLAN_MAX_EXPERTS 1024
 
 // The work list's scratch in shared memory.
 struct PlanShared {

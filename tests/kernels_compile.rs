@@ -5,7 +5,9 @@
 //! Without NVRTC the test says so and passes, unless `SPECTER_REQUIRE_NVRTC=1`: `.ci/run` installs
 //! NVRTC from pip and runs it that way (`scripts/kernel-check.sh test`), so there it cannot skip.
 
-use specter::backend::cuda::{compile_source, nvrtc_library_present, KernelSource, KERNELS};
+use specter::backend::cuda::{
+    compile_source, nvrtc_library_present, KernelSource, KERNELS, KERNEL_SIGNATURES,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -23,26 +25,17 @@ fn entries(ptx: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// The (module, kernel) pairs the host loads by literal name: `dev.function("m", "k")` and the
-/// `ops("k")` / `routing("k")` / `gemv("k")` helpers of src/backend/cuda/runtime/kernels.rs, plus the
-/// doctor's.
+/// The (module, kernel) pairs loaded by literal name outside the backend's typed table:
+/// `.function("m", "k")` in the library's and the binaries' sources (the doctor's checks).
 fn loaded_by_name() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "specter-run/src"] {
+        rust_files(&root.join(dir), &mut files);
+    }
     let mut pairs = Vec::new();
-    for file in ["src/backend/cuda/runtime/kernels.rs", "src/doctor/mod.rs"] {
-        let text = std::fs::read_to_string(root.join(file)).expect(file);
-        for (helper, module) in [
-            ("ops(\"", "ops"),
-            ("routing(\"", "routing"),
-            ("gemv(\"", "gemv_f16"),
-        ] {
-            for piece in text.split(helper).skip(1) {
-                if let Some(name) = piece.split('"').next() {
-                    pairs.push((module.to_string(), name.to_string()));
-                }
-            }
-        }
-        // `.function("m", "k")`; the helpers' own `.function("m", f)` name no kernel.
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("read a source file");
         for piece in text.split(".function(\"").skip(1) {
             let Some((module, rest)) = piece.split_once('"') else {
                 continue;
@@ -53,6 +46,47 @@ fn loaded_by_name() -> Vec<(String, String)> {
         }
     }
     pairs
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Each kernel entry of `ptx` with its parameters' types in order (`.u64`, `.u32`, `.f32`).
+fn entry_params(ptx: &str) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    let mut current: Option<(String, Vec<String>)> = None;
+    for line in ptx.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix(".visible .entry ") {
+            if let Some((name, params)) = current.take() {
+                out.insert(name, params);
+            }
+            let name = rest.split('(').next().unwrap_or(rest).trim().to_string();
+            current = Some((name, Vec::new()));
+        } else if let Some((_, params)) = current.as_mut() {
+            if let Some(rest) = line.strip_prefix(".param ") {
+                params.push(rest.split_whitespace().next().unwrap_or("").to_string());
+            } else if line.starts_with(')') || line.starts_with('{') {
+                let (name, params) = current.take().expect("an entry");
+                out.insert(name, params);
+            }
+        }
+    }
+    if let Some((name, params)) = current {
+        out.insert(name, params);
+    }
+    out
 }
 
 /// Whether NVRTC can be loaded; without it the tests say so and pass, unless
@@ -142,11 +176,33 @@ fn every_kernel_compiles_for_each_architecture() {
             }
         }
     }
+    // Every argument struct of the backend (src/backend/cuda/runtime/args.rs) against the
+    // parameters of each of its kernels, as NVRTC compiled them.
+    let mut params: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for kernel in KERNELS {
+        let ptx = compile_source(kernel, "sm_90", None)
+            .expect("compiled above")
+            .ptx;
+        params.extend(entry_params(&ptx));
+    }
+    let mut typed = 0;
+    for (kernels, types) in KERNEL_SIGNATURES {
+        for name in *kernels {
+            let got = params.get(*name).unwrap_or_else(|| {
+                panic!("the backend launches {name}, which no kernel file defines")
+            });
+            assert_eq!(
+                got, types,
+                "{name}: its argument struct's types (right) are not the kernel's parameters (left)"
+            );
+            typed += 1;
+        }
+    }
+    assert!(typed >= 40, "only {typed} kernels have argument structs");
     let loaded = loaded_by_name();
     assert!(
-        loaded.len() >= 30,
-        "only {} kernels found loaded by name: has src/backend/cuda/runtime/kernels.rs changed form?",
-        loaded.len()
+        !loaded.is_empty(),
+        "no kernel found loaded by name: have the doctor's checks changed form?"
     );
     for (module, name) in loaded {
         let names = first

@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::f16;
 
 use crate::backend::cuda::graphs;
@@ -21,6 +21,7 @@ use crate::backend::cuda::offload::slots::{ExpertOffload, HostExpertsConfig, Off
 use crate::backend::cuda::ops::rope::RopeTableGpu;
 use crate::backend::cuda::options::LaunchRule;
 use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
+use crate::backend::cuda::runtime::args::*;
 use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
 use crate::backend::cuda::runtime::host::PinnedBuffer;
 use crate::backend::cuda::runtime::kernels::*;
@@ -412,19 +413,19 @@ impl CudaBackend {
         let chunks = x.cols.div_ceil(ARGMAX_CHUNK) as u32;
         for first in (0..x.rows).step_by(ARGMAX_ROWS) {
             let rows = (x.rows - first).min(ARGMAX_ROWS);
-            let args = [
-                ptr(&x.buf, s) + (4 * first * x.cols) as u64,
-                int(x.cols, "cols")?,
-                ptr(&self.argmax_keys, s),
-                ptr(&self.argmax_counts, s),
-                out + (4 * first) as u64,
-            ];
+            let args = ArgmaxArgs {
+                x: DevPtr(ptr(&x.buf, s) + (4 * first * x.cols) as u64),
+                cols: int(x.cols, "cols")?,
+                keys: dptr(&self.argmax_keys, s),
+                counts: dptr(&self.argmax_counts, s),
+                out: DevPtr(out + (4 * first) as u64),
+            };
             self.launch(
                 &self.k.argmax,
                 "argmax",
                 (chunks, rows as u32, 1),
                 ROW_THREADS,
-                &args,
+                args,
             )?;
         }
         Ok(())
@@ -435,27 +436,27 @@ impl CudaBackend {
             .map_err(|_| Error::Backend("cuda: a lock was poisoned by an earlier panic".into()))
     }
 
-    pub(super) fn launch(
+    pub(super) fn launch<A: KernelArgs>(
         &self,
-        f: &CudaFunction,
+        k: &Kernel<A>,
         what: &str,
         grid: (u32, u32, u32),
         block: u32,
-        args: &[u64],
+        args: A,
     ) -> Result<()> {
-        self.launch_clustered(f, what, grid, NO_CLUSTER, block, args)
+        self.launch_clustered(k, what, grid, NO_CLUSTER, block, args)
     }
 
     /// [`launch`](Self::launch) in thread block clusters of `cluster` blocks ([`NO_CLUSTER`]:
     /// none; others only where [`CudaBackend::clusters`] holds, the grid a multiple of it).
-    pub(super) fn launch_clustered(
+    pub(super) fn launch_clustered<A: KernelArgs>(
         &self,
-        f: &CudaFunction,
+        k: &Kernel<A>,
         what: &str,
         grid: (u32, u32, u32),
         cluster: (u32, u32, u32),
         block: u32,
-        args: &[u64],
+        mut args: A,
     ) -> Result<()> {
         let failed = |e: &dyn std::fmt::Display| {
             Error::Backend(format!("cuda {what}: kernel launch failed: {e}"))
@@ -463,17 +464,17 @@ impl CudaBackend {
         let Some(overlap) = self.launches.overlap_for(what, grid.0) else {
             return Ok(());
         };
-        // SAFETY: every kernel's parameters are pointers and 32-bit scalars passed in 8-byte
-        // slots in the order its signature declares (checked by the callers below); pointers
-        // address live device buffers of the sizes the kernel reads and writes; every kernel this
-        // launches waits in `spx_grid_wait` before it touches anything an earlier kernel writes
-        // or reads, and takes no dynamic shared memory.
+        // SAFETY: `args` are the arguments of `k`'s signature (its type says so, and
+        // tests/kernels_compile.rs checks each struct against its kernels' PTX); pointers
+        // address live device buffers of the sizes the kernel reads and writes (each caller's
+        // shape checks); every kernel this launches waits in `spx_grid_wait` before it touches
+        // anything an earlier kernel writes or reads, and takes no dynamic shared memory.
         unsafe {
             launch_kernel(
                 &self.stream,
-                f,
+                &k.f,
                 (grid, block, 0),
-                args,
+                &mut args.params(),
                 LaunchMode { overlap, cluster },
             )
         }

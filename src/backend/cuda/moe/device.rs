@@ -247,55 +247,93 @@ impl CudaBackend {
         let item_weight = alloc_u32(n_items)?;
         let row_items = alloc_u32(n_items)?;
         let groups = alloc_u32(max_groups * std::mem::size_of::<ExpertGroup>() / 4)?;
-        let plan_args = [
+        let (rows_i, top_k_i, experts_i) = (
             int(rows, "rows")?,
-            table,
-            int(max_groups, "groups")?,
-            ptr(&groups, s),
-            ptr(&item_row, s),
-            ptr(&item_weight, s),
-            ptr(&row_items, s),
-        ];
+            int(top_k, "top_k")?,
+            int(n_experts, "experts")?,
+        );
+        let max_groups_i = int(max_groups, "groups")?;
+        let (table, groups_p) = (DevPtr(table), dptr(&groups, s));
+        let (item_row_p, item_weight_p, row_items_p) = (
+            dptr(&item_row, s),
+            dptr(&item_weight, s),
+            dptr(&row_items, s),
+        );
+        let (ids_p, weights_p) = (dptr(&ids, s), dptr(&weights, s));
         let plan_separately = |this: &Self| -> Result<()> {
-            let mut args = vec![
-                ptr(&ids, s),
-                ptr(&weights, s),
-                int(rows, "rows")?,
-                int(top_k, "top_k")?,
-                int(n_experts, "experts")?,
-            ];
-            args.extend_from_slice(&plan_args[1..]);
+            let args = MoePlanArgs {
+                ids: ids_p,
+                weights: weights_p,
+                rows: rows_i,
+                top_k: top_k_i,
+                experts: experts_i,
+                table,
+                max_groups: max_groups_i,
+                groups: groups_p,
+                item_row: item_row_p,
+                item_weight: item_weight_p,
+                row_items: row_items_p,
+            };
             this.launch(
                 &this.k.moe_plan,
                 "moe plan",
                 (1, 1, 1),
                 ROUTE_PLAN_THREADS,
-                &args,
+                args,
             )
         };
         match spec {
             RouteSpec::SoftmaxTopK {
                 renormalize, scale, ..
             } => {
-                let route_args = [
-                    ptr(&logits.buf, s),
-                    int(n_experts, "experts")?,
-                    int(top_k, "top_k")?,
-                    u64::from(renormalize),
-                    float(scale),
-                    ptr(&ids, s),
-                    ptr(&weights, s),
-                ];
+                let route_args = RouteTopkArgs {
+                    logits: dptr(&logits.buf, s),
+                    experts: experts_i,
+                    top_k: top_k_i,
+                    renormalize: i32::from(renormalize),
+                    scale,
+                    ids: ids_p,
+                    weights: weights_p,
+                };
+                let route_plan = RoutePlanArgs {
+                    logits: route_args.logits,
+                    experts: experts_i,
+                    top_k: top_k_i,
+                    renormalize: route_args.renormalize,
+                    scale,
+                    ids: ids_p,
+                    weights: weights_p,
+                    rows: rows_i,
+                    table,
+                    max_groups: max_groups_i,
+                    groups: groups_p,
+                    item_row: item_row_p,
+                    item_weight: item_weight_p,
+                    row_items: row_items_p,
+                };
                 if let (Extra::Shared(sh, _), Some(hs)) = (extra, &shared_h) {
                     // Routing and work list in block 0, the shared gate/up in the others.
-                    let mut args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
-                    args.extend_from_slice(&[
-                        ptr(&x.buf, s),
-                        int(hidden, "hidden")?,
-                        sh.gate_up,
-                        int(sh.inter, "shared inter")?,
-                        ptr(&hs.buf, s),
-                    ]);
+                    let args = RoutePlanSharedArgs {
+                        logits: route_plan.logits,
+                        experts: experts_i,
+                        top_k: top_k_i,
+                        renormalize: route_plan.renormalize,
+                        scale,
+                        ids: ids_p,
+                        weights: weights_p,
+                        rows: rows_i,
+                        table,
+                        max_groups: max_groups_i,
+                        groups: groups_p,
+                        item_row: item_row_p,
+                        item_weight: item_weight_p,
+                        row_items: row_items_p,
+                        x: dptr(&x.buf, s),
+                        k: int(hidden, "hidden")?,
+                        w_shared: DevPtr(sh.gate_up),
+                        inter_shared: int(sh.inter, "shared inter")?,
+                        h_shared: dptr(&hs.buf, s),
+                    };
                     // One row: the form whose shared gate/up holds one row's registers.
                     let f = if rows == 1 {
                         &self.k.route_plan_shared_1
@@ -314,17 +352,16 @@ impl CudaBackend {
                         "route + plan + shared gate/up",
                         (blocks, 1, 1),
                         32 * GEMV_WARPS as u32,
-                        &args,
+                        args,
                     )?;
                 } else if rows <= ROUTE_PLAN_MAX_ROWS {
                     // Few rows: routing and work list in one launch.
-                    let args: Vec<u64> = route_args.iter().chain(&plan_args).copied().collect();
                     self.launch(
                         &self.k.route_plan,
                         "route + plan",
                         (1, 1, 1),
                         ROUTE_PLAN_THREADS,
-                        &args,
+                        route_plan,
                     )?;
                 } else {
                     self.launch(
@@ -332,7 +369,7 @@ impl CudaBackend {
                         "route top-k",
                         (rows as u32, 1, 1),
                         32,
-                        &route_args,
+                        route_args,
                     )?;
                     plan_separately(self)?;
                 }
@@ -343,13 +380,13 @@ impl CudaBackend {
                     "route sparse mixer",
                     (rows as u32, 1, 1),
                     32,
-                    &[
-                        ptr(&logits.buf, s),
-                        int(n_experts, "experts")?,
-                        float(jitter_eps),
-                        ptr(&ids, s),
-                        ptr(&weights, s),
-                    ],
+                    RouteSparseMixerArgs {
+                        logits: dptr(&logits.buf, s),
+                        experts: int(n_experts, "experts")?,
+                        jitter_eps,
+                        ids: dptr(&ids, s),
+                        weights: dptr(&weights, s),
+                    },
                 )?;
                 plan_separately(self)?;
             }
@@ -374,7 +411,7 @@ impl CudaBackend {
         };
         // The layer's output. A draft step (INT4 experts, one row, shared experts), where the
         // device has clusters and the top_k fit one: the down launch combines it (the same bits
-        // as moe_combine below). The FP16 form of this ran slower (docs/BENCHMARKS-LOG.md).
+        // as moe_combine below).
         let y = self.alloc(rows, hidden)?;
         let combine = (self.clusters
             && int4
@@ -436,14 +473,14 @@ impl CudaBackend {
             "moe combine",
             (rows as u32, grid_for(hidden, ROW_THREADS), 1),
             ROW_THREADS,
-            &[
-                launch.out,
-                ptr(&row_items, s),
-                int(top_k, "top_k")?,
-                int(hidden, "hidden")?,
-                ptr(&y.buf, s),
-                plus.map_or(0, |p| ptr(&p.buf, s)),
-            ],
+            MoeCombineArgs {
+                out: DevPtr(launch.out),
+                row_items: dptr(&row_items, s),
+                top_k: int(top_k, "top_k")?,
+                hidden: int(hidden, "hidden")?,
+                y: dptr(&y.buf, s),
+                plus: DevPtr(plus.map_or(0, |p| ptr(&p.buf, s))),
+            },
         )?;
         Ok(y)
     }
@@ -469,7 +506,11 @@ impl CudaBackend {
             "count routes",
             (1, 1, 1),
             128,
-            &[ids, int(n, "items")?, row],
+            CountRoutesArgs {
+                ids: DevPtr(ids),
+                n: int(n, "items")?,
+                counts: DevPtr(row),
+            },
         )
     }
 

@@ -16,6 +16,9 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
 use crate::backend::cuda::moe::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
 use crate::backend::cuda::options::LaunchRule;
+use crate::backend::cuda::runtime::args::{
+    DevPtr, Int4DownArgs, Int4DownCombineArgs, Int4GateUpArgs, KernelArgs,
+};
 use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
 use crate::backend::cuda::runtime::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
@@ -25,6 +28,7 @@ use crate::backend::cuda::runtime::launch_constants::{
 };
 use crate::backend::cuda::{CudaDevice, CudaFunction, CudaStream};
 use crate::{Error, Result};
+use std::marker::PhantomData;
 
 /// The kernel file (`kernels/moe_int4.cu`).
 const MODULE: &str = "moe_int4";
@@ -35,18 +39,20 @@ const MAX_GRID_Y: usize = 65_535;
 // The kernels read the groups as a 40-byte struct (kernels/common.cuh asserts the same size).
 const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
 
-/// One kernel function and the most dynamic shared memory a launch of it may ask for.
-struct Kernel {
+/// One kernel function, typed by its arguments, and the most dynamic shared memory a launch of
+/// it may ask for.
+struct Kernel<A> {
     func: CudaFunction,
     max_dynamic_shared: usize,
+    args: PhantomData<fn(A)>,
 }
 
 /// The gate/up and down kernels of every variant, loaded from one device.
 pub struct MoeInt4Kernels {
-    gate_up: [Kernel; 2],
-    down: [Kernel; 2],
+    gate_up: [Kernel<Int4GateUpArgs>; 2],
+    down: [Kernel<Int4DownArgs>; 2],
     /// The 8-item down with the one-row combine in its clusters (`moe_int4_down_combine_8`).
-    down_combine: Kernel,
+    down_combine: Kernel<Int4DownCombineArgs>,
     /// How each launch starts (see [`Self::launching`]).
     launches: LaunchRule,
 }
@@ -172,10 +178,17 @@ fn dynamic_shared_bytes(variant: usize, k: usize) -> usize {
     WARPS * warp_space_bytes(variant) + staged
 }
 
-impl Kernel {
-    /// Loads `name` and allows it all the dynamic shared memory the device offers a block beside
-    /// the function's static shared memory (every variant keeps its warps' rings there).
+impl<A: KernelArgs> Kernel<A> {
+    /// Loads `name` (one of the kernels `A` is for) and allows it all the dynamic shared memory
+    /// the device offers a block beside the function's static shared memory (every variant keeps
+    /// its warps' rings there).
     fn load(device: &CudaDevice, name: &str) -> Result<Self> {
+        if !A::KERNELS.contains(&name) {
+            return Err(Error::Backend(format!(
+                "cuda: kernel {name} does not take the arguments of {:?}",
+                A::KERNELS
+            )));
+        }
         let func = device.function(MODULE, name)?;
         let optin = device
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
@@ -195,6 +208,7 @@ impl Kernel {
         Ok(Kernel {
             func,
             max_dynamic_shared: usize::try_from(max).unwrap_or(0),
+            args: PhantomData,
         })
     }
 
@@ -217,13 +231,13 @@ impl Kernel {
 impl MoeInt4Kernels {
     /// Loads (compiling on first use) the kernels from `device`.
     pub fn new(device: &CudaDevice) -> Result<Self> {
-        let load = |stage: &str| -> Result<[Kernel; 2]> {
+        fn load<A: KernelArgs>(device: &CudaDevice, stage: &str) -> Result<[Kernel<A>; 2]> {
             let f = |v: usize| Kernel::load(device, &format!("moe_int4_{stage}_{}", VARIANTS[v]));
             Ok([f(0)?, f(1)?])
-        };
+        }
         Ok(MoeInt4Kernels {
-            gate_up: load("gate_up")?,
-            down: load("down")?,
+            gate_up: load(device, "gate_up")?,
+            down: load(device, "down")?,
             down_combine: Kernel::load(device, &format!("moe_int4_down_combine_{}", VARIANTS[0]))?,
             launches: LaunchRule::default(),
         })
@@ -243,45 +257,44 @@ impl MoeInt4Kernels {
         self.launches = rule;
     }
 
-    /// Launches `func` (labelled `what`) with THREADS-thread blocks and its arguments in 8-byte
-    /// slots.
-    fn issue(
+    /// Launches `kernel` (labelled `what`) with THREADS-thread blocks.
+    fn issue<A: KernelArgs>(
         &self,
         stream: &CudaStream,
         what: &str,
-        func: &CudaFunction,
+        kernel: &Kernel<A>,
         grid: (u32, u32, u32),
         shared_bytes: u32,
-        args: &[u64],
+        args: A,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        self.issue_clustered(stream, what, func, (grid, NO_CLUSTER), shared_bytes, args)
+        self.issue_clustered(stream, what, kernel, (grid, NO_CLUSTER), shared_bytes, args)
     }
 
     /// [`Self::issue`] in thread block clusters of `grids.1` blocks (the grid `grids.0` a
     /// multiple of it).
-    fn issue_clustered(
+    fn issue_clustered<A: KernelArgs>(
         &self,
         stream: &CudaStream,
         what: &str,
-        func: &CudaFunction,
+        kernel: &Kernel<A>,
         grids: ((u32, u32, u32), (u32, u32, u32)),
         shared_bytes: u32,
-        args: &[u64],
+        mut args: A,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         let (grid, cluster) = grids;
         let Some(overlap) = self.launches.overlap_for(what, grid.0) else {
             return Ok(());
         };
-        // SAFETY: the callers pass the kernel's parameters in its declared order, pointers and
-        // 32-bit scalars each in an 8-byte slot, and the dynamic shared memory the function was
-        // allowed; the kernel waits (SPX_PROLOGUE, or linear_block's wait for the shared
-        // experts' blocks) before it touches anything an earlier kernel writes.
+        // SAFETY: `args` are the arguments of `kernel`'s signature (its type says so), with the
+        // dynamic shared memory the function was allowed; the kernel waits (SPX_PROLOGUE, or
+        // linear_block's wait for the shared experts' blocks) before it touches anything an
+        // earlier kernel writes.
         unsafe {
             launch_kernel(
                 stream,
-                func,
+                &kernel.func,
                 (grid, THREADS, shared_bytes),
-                args,
+                &mut args.params(),
                 LaunchMode { overlap, cluster },
             )
         }
@@ -343,21 +356,29 @@ impl MoeInt4Kernels {
         let top_k = combine.top_k as u32;
         let grid = ((l.hidden / COLS_PER_BLOCK) as u32, top_k, 1);
         let bytes = kernel.dynamic_shared(0, l.inter, "down with the combine")?;
-        let mut args = down_args(l).to_vec();
-        args.extend_from_slice(&[u64::from(top_k), shared.y, combine.y]);
-        // The arguments match moe_int4_down_combine_8(const ExpertGroup*, const float* h, const
-        // float* item_weight, float* out, u32 hidden, u32 inter, u32 top_k, const float* s_y,
-        // float* y): as moe_int4_down_8's (checked above and by MoeLaunch's promise), plus the
-        // shared output and y, `hidden` floats each (SharedDown's and the caller's). The grid's
-        // rows are the cluster's top_k blocks.
+        let d = down_args(l);
+        // As moe_int4_down_8's (checked above and by MoeLaunch's promise), plus the shared output
+        // and y, `hidden` floats each (SharedDown's and the caller's). The grid's rows are the
+        // cluster's top_k blocks.
+        let args = Int4DownCombineArgs {
+            groups: d.groups,
+            h: d.h,
+            item_weight: d.item_weight,
+            out: d.out,
+            hidden: d.hidden,
+            inter: d.inter,
+            top_k,
+            s_y: DevPtr(shared.y),
+            y: DevPtr(combine.y),
+        };
         let grids = (grid, (1, top_k, 1));
         self.issue_clustered(
             stream,
             "moe int4 down + combine",
-            &kernel.func,
+            kernel,
             grids,
             bytes,
-            &args,
+            args,
         )
         .map_err(|e| {
             Error::Backend(format!(
@@ -401,28 +422,26 @@ impl MoeInt4Kernels {
         }
         let grid = (grid_x, rows as u32, 1);
         let bytes = kernel.dynamic_shared(variant, l.hidden, "gate/up")?;
-        let args = [
-            l.groups,
-            l.x,
-            l.item_row,
-            l.h,
-            l.hidden as u64,
-            l.inter as u64,
-            l.num_groups as u64,
-            shared.map_or(0, |sd| sd.h),
-            shared.map_or(0, |sd| sd.inter as u64),
-            shared.map_or(0, |sd| sd.down),
-            shared.map_or(0, |sd| sd.y),
-        ];
-        // The arguments match moe_int4_gate_up_<M>(const ExpertGroup*, const float* x, const u32*
-        // item_row, float* h, u32 hidden, u32 inter, u32 num_groups, const float* s_h, u32
-        // s_inter, const __half* s_down, float* s_y); the shapes were checked
-        // above, and the caller's MoeLaunch promises device buffers of the sizes it documents,
-        // groups whose items lie in 0..items with qweight/scales of the K = hidden, N = 2 inter
-        // matrix, and a SharedDown one row of s_inter inputs, a [hidden][s_inter] f16 weight and
-        // hidden outputs. The dynamic shared memory is what the variant needs for K = hidden,
-        // within the limit set on the function at load.
-        self.issue(stream, "moe int4 gate/up", &kernel.func, grid, bytes, &args)
+        // The shapes were checked above (they fit 32 bits), and the caller's MoeLaunch promises
+        // device buffers of the sizes it documents, groups whose items lie in 0..items with
+        // qweight/scales of the K = hidden, N = 2 inter matrix, and a SharedDown one row of
+        // s_inter inputs, a [hidden][s_inter] f16 weight and hidden outputs. The dynamic shared
+        // memory is what the variant needs for K = hidden, within the limit set on the function
+        // at load.
+        let args = Int4GateUpArgs {
+            groups: DevPtr(l.groups),
+            x: DevPtr(l.x),
+            item_row: DevPtr(l.item_row),
+            h: DevPtr(l.h),
+            hidden: l.hidden as u32,
+            inter: l.inter as u32,
+            num_groups: l.num_groups as u32,
+            s_h: DevPtr(shared.map_or(0, |sd| sd.h)),
+            s_inter: shared.map_or(0, |sd| sd.inter as u32),
+            s_down: DevPtr(shared.map_or(0, |sd| sd.down)),
+            s_y: DevPtr(shared.map_or(0, |sd| sd.y)),
+        };
+        self.issue(stream, "moe int4 gate/up", kernel, grid, bytes, args)
             .map_err(|e| Error::Backend(format!("launching the INT4 gate/up kernel: {e}")))
     }
 
@@ -434,27 +453,26 @@ impl MoeInt4Kernels {
         let kernel = &self.down[variant];
         let grid = ((l.hidden / COLS_PER_BLOCK) as u32, l.num_groups as u32, 1);
         let bytes = kernel.dynamic_shared(variant, l.inter, "down")?;
-        let args = down_args(l);
-        // The arguments match moe_int4_down_<M>(const ExpertGroup*, const float* h, const float*
-        // item_weight, float* out, u32 hidden, u32 inter); shapes checked above and buffers as
-        // MoeLaunch documents them (qweight/scales of the K = inter, N = hidden matrix); dynamic
-        // shared memory as the variant needs for K = inter, within the function's limit.
-        self.issue(stream, "moe int4 down", &kernel.func, grid, bytes, &args)
+        // Shapes checked above and buffers as MoeLaunch documents them (qweight/scales of the
+        // K = inter, N = hidden matrix); dynamic shared memory as the variant needs for K =
+        // inter, within the function's limit.
+        self.issue(stream, "moe int4 down", kernel, grid, bytes, down_args(l))
             .map_err(|e| Error::Backend(format!("launching the INT4 down kernel: {e}")))
     }
 }
 
 /// The arguments of a down launch of `l`, in moe_int4_down_<M>'s order (the clustered form
 /// takes more after them).
-fn down_args(l: &MoeLaunch) -> [u64; 6] {
-    [
-        l.groups,
-        l.h,
-        l.item_weight,
-        l.out,
-        l.hidden as u64,
-        l.inter as u64,
-    ]
+/// The down kernels' arguments for `l` (its sizes checked to fit 32 bits).
+fn down_args(l: &MoeLaunch) -> Int4DownArgs {
+    Int4DownArgs {
+        groups: DevPtr(l.groups),
+        h: DevPtr(l.h),
+        item_weight: DevPtr(l.item_weight),
+        out: DevPtr(l.out),
+        hidden: l.hidden as u32,
+        inter: l.inter as u32,
+    }
 }
 
 /// Grid rows of shared-down blocks a gate/up launch of `grid_x` columns adds: each block of

@@ -365,20 +365,20 @@ impl CudaBackend {
             }
         }
         let d_row_items = self.upload_u32(&row_items)?;
-        let args = [
-            launch.out,
-            ptr(&d_row_items, s),
-            int(k, "top_k")?,
-            int(hidden, "hidden")?,
-            ptr(&y.buf, s),
-            0,
-        ];
+        let args = MoeCombineArgs {
+            out: DevPtr(launch.out),
+            row_items: dptr(&d_row_items, s),
+            top_k: int(k, "top_k")?,
+            hidden: int(hidden, "hidden")?,
+            y: dptr(&y.buf, s),
+            plus: DevPtr(0),
+        };
         self.launch(
             &self.k.moe_combine,
             "moe combine",
             (x.rows as u32, grid_for(hidden, ROW_THREADS), 1),
             ROW_THREADS,
-            &args,
+            args,
         )?;
         drop(d_items);
         drop(h);
@@ -411,7 +411,15 @@ impl CudaBackend {
             "moe gate/up",
             (gate_up.grid(blocks(gx, l.num_groups), one), 1, 1),
             32 * GEMV_WARPS as u32,
-            &[l.x, h, i, l.groups, groups, l.item_row, l.h],
+            MoeGateUpArgs {
+                x: DevPtr(l.x),
+                hidden: h,
+                inter: i,
+                groups: DevPtr(l.groups),
+                num_groups: groups,
+                item_row: DevPtr(l.item_row),
+                h: DevPtr(l.h),
+            },
         )?;
         self.launch_moe_f16_down(l, shared)
     }
@@ -431,39 +439,61 @@ impl CudaBackend {
             gx
         };
         let routed = blocks(gx_routed, l.num_groups);
-        let mut args = vec![l.h, h, i, l.groups, groups, l.item_weight, l.out];
-        let (down, work_blocks) = match shared {
-            None if one => (&self.k.moe_down_1, routed),
-            None => (&self.k.moe_down, routed),
-            Some(sd) => {
-                args.extend_from_slice(&[
-                    sd.h,
-                    int(sd.rows, "rows")?,
-                    int(sd.inter, "shared inter")?,
-                    sd.down,
-                    sd.y,
-                ]);
-                let k = if one {
-                    &self.k.moe_down_shared_1
-                } else {
-                    &self.k.moe_down_shared
-                };
-                // The shared experts' down product: gx work blocks (the one-item form) or gx
-                // per row group after the routed ones.
-                let shared_blocks = if one {
-                    gx
-                } else {
-                    gx.saturating_mul(gemv_row_groups(sd.rows))
-                };
-                (k, routed.saturating_add(shared_blocks))
-            }
+        let args = MoeDownArgs {
+            h: DevPtr(l.h),
+            hidden: h,
+            inter: i,
+            groups: DevPtr(l.groups),
+            num_groups: groups,
+            item_weight: DevPtr(l.item_weight),
+            out: DevPtr(l.out),
         };
+        let Some(sd) = shared else {
+            let down = if one {
+                &self.k.moe_down_1
+            } else {
+                &self.k.moe_down
+            };
+            return self.launch(
+                &down.f,
+                "moe down",
+                (down.grid(routed, one), 1, 1),
+                32 * GEMV_WARPS as u32,
+                args,
+            );
+        };
+        let down = if one {
+            &self.k.moe_down_shared_1
+        } else {
+            &self.k.moe_down_shared
+        };
+        // The shared experts' down product: gx work blocks (the one-item form) or gx per row
+        // group after the routed ones.
+        let shared_blocks = if one {
+            gx
+        } else {
+            gx.saturating_mul(gemv_row_groups(sd.rows))
+        };
+        let work_blocks = routed.saturating_add(shared_blocks);
         self.launch(
             &down.f,
             "moe down",
             (down.grid(work_blocks, one), 1, 1),
             32 * GEMV_WARPS as u32,
-            &args,
+            MoeDownSharedArgs {
+                h: args.h,
+                hidden: h,
+                inter: i,
+                groups: args.groups,
+                num_groups: groups,
+                item_weight: args.item_weight,
+                out: args.out,
+                h_shared: DevPtr(sd.h),
+                rows: int(sd.rows, "rows")?,
+                inter_shared: int(sd.inter, "shared inter")?,
+                w_down: DevPtr(sd.down),
+                y_shared: DevPtr(sd.y),
+            },
         )
     }
 }
@@ -508,31 +538,31 @@ impl CudaBackend {
             % EXPERTS_ONE_SLOTS;
         let counters =
             ptr(&self.experts_counters, &self.stream) + (4 * slot * EXPERTS_ONE_SLOT_WORDS) as u64;
-        let args = [
-            l.x,
-            int(l.hidden, "hidden")?,
-            int(l.inter, "inter")?,
-            l.groups,
-            int(l.num_groups, "groups")?,
-            l.item_row,
-            l.h,
-            l.item_weight,
-            l.out,
-            shared.h,
-            int(shared.inter, "shared inter")?,
-            shared.down,
-            shared.y,
-            row_items,
-            int(top_k, "top_k")?,
-            y,
-            counters,
-        ];
+        let args = MoeExpertsOneArgs {
+            x: DevPtr(l.x),
+            hidden: int(l.hidden, "hidden")?,
+            inter: int(l.inter, "inter")?,
+            groups: DevPtr(l.groups),
+            num_groups: int(l.num_groups, "groups")?,
+            item_row: DevPtr(l.item_row),
+            h: DevPtr(l.h),
+            item_weight: DevPtr(l.item_weight),
+            out: DevPtr(l.out),
+            h_shared: DevPtr(shared.h),
+            inter_shared: int(shared.inter, "shared inter")?,
+            w_down: DevPtr(shared.down),
+            y_shared: DevPtr(shared.y),
+            row_items: DevPtr(row_items),
+            top_k: int(top_k, "top_k")?,
+            y: DevPtr(y),
+            counters: DevPtr(counters),
+        };
         self.launch(
             &self.k.moe_experts_1,
             "moe experts",
             (blocks, 1, 1),
             32 * GEMV_WARPS as u32,
-            &args,
+            args,
         )
     }
 

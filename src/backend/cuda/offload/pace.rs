@@ -7,10 +7,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream};
 
-use crate::backend::cuda::runtime::driver::guarded;
-use crate::backend::cuda::runtime::kernels::{ptr, PaceKernels};
+use crate::backend::cuda::runtime::args::{KernelArgs, LinkPaceStartArgs, LinkPaceWaitArgs};
+use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::kernels::{dptr, PaceKernels};
 use crate::backend::cuda::CudaDevice;
 use crate::{Error, Result};
 
@@ -46,37 +47,44 @@ impl LinkPace {
 
     /// Stamps the start of a batch on `copy` (before its first copy).
     pub(in crate::backend::cuda) fn begin(&self, copy: &CudaStream) -> Result<()> {
-        let stamp = ptr(&self.stamp, copy);
-        let mut b = copy.launch_builder(&self.kernels.start);
-        b.arg(&stamp);
-        // SAFETY: link_pace_start(unsigned long long*) takes one pointer, passed in an 8-byte
-        // slot; it addresses `self.stamp`, one u64 that lives as long as `self`.
-        unsafe { b.launch(one_thread()) }
-            .map(|_| ())
+        let mut args = LinkPaceStartArgs {
+            stamp: dptr(&self.stamp, copy),
+        };
+        // SAFETY: the arguments of link_pace_start (its type says so); the pointer addresses
+        // `self.stamp`, one u64 that lives as long as `self`.
+        unsafe { launch_one_thread(copy, &self.kernels.start.f, &mut args.params()) }
             .map_err(|e| Error::Backend(format!("cuda link_pace_start: kernel launch failed: {e}")))
     }
 
     /// After a batch of `bytes` on `copy`: holds the stream until the batch has taken as long as
     /// those bytes take at the paced rate.
     pub(in crate::backend::cuda) fn end(&self, copy: &CudaStream, bytes: usize) -> Result<()> {
-        let stamp = ptr(&self.stamp, copy);
-        let ns = pace_ns(bytes, self.bytes_per_s);
-        let mut b = copy.launch_builder(&self.kernels.wait);
-        b.arg(&stamp).arg(&ns);
-        // SAFETY: link_pace_wait(const unsigned long long*, unsigned long long) takes a pointer to
-        // `self.stamp` (live as long as `self`) and a 64-bit count, each in an 8-byte slot.
-        unsafe { b.launch(one_thread()) }
-            .map(|_| ())
+        let mut args = LinkPaceWaitArgs {
+            stamp: dptr(&self.stamp, copy),
+            ns: pace_ns(bytes, self.bytes_per_s),
+        };
+        // SAFETY: the arguments of link_pace_wait (its type says so); the pointer addresses
+        // `self.stamp`, which lives as long as `self`.
+        unsafe { launch_one_thread(copy, &self.kernels.wait.f, &mut args.params()) }
             .map_err(|e| Error::Backend(format!("cuda link_pace_wait: kernel launch failed: {e}")))
     }
 }
 
-fn one_thread() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    }
+/// A one-thread launch of `f` on `copy`, after the copy stream's earlier work.
+///
+/// # Safety
+/// `params` are the addresses of `f`'s arguments, valid for the call.
+unsafe fn launch_one_thread(
+    copy: &CudaStream,
+    f: &cudarc::driver::CudaFunction,
+    params: &mut [*mut std::ffi::c_void],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let plain = LaunchMode {
+        overlap: false,
+        cluster: NO_CLUSTER,
+    };
+    // SAFETY: the caller's promise; a plain launch waits for the stream's earlier work.
+    unsafe { launch_kernel(copy, f, ((1, 1, 1), 1, 0), params, plain) }
 }
 
 /// A pace must be a positive, finite number of bytes per second.

@@ -72,23 +72,23 @@ impl CudaBackend {
                 (ptr(&t.cos, s), ptr(&t.sin, s))
             }
         };
-        let args = [
-            ptr(&x.buf, s),
-            cos,
-            sin,
-            int(x.cols, "cols")?,
-            int(spec.heads, "heads")?,
-            int(spec.head_stride, "head_stride")?,
-            int(spec.offset, "offset")?,
-            int(spec.rot_dim, "rot_dim")?,
-            u64::from(spec.style == RopeStyle::Interleaved),
-        ];
+        let args = RopeArgs {
+            x: dptr(&x.buf, s),
+            cos_t: DevPtr(cos),
+            sin_t: DevPtr(sin),
+            cols: int(x.cols, "cols")?,
+            heads: int(spec.heads, "heads")?,
+            head_stride: int(spec.head_stride, "head_stride")?,
+            offset: int(spec.offset, "offset")?,
+            rot_dim: int(spec.rot_dim, "rot_dim")?,
+            interleaved: i32::from(spec.style == RopeStyle::Interleaved),
+        };
         self.launch(
             &self.k.rope,
             "rope",
             (x.rows as u32, 1, 1),
             ROW_THREADS,
-            &args,
+            args,
         )
     }
 
@@ -113,16 +113,16 @@ impl CudaBackend {
         let values = self.alloc(kv.rows, heads * v_dim)?;
         if kv.rows > 0 {
             let s = &self.stream;
-            let args = [
-                ptr(&kv.buf, s),
-                ptr(&k_pe.buf, s),
-                int(heads, "heads")?,
-                int(nope, "nope")?,
-                int(rope, "rope")?,
-                int(v_dim, "v_dim")?,
-                ptr(&keys.buf, s),
-                ptr(&values.buf, s),
-            ];
+            let args = MlaExpandKvArgs {
+                kv: dptr(&kv.buf, s),
+                k_pe: dptr(&k_pe.buf, s),
+                heads: int(heads, "heads")?,
+                nope: int(nope, "nope")?,
+                rope: int(rope, "rope")?,
+                v_dim: int(v_dim, "v_dim")?,
+                keys: dptr(&keys.buf, s),
+                values: dptr(&values.buf, s),
+            };
             let h = u32::try_from(heads)
                 .map_err(|_| shape_err("mla_expand_kv", "too many heads".into()))?;
             self.launch(
@@ -130,7 +130,7 @@ impl CudaBackend {
                 "mla_expand_kv",
                 (kv.rows as u32, h, 1),
                 MLA_THREADS,
-                &args,
+                args,
             )?;
         }
         Ok((keys, values))
@@ -190,30 +190,30 @@ impl CudaBackend {
             false => Some(self.alloc(pairs * ATT_SPLITS, 2 + v_dim)?),
         };
         let s = &self.stream;
-        let args = [
-            ptr(&q.buf, s),
-            ptr(&k.buf, s),
-            ptr(&v.buf, s),
-            part.as_ref().map_or(0, |p| ptr(&p.buf, s)),
-            ptr(&scratch.buf, s),
-            int(heads, "heads")?,
-            int(kv_heads, "kv_heads")?,
-            int(qk_dim, "qk_dim")?,
-            int(v_dim, "v_dim")?,
-            float(scale),
-            int(start, "start")?,
-            int(window.unwrap_or(0), "window")?,
-            int(stride, "kv_len")?,
-            start_at,
-            if fused && !cluster {
+        let args = AttentionArgs {
+            q: dptr(&q.buf, s),
+            k: dptr(&k.buf, s),
+            v: dptr(&v.buf, s),
+            part: DevPtr(part.as_ref().map_or(0, |p| ptr(&p.buf, s))),
+            scratch: dptr(&scratch.buf, s),
+            heads: int(heads, "heads")?,
+            kv_heads: int(kv_heads, "kv_heads")?,
+            qk_dim: int(qk_dim, "qk_dim")?,
+            v_dim: int(v_dim, "v_dim")?,
+            scale,
+            start: int(start, "start")?,
+            window: int(window.unwrap_or(0), "window")?,
+            score_stride: int(stride, "kv_len")?,
+            start_at: DevPtr(start_at),
+            counters: DevPtr(if fused && !cluster {
                 ptr(&self.attention_counters, s)
             } else {
                 0
-            },
-            ptr(&out.buf, s),
-            int(splits, "splits")?,
-            u64::from(cluster),
-        ];
+            }),
+            out: dptr(&out.buf, s),
+            splits: int(splits, "splits")?,
+            cluster: i32::from(cluster),
+        };
         let too_many = || shape_err("attention", "too many rows".into());
         let grid = pairs
             .checked_mul(splits)
@@ -229,24 +229,24 @@ impl CudaBackend {
                 NO_CLUSTER
             },
             ATT_THREADS,
-            &args,
+            args,
         )?;
         if let (false, Some(part)) = (fused, &part) {
-            let args = [
-                ptr(&part.buf, s),
-                ptr(&out.buf, s),
-                int(heads, "heads")?,
-                int(v_dim, "v_dim")?,
-                int(start, "start")?,
-                int(window.unwrap_or(0), "window")?,
-                start_at,
-            ];
+            let args = AttentionCombineArgs {
+                part: dptr(&part.buf, s),
+                out: dptr(&out.buf, s),
+                heads: int(heads, "heads")?,
+                v_dim: int(v_dim, "v_dim")?,
+                start: int(start, "start")?,
+                window: int(window.unwrap_or(0), "window")?,
+                start_at: DevPtr(start_at),
+            };
             self.launch(
                 &self.k.attention_combine,
                 "attention combine",
                 (u32::try_from(pairs).map_err(|_| too_many())?, 1, 1),
                 ATT_COMBINE_THREADS,
-                &args,
+                args,
             )?;
         }
         Ok(out)

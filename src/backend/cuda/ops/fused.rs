@@ -70,14 +70,14 @@ impl CudaBackend {
                 "add_rms_norm",
                 (rows_grid(x.rows, "add_rms_norm")?, 1, 1),
                 ROW_THREADS,
-                &[
-                    ptr(&x.buf, s),
-                    ptr(&y.buf, s),
-                    ptr(w, s),
-                    float(eps),
-                    int(x.cols, "cols")?,
-                    ptr(&out.buf, s),
-                ],
+                AddRmsNormArgs {
+                    x: dptr(&x.buf, s),
+                    a: dptr(&y.buf, s),
+                    w: dptr(w, s),
+                    eps,
+                    cols: int(x.cols, "cols")?,
+                    y: dptr(&out.buf, s),
+                },
             )?;
         }
         Ok(out)
@@ -124,20 +124,20 @@ impl CudaBackend {
                     1,
                 ),
                 32 * GEMV_WARPS as u32,
-                &[
-                    ptr(&x.buf, s),
-                    int(x.rows, "rows")?,
-                    int(x.cols, "in")?,
-                    ptr(wa, s),
-                    int(na, "out")?,
-                    0,
-                    ptr(&ya.buf, s),
-                    ptr(wb, s),
-                    int(nb, "out")?,
-                    0,
-                    ptr(&yb.buf, s),
-                    u64::from(blocks_a),
-                ],
+                Linear2Args {
+                    x: dptr(&x.buf, s),
+                    rows: int(x.rows, "rows")?,
+                    k: int(x.cols, "in")?,
+                    wa: dptr(wa, s),
+                    na: int(na, "out")?,
+                    ba: DevPtr(0),
+                    ya: dptr(&ya.buf, s),
+                    wb: dptr(wb, s),
+                    nb: int(nb, "out")?,
+                    bb: DevPtr(0),
+                    yb: dptr(&yb.buf, s),
+                    blocks_a: int(blocks_a as usize, "blocks")?,
+                },
             )?;
         }
         Ok((ya, yb))
@@ -168,19 +168,19 @@ impl CudaBackend {
                 "mla_latent",
                 (rows_grid(compressed.rows, "mla_latent")?, 1, 1),
                 ROW_THREADS,
-                &[
-                    ptr(&compressed.buf, s),
-                    int(compressed.cols, "cols")?,
-                    int(rank, "rank")?,
-                    ptr(w, s),
-                    float(eps),
-                    cos,
-                    sin,
-                    int(rot, "rope")?,
-                    u64::from(rope.style == RopeStyle::Interleaved),
-                    ptr(&latent.buf, s),
-                    ptr(&pe.buf, s),
-                ],
+                MlaLatentArgs {
+                    c: dptr(&compressed.buf, s),
+                    cols: int(compressed.cols, "cols")?,
+                    rank: int(rank, "rank")?,
+                    w: dptr(w, s),
+                    eps,
+                    cos_t: DevPtr(cos),
+                    sin_t: DevPtr(sin),
+                    rope: int(rot, "rope")?,
+                    interleaved: i32::from(rope.style == RopeStyle::Interleaved),
+                    latent: dptr(&latent.buf, s),
+                    pe: dptr(&pe.buf, s),
+                },
             )?;
         }
         Ok((latent, pe))
@@ -218,15 +218,30 @@ impl CudaBackend {
         let s = &self.stream;
         let h = u32::try_from(heads)
             .map_err(|_| shape_err("mla_expand_append", "too many heads".into()))?;
-        let mut args = vec![ptr(&kv.buf, s), ptr(&k_pe.buf, s)];
         let rotation = (cos, sin, q_rope.style);
-        args.extend(self.append_args(mla, rope, keys, values, (start, start_at), q, rotation)?);
+        let t = self.append_args(mla, rope, keys, values, (start, start_at), q, rotation)?;
+        let args = MlaExpandAppendArgs {
+            kv: dptr(&kv.buf, s),
+            k_pe: dptr(&k_pe.buf, s),
+            heads: t.heads,
+            nope: t.nope,
+            rope: t.rope,
+            v_dim: t.v_dim,
+            keys: t.keys,
+            values: t.values,
+            start: t.start,
+            start_at: t.start_at,
+            q: t.q,
+            cos_t: t.cos_t,
+            sin_t: t.sin_t,
+            interleaved: t.interleaved,
+        };
         self.launch(
             &self.k.mla_expand_append,
             "mla_expand_append",
             (rows_grid(kv.rows, "mla_expand_append")?, h, 1),
             MLA_THREADS,
-            &args,
+            args,
         )
     }
 
@@ -243,22 +258,22 @@ impl CudaBackend {
         (start, start_at): (usize, u64),
         q: &GpuAct,
         (cos, sin, style): (u64, u64, RopeStyle),
-    ) -> Result<[u64; 12]> {
+    ) -> Result<AppendArgs> {
         let s = &self.stream;
-        Ok([
-            int(mla.heads, "heads")?,
-            int(mla.nope, "nope")?,
-            int(rope, "rope")?,
-            int(mla.v_dim, "v_dim")?,
-            ptr(&keys.buf, s),
-            ptr(&values.buf, s),
-            int(start, "start")?,
-            start_at,
-            ptr(&q.buf, s),
-            cos,
-            sin,
-            u64::from(style == RopeStyle::Interleaved),
-        ])
+        Ok(AppendArgs {
+            heads: int(mla.heads, "heads")?,
+            nope: int(mla.nope, "nope")?,
+            rope: int(rope, "rope")?,
+            v_dim: int(mla.v_dim, "v_dim")?,
+            keys: dptr(&keys.buf, s),
+            values: dptr(&values.buf, s),
+            start: int(start, "start")?,
+            start_at: DevPtr(start_at),
+            q: dptr(&q.buf, s),
+            cos_t: DevPtr(cos),
+            sin_t: DevPtr(sin),
+            interleaved: i32::from(style == RopeStyle::Interleaved),
+        })
     }
 }
 
@@ -311,22 +326,22 @@ impl CudaBackend {
             "add_rms_norm_linear",
             (blocks_a + blocks_b, 1, 1),
             32 * GEMV_WARPS as u32,
-            &[
-                ptr(&x.buf, s),
-                ptr(&y.buf, s),
-                ptr(w_norm, s),
-                float(eps),
-                int(cols, "cols")?,
-                ptr(&sum.buf, s),
-                ptr(&h.buf, s),
-                ptr(wa, s),
-                int(na, "out")?,
-                ptr(&ya.buf, s),
-                wb.map_or(0, |(w, _)| ptr(w, s)),
-                int(wb.map_or(0, |(_, n)| n), "out")?,
-                yb.as_ref().map_or(0, |y| ptr(&y.buf, s)),
-                u64::from(blocks_a),
-            ],
+            AddNormLinearArgs {
+                x: dptr(&x.buf, s),
+                a: dptr(&y.buf, s),
+                w_norm: dptr(w_norm, s),
+                eps,
+                cols: int(cols, "cols")?,
+                x_out: dptr(&sum.buf, s),
+                h_out: dptr(&h.buf, s),
+                wa: dptr(wa, s),
+                na: int(na, "out")?,
+                ya: dptr(&ya.buf, s),
+                wb: DevPtr(wb.map_or(0, |(w, _)| ptr(w, s))),
+                nb: int(wb.map_or(0, |(_, n)| n), "out")?,
+                yb: DevPtr(yb.as_ref().map_or(0, |y| ptr(&y.buf, s))),
+                blocks_a: int(blocks_a as usize, "blocks")?,
+            },
         )?;
         *x = sum;
         Ok(NormedProducts { h, a: ya, b: yb })
@@ -395,24 +410,52 @@ impl CudaBackend {
         let start_at = self.append_position(step.start, 1)?;
         let (cos, sin) = self.rope_tables(inv_freq, positions, scales)?;
         let blocks = 1 + grid_for(n, (GEMV_WARPS * GEMV_FEATURES) as u32);
-        let mut args = vec![
-            ptr(&compressed.buf, s),
-            int(rank, "rank")?,
-            ptr(w_norm, s),
-            float(step.eps),
-            ptr(w_kv, s),
-        ];
         let rotation = (cos, sin, step.q_rope.style);
         let at = (step.start, start_at);
-        args.extend(self.append_args(step.shape, rot, keys, values, at, q, rotation)?);
+        let t = self.append_args(step.shape, rot, keys, values, at, q, rotation)?;
+        let args = MlaKvAppendArgs {
+            c: dptr(&compressed.buf, s),
+            rank: int(rank, "rank")?,
+            w_norm: dptr(w_norm, s),
+            eps: step.eps,
+            w_kv: dptr(w_kv, s),
+            heads: t.heads,
+            nope: t.nope,
+            rope: t.rope,
+            v_dim: t.v_dim,
+            keys: t.keys,
+            values: t.values,
+            start: t.start,
+            start_at: t.start_at,
+            q: t.q,
+            cos_t: t.cos_t,
+            sin_t: t.sin_t,
+            interleaved: t.interleaved,
+        };
         self.launch(
             &self.k.mla_kv_append,
             "mla_kv_append",
             (blocks, 1, 1),
             32 * GEMV_WARPS as u32,
-            &args,
+            args,
         )
     }
+}
+
+/// The arguments `mla_expand_append` and `mla_kv_append_1` share, from `heads` on.
+struct AppendArgs {
+    heads: i32,
+    nope: i32,
+    rope: i32,
+    v_dim: i32,
+    keys: DevPtr,
+    values: DevPtr,
+    start: i32,
+    start_at: DevPtr,
+    q: DevPtr,
+    cos_t: DevPtr,
+    sin_t: DevPtr,
+    interleaved: i32,
 }
 
 /// The shapes of the rows `mla_expand_append` writes: `kv` and `k_pe` of the new rows, and the

@@ -246,16 +246,16 @@ impl Backend for CudaBackend {
             "embedding",
             (ids.len() as u32, 1, 1),
             ROW_THREADS,
-            &[
-                ptr(buf, s),
-                match (&d_ids, step_ids) {
+            EmbeddingArgs {
+                table: dptr(buf, s),
+                ids: DevPtr(match (&d_ids, step_ids) {
                     (Some(d), _) => ptr(d, s),
                     (None, Some(p)) => p,
                     (None, None) => unreachable!("ids are uploaded when not in the step buffer"),
-                },
-                int(hidden, "hidden")?,
-                ptr(&y.buf, s),
-            ],
+                }),
+                hidden: int(hidden, "hidden")?,
+                y: dptr(&y.buf, s),
+            },
         )?;
         Ok(y)
     }
@@ -282,13 +282,13 @@ impl Backend for CudaBackend {
                     1,
                 ),
                 ROW_THREADS,
-                &[
-                    ptr(&x.buf, s),
-                    ptr(w, s),
-                    float(eps),
-                    int(group, "group")?,
-                    ptr(&y.buf, s),
-                ],
+                RmsNormArgs {
+                    x: dptr(&x.buf, s),
+                    w: dptr(w, s),
+                    eps,
+                    group: int(group, "group")?,
+                    y: dptr(&y.buf, s),
+                },
             )?;
         }
         Ok(y)
@@ -311,14 +311,14 @@ impl Backend for CudaBackend {
                 "layer_norm",
                 (x.rows as u32, 1, 1),
                 ROW_THREADS,
-                &[
-                    ptr(&x.buf, s),
-                    ptr(w, s),
-                    ptr(b, s),
-                    float(eps),
-                    int(x.cols, "cols")?,
-                    ptr(&y.buf, s),
-                ],
+                LayerNormArgs {
+                    x: dptr(&x.buf, s),
+                    w: dptr(w, s),
+                    b: dptr(b, s),
+                    eps,
+                    cols: int(x.cols, "cols")?,
+                    y: dptr(&y.buf, s),
+                },
             )?;
         }
         Ok(y)
@@ -361,15 +361,15 @@ impl Backend for CudaBackend {
                     1,
                 ),
                 32 * GEMV_WARPS as u32,
-                &[
-                    ptr(&x.buf, s),
-                    int(x.rows, "rows")?,
-                    int(inp, "in")?,
-                    ptr(wb, s),
-                    int(out, "out")?,
-                    bias_ptr,
-                    ptr(&y.buf, s),
-                ],
+                LinearArgs {
+                    x: dptr(&x.buf, s),
+                    rows: int(x.rows, "rows")?,
+                    k: int(inp, "in")?,
+                    w: dptr(wb, s),
+                    n: int(out, "out")?,
+                    bias: DevPtr(bias_ptr),
+                    y: dptr(&y.buf, s),
+                },
             )?;
         }
         Ok(y)
@@ -460,25 +460,32 @@ impl Backend for CudaBackend {
             let total = x.rows * width;
             if total > 0 {
                 let s = &self.stream;
-                let mut args = vec![
-                    ptr(&x.buf, s),
-                    int(x.cols, "cols")?,
-                    int(col0, "col")?,
-                    int(width, "width")?,
-                    total as u64,
-                ];
-                for j in 0..4 {
-                    match (ws.get(j), ys.get(j)) {
-                        (Some(&w), Some(y)) => args.extend([ptr(&y.buf, s), int(w, "width")?]),
-                        _ => args.extend([0, 0]),
-                    }
+                // Up to four outputs: (y, width) of each, a null pointer past the last.
+                let mut to = [(DevPtr(0), 0i32); 4];
+                for (slot, (&w, y)) in to.iter_mut().zip(ws.iter().zip(ys)) {
+                    *slot = (dptr(&y.buf, s), int(w, "width")?);
                 }
+                let args = CopyColsArgs {
+                    x: dptr(&x.buf, s),
+                    x_cols: int(x.cols, "cols")?,
+                    col0: int(col0, "col")?,
+                    width: int(width, "width")?,
+                    total: total as u64,
+                    y0: to[0].0,
+                    w0: to[0].1,
+                    y1: to[1].0,
+                    w1: to[1].1,
+                    y2: to[2].0,
+                    w2: to[2].1,
+                    y3: to[3].0,
+                    w3: to[3].1,
+                };
                 self.launch(
                     &self.k.copy_cols,
                     "split_cols",
                     Self::elementwise_grid(total),
                     256,
-                    &args,
+                    args,
                 )?;
             }
             col0 += width;
@@ -495,7 +502,11 @@ impl Backend for CudaBackend {
                 "clamp",
                 Self::elementwise_grid(n),
                 256,
-                &[p, float(limit), n as u64],
+                ClampArgs {
+                    x: DevPtr(p),
+                    limit,
+                    n: n as u64,
+                },
             )?;
         }
         Ok(())
@@ -512,7 +523,11 @@ impl Backend for CudaBackend {
                 "add",
                 Self::elementwise_grid(n),
                 256,
-                &[px, py, n as u64],
+                AddArgs {
+                    x: DevPtr(px),
+                    y: DevPtr(py),
+                    n: n as u64,
+                },
             )?;
         }
         Ok(())
@@ -524,19 +539,19 @@ impl Backend for CudaBackend {
         let n = x.rows * x.cols;
         if n > 0 {
             let s = &self.stream;
-            let args = [
-                ptr(&x.buf, s),
-                ptr(&y.buf, s),
-                ptr(&gate.buf, s),
-                int(x.cols, "cols")?,
-                n as u64,
-            ];
+            let args = AddSigmoidGatedArgs {
+                x: dptr(&x.buf, s),
+                y: dptr(&y.buf, s),
+                gate: dptr(&gate.buf, s),
+                cols: int(x.cols, "cols")?,
+                n: n as u64,
+            };
             self.launch(
                 &self.k.add_sigmoid_gated,
                 "add_sigmoid_gated",
                 Self::elementwise_grid(n),
                 256,
-                &args,
+                args,
             )?;
         }
         Ok(())
@@ -571,12 +586,12 @@ impl Backend for CudaBackend {
                 "write_rows",
                 (grid_for(src.cols, 256), src.rows as u32, 1),
                 256,
-                &[
-                    ptr(&src.buf, s),
-                    ptr(&dst.buf, s),
-                    int(src.cols, "cols")?,
-                    a.positions,
-                ],
+                CopyRowsAtArgs {
+                    src: dptr(&src.buf, s),
+                    dst: dptr(&dst.buf, s),
+                    cols: int(src.cols, "cols")?,
+                    row_at: DevPtr(a.positions),
+                },
             );
         }
         if n > 0 {
@@ -705,14 +720,14 @@ impl Backend for CudaBackend {
             // Gate/up product and silu(gate) * up in one kernel: the same bits as `linear`
             // followed by `silu_mul`.
             let s = &self.stream;
-            let args = [
-                ptr(&x.buf, s),
-                int(x.rows, "rows")?,
-                int(inp, "in")?,
-                ptr(wb, s),
-                int(inter, "inter")?,
-                ptr(&h.buf, s),
-            ];
+            let args = GateUpSiluArgs {
+                x: dptr(&x.buf, s),
+                rows: int(x.rows, "rows")?,
+                k: int(inp, "in")?,
+                w: dptr(wb, s),
+                inter: int(inter, "inter")?,
+                h: dptr(&h.buf, s),
+            };
             let f = &self.k.gate_up_silu;
             self.launch(
                 &f.f,
@@ -726,7 +741,7 @@ impl Backend for CudaBackend {
                     1,
                 ),
                 32 * GEMV_WARPS as u32,
-                &args,
+                args,
             )?;
         }
         self.linear(&h, &mlp.down, None)

@@ -6,7 +6,9 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use cudarc::driver::result as drv;
-use cudarc::driver::{sys, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaStream};
+
+use crate::backend::cuda::runtime::args::KernelArgs;
 
 use crate::{Error, Result};
 
@@ -39,8 +41,8 @@ pub(crate) fn guarded<T>(
 /// the edge keeps that meaning.
 ///
 /// # Safety
-/// As a plain launch: `args` are the kernel's parameters, pointers and 32-bit scalars in 8-byte
-/// slots in the order its signature declares, pointing at live buffers of the sizes it uses.
+/// As a plain launch: `args` are the arguments of `f`'s signature (tests/kernels_compile.rs
+/// checks each struct against its kernels' PTX), pointing at live buffers of the sizes it uses.
 /// Also, the kernel calls `spx_grid_wait` before any access to memory that another kernel
 /// writes, or reads, on this stream, and `shared_bytes` of dynamic shared memory are what it
 /// uses and the function is allowed.
@@ -50,14 +52,22 @@ pub unsafe fn launch_overlapping(
     grid: (u32, u32, u32),
     block: u32,
     shared_bytes: u32,
-    args: &[u64],
+    mut args: impl KernelArgs,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     let mode = LaunchMode {
         overlap: true,
         cluster: NO_CLUSTER,
     };
     // SAFETY: the caller's promise, as this function's.
-    unsafe { launch_kernel(stream, f, (grid, block, shared_bytes), args, mode) }
+    unsafe {
+        launch_kernel(
+            stream,
+            f,
+            (grid, block, shared_bytes),
+            &mut args.params(),
+            mode,
+        )
+    }
 }
 
 /// How a kernel is launched besides its shape.
@@ -75,83 +85,69 @@ pub const NO_CLUSTER: (u32, u32, u32) = (1, 1, 1);
 
 /// Launches `f` on `stream` with `block`-thread blocks as `mode` says: overlapped
 /// ([`launch_overlapping`]) or as a plain launch that starts once the kernel before it has
-/// finished; in clusters unless `mode.cluster` is [`NO_CLUSTER`]. Overlapped or clustered
-/// launches go through `cuLaunchKernelEx`, carrying those launch attributes.
+/// finished; in clusters unless `mode.cluster` is [`NO_CLUSTER`]. `params` are the addresses of
+/// the arguments ([`KernelArgs::params`]).
 ///
 /// # Safety
-/// As [`launch_overlapping`] (whose waiting condition matters only when `mode.overlap`).
+/// As [`launch_overlapping`] (whose waiting condition matters only when `mode.overlap`); every
+/// address in `params` stays valid for the call.
 pub unsafe fn launch_kernel(
     stream: &CudaStream,
     f: &CudaFunction,
     shape: ((u32, u32, u32), u32, u32),
-    args: &[u64],
+    params: &mut [*mut std::ffi::c_void],
     mode: LaunchMode,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     let (grid, block, shared_bytes) = shape;
-    if mode.overlap || mode.cluster != NO_CLUSTER {
-        stream.context().bind_to_thread()?;
-        let mut params: Vec<*mut std::ffi::c_void> = args
-            .iter()
-            .map(|a| a as *const u64 as *mut std::ffi::c_void)
-            .collect();
-        let mut attrs = Vec::with_capacity(2);
-        if mode.overlap {
-            attrs.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue {
-                    programmaticStreamSerializationAllowed: 1,
-                },
-            });
-        }
-        if mode.cluster != NO_CLUSTER {
-            attrs.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue {
-                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                        x: mode.cluster.0,
-                        y: mode.cluster.1,
-                        z: mode.cluster.2,
-                    },
-                },
-            });
-        }
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: shared_bytes,
-            hStream: stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: attrs.len() as u32,
-        };
-        // SAFETY: `cfg`, `attrs` and `params` outlive the call, which copies what it needs; the
-        // parameters are as the caller promises.
-        return unsafe {
-            sys::cuLaunchKernelEx(
-                &cfg,
-                f.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result();
+    stream.context().bind_to_thread()?;
+    let mut attrs = Vec::with_capacity(2);
+    if mode.overlap {
+        attrs.push(sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        });
     }
-    let mut b = stream.launch_builder(f);
-    for a in args {
-        b.arg(a);
+    if mode.cluster != NO_CLUSTER {
+        attrs.push(sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                    x: mode.cluster.0,
+                    y: mode.cluster.1,
+                    z: mode.cluster.2,
+                },
+            },
+        });
     }
-    let cfg = LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: shared_bytes,
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: shared_bytes,
+        hStream: stream.cu_stream(),
+        attrs: if attrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attrs.as_mut_ptr()
+        },
+        numAttrs: attrs.len() as u32,
     };
-    // SAFETY: the parameters are the kernel's, pointers and 32-bit scalars in 8-byte slots in
-    // its declared order (the driver reads as many bytes as each has; the target is
-    // little-endian), addressing live buffers, as the caller promises.
-    unsafe { b.launch(cfg) }.map(|_| ())
+    // SAFETY: `cfg`, `attrs` and `params` outlive the call, which copies what it needs; the
+    // parameters are as the caller promises.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }

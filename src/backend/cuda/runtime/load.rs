@@ -26,8 +26,8 @@ use crate::backend::cuda::runtime::driver::guarded;
 use crate::backend::cuda::runtime::host::PinnedBuffer;
 use crate::{Error, Result};
 
-/// Bytes read per chunk (a multiple of the page size). Pinned copies of 17 MiB and up run at the
-/// link's full speed on our H200 (docs: device.md).
+/// Bytes read per chunk (a multiple of the page size): pinned copies this large run at the
+/// link's full speed.
 pub const CHUNK_BYTES: usize = 32 << 20;
 /// Unused bytes between two pieces that are still read as part of one chunk rather than starting
 /// another (tensor alignment padding).
