@@ -634,18 +634,6 @@ extern "C" __global__ void mla_expand_kv(const float* kv, const float* k_pe,
     for (int c = threadIdx.x; c < v_dim; c += blockDim.x) vd[c] = src[nope + c];
 }
 
-// h[r][i] = silu(gu[r][i]) * gu[r][inter + i] from a fused [rows, 2 * inter] activation.
-extern "C" __global__ void silu_mul(const float* gu, int inter, unsigned long long n,
-                                    float* __restrict__ h) {
-    SPX_PROLOGUE_LATE();
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        const unsigned long long r = i / inter, c = i % inter;
-        const float g = gu[r * 2 * inter + c];
-        h[i] = g / (1.0f + expf(-g)) * gu[r * 2 * inter + inter + c];
-    }
-}
-
 // The greedy choice of each row: the first index of its largest value, where NaN never wins and
 // -0 equals +0, and 0 when no value is above -inf (decode::argmax_scan on the host). A column's
 // key orders (value, -index): the largest key is the choice, and a maximum over keys does not
