@@ -65,8 +65,9 @@ impl CudaBackend {
 
     /// Routed experts plus ungated shared experts. With device routing of few rows and FP16
     /// shared weights, the shared gate/up runs in the routing launch and (FP16 routed experts)
-    /// the shared down in the routed down's; otherwise the shared MLP runs first, as the
-    /// default. The same bits either way.
+    /// the shared down in the routed down's; otherwise (and with `CudaOptions::plain`) the
+    /// shared MLP runs first. The same bits either way (tests/cuda_placement.rs and
+    /// tests/cuda_fixtures.rs compare the two).
     pub(in crate::backend::cuda) fn routed_moe_shared_op(
         &self,
         x: &GpuAct,
