@@ -225,48 +225,29 @@ pub fn generate_until<M: LanguageModel>(
         last: None,
         on_token,
     };
-    let mut counters = Counters::default();
-    if !commits.finished {
+    let counters = if commits.finished {
+        Counters::default()
+    } else {
         let mut chooser = Chooser::new(opts.sampling);
+        let chooser = &mut chooser;
+        let commits = &mut commits;
         match opts.mode {
-            Mode::Target => decode_single(
-                model,
-                Variant::Target,
-                prompt,
-                &mut chooser,
-                observer,
-                &mut commits,
-                &mut counters,
-            )?,
-            Mode::Draft => decode_single(
-                model,
-                Variant::Draft,
-                prompt,
-                &mut chooser,
-                observer,
-                &mut commits,
-                &mut counters,
-            )?,
-            Mode::Specter => decode_speculative(
-                model,
-                prompt,
-                opts.depth,
-                &mut chooser,
-                observer,
-                &mut commits,
-                &mut counters,
-            )?,
-            Mode::SpecMoeOff => decode_separate_draft(
-                model,
-                prompt,
-                opts.depth,
-                &mut chooser,
-                observer,
-                &mut commits,
-                &mut counters,
-            )?,
+            Mode::Target => {
+                decode_single(model, Variant::Target, prompt, chooser, observer, commits)?
+            }
+            Mode::Draft => {
+                decode_single(model, Variant::Draft, prompt, chooser, observer, commits)?
+            }
+            Mode::Specter => {
+                let cache = DraftCache::Shared;
+                decode_speculative(model, prompt, opts.depth, cache, chooser, observer, commits)?
+            }
+            Mode::SpecMoeOff => {
+                let cache = DraftCache::Own;
+                decode_speculative(model, prompt, opts.depth, cache, chooser, observer, commits)?
+            }
         }
-    }
+    };
     let end = Instant::now();
     let generated = commits.tokens.len();
     let ms = |from: Instant, to: Instant| to.duration_since(from).as_secs_f64() * 1e3;
@@ -534,8 +515,8 @@ fn decode_single<M: LanguageModel>(
     chooser: &mut Chooser,
     observer: &mut dyn DecodeObserver,
     commits: &mut Commits<'_>,
-    counters: &mut Counters,
-) -> Result<()> {
+) -> Result<Counters> {
+    let mut counters = Counters::default();
     let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
     let mut token = forward_choose(model, variant, prompt, &mut kv, observer, chooser, None)?;
     commits.push(token);
@@ -543,11 +524,12 @@ fn decode_single<M: LanguageModel>(
     if chains(chooser, observer) && !commits.finished {
         // Greedy, and no observer to tell about each pass: passes may run back to back.
         let steps = commits.remaining();
-        return model.forward_greedy_chain(variant, token, &mut kv, observer, steps, &mut |id| {
+        model.forward_greedy_chain(variant, token, &mut kv, observer, steps, &mut |id| {
             counters.rounds += 1;
             commits.push(id);
             !commits.finished
-        });
+        })?;
+        return Ok(counters);
     }
     while !commits.finished {
         token = forward_choose(model, variant, &[token], &mut kv, observer, chooser, None)?;
@@ -555,23 +537,196 @@ fn decode_single<M: LanguageModel>(
         commits.push(token);
         observer.on_commit(0, 1);
     }
+    Ok(counters)
+}
+
+/// Where the draft keeps its keys and values: the one thing in which Specter's rounds and the
+/// SpecMoEOff baseline's differ.
+#[derive(Clone, Copy)]
+enum DraftCache {
+    /// Specter: the draft writes past the committed boundary of the target's KV, and those
+    /// scratch positions are dropped before the target verifies.
+    Shared,
+    /// SpecMoEOff: the draft keeps a KV cache of its own, as a separate draft model does.
+    Own,
+}
+
+/// The draft's KV state over one generation, under a [`DraftCache`] policy.
+enum DraftKv<K> {
+    Shared,
+    Own(OwnDraftKv<K>),
+}
+
+/// A draft KV cache apart from the target's. It always holds a prefix of the committed sequence
+/// (`sequence`: the prompt and every committed token, `pending` last), written by the draft,
+/// never the whole of it: a round's step 0 runs the committed tokens it lacks (ending with
+/// `pending`) and proposes the first draft; steps 1.. run one draft each. After verification it
+/// is rolled back to the committed tokens it has run: through the accepted drafts, except the
+/// last draft of the window, which it never ran.
+struct OwnDraftKv<K> {
+    kv: K,
+    sequence: Vec<u32>,
+}
+
+/// A draft window's proposals, and under sampling the draft's distribution for each (for the
+/// rejection test).
+struct Proposals {
+    tokens: Vec<u32>,
+    dists: Vec<Vec<f64>>,
+}
+
+impl<K: KvCache> DraftKv<K> {
+    fn new<M: LanguageModel<Kv = K>>(
+        model: &M,
+        cache: DraftCache,
+        capacity: usize,
+    ) -> Result<Self> {
+        Ok(match cache {
+            DraftCache::Shared => DraftKv::Shared,
+            // A round leaves at most `committed + depth - 1` positions in the draft's cache, and
+            // drafting stops short of max_new_tokens, so the target's capacity holds.
+            DraftCache::Own => DraftKv::Own(OwnDraftKv {
+                kv: model.new_kv(capacity)?,
+                sequence: Vec::with_capacity(capacity),
+            }),
+        })
+    }
+
+    /// Runs after the target's prefill chose `first`, before it is committed.
+    fn prefill<M: LanguageModel<Kv = K>>(
+        &mut self,
+        model: &M,
+        prompt: &[u32],
+        first: u32,
+        observer: &mut dyn DecodeObserver,
+    ) -> Result<()> {
+        if let DraftKv::Own(own) = self {
+            // Before the first commit: like the target's, the draft's own prefill is part of the
+            // time to the first token, not of the per-token time. Its logits are not needed (the
+            // first token is the target's), so it returns ids alone.
+            forward_greedy(model, Variant::Draft, prompt, &mut own.kv, observer)?;
+            own.sequence.extend_from_slice(prompt);
+            own.sequence.push(first);
+        }
+        Ok(())
+    }
+
+    /// Runs after verification of a window of `k` drafts, `accepted` of them accepted and
+    /// `next` the target's own token.
+    fn roll_back(&mut self, k: usize, accepted: &[u32], next: u32) {
+        if let DraftKv::Own(own) = self {
+            if k > 0 {
+                // The draft ran `pending` and drafts 1..k-1: keep what the target accepted of them.
+                own.kv
+                    .truncate(own.sequence.len() + accepted.len().min(k - 1));
+            }
+            own.sequence.extend_from_slice(accepted);
+            own.sequence.push(next);
+        }
+    }
+}
+
+impl<K: KvCache> OwnDraftKv<K> {
+    /// Proposes `k` drafts after the committed sequence, over this cache.
+    fn propose<M: LanguageModel<Kv = K>>(
+        &mut self,
+        model: &M,
+        k: usize,
+        chooser: &mut Chooser,
+        observer: &mut dyn DecodeObserver,
+        window: &mut Proposals,
+    ) -> Result<()> {
+        let unseen = self.kv.len();
+        if unseen >= self.sequence.len() {
+            return Err(Error::Model(format!(
+                "draft KV holds {unseen} positions, the committed sequence only {}",
+                self.sequence.len()
+            )));
+        }
+        // Step 0: the committed tokens the draft has not run yet (`pending` at least).
+        let catch_up = &self.sequence[unseen..];
+        for step in 0..k {
+            let tokens = if step == 0 {
+                catch_up
+            } else {
+                &window.tokens[step - 1..step]
+            };
+            let token = forward_choose(
+                model,
+                Variant::Draft,
+                tokens,
+                &mut self.kv,
+                observer,
+                chooser,
+                Some(&mut window.dists),
+            )?;
+            window.tokens.push(token);
+            observer.on_draft_step(step);
+        }
+        Ok(())
+    }
+}
+
+/// Proposes `k` drafts after `pending` over the target's KV, then drops the draft's scratch
+/// positions: the target recomputes them.
+fn propose_over_target_kv<M: LanguageModel>(
+    model: &M,
+    kv: &mut M::Kv,
+    pending: u32,
+    k: usize,
+    chooser: &mut Chooser,
+    observer: &mut dyn DecodeObserver,
+    window: &mut Proposals,
+) -> Result<()> {
+    let committed_len = kv.len();
+    if chains(chooser, observer) {
+        model.forward_greedy_chain(Variant::Draft, pending, kv, observer, k, &mut |id| {
+            window.tokens.push(id);
+            true
+        })?;
+        if window.tokens.len() != k {
+            return Err(Error::Model(format!(
+                "a draft window of {k} steps proposed {} tokens",
+                window.tokens.len()
+            )));
+        }
+    } else {
+        let mut last = pending;
+        for step in 0..k {
+            let token = forward_choose(
+                model,
+                Variant::Draft,
+                &[last],
+                kv,
+                observer,
+                chooser,
+                Some(&mut window.dists),
+            )?;
+            window.tokens.push(token);
+            last = token;
+            observer.on_draft_step(step);
+        }
+    }
+    kv.truncate(committed_len);
     Ok(())
 }
 
-/// Draft-then-verify rounds over one KV cache.
+/// Draft-then-verify rounds, the draft's KV kept as `cache` says.
 ///
-/// Invariant between rounds: the KV holds the target's keys and values for every committed token
+/// Invariant between rounds: the target's KV holds its keys and values for every committed token
 /// except the newest (`pending`), which the next verify pass runs first.
 fn decode_speculative<M: LanguageModel>(
     model: &M,
     prompt: &[u32],
     depth: usize,
+    cache: DraftCache,
     chooser: &mut Chooser,
     observer: &mut dyn DecodeObserver,
     commits: &mut Commits<'_>,
-    counters: &mut Counters,
-) -> Result<()> {
-    let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
+) -> Result<Counters> {
+    let capacity = prompt.len() + commits.max_new;
+    let mut kv = model.new_kv(capacity)?;
+    let mut draft_kv = DraftKv::new(model, cache, capacity)?;
     let mut pending = forward_choose(
         model,
         Variant::Target,
@@ -581,11 +736,15 @@ fn decode_speculative<M: LanguageModel>(
         chooser,
         None,
     )?;
+    draft_kv.prefill(model, prompt, pending, observer)?;
     commits.push(pending);
     observer.on_commit(0, 1);
 
-    let mut drafts: Vec<u32> = Vec::with_capacity(depth);
-    let mut draft_dists: Vec<Vec<f64>> = Vec::with_capacity(depth);
+    let mut counters = Counters::default();
+    let mut window = Proposals {
+        tokens: Vec::with_capacity(depth),
+        dists: Vec::with_capacity(depth),
+    };
     let mut verify_tokens: Vec<u32> = Vec::with_capacity(depth + 1);
     while !commits.finished {
         // A round commits at most K + 1 tokens; never draft past max_new_tokens (which also keeps
@@ -595,71 +754,51 @@ fn decode_speculative<M: LanguageModel>(
             .min(depth)
             .min(commits.remaining() - 1);
         let committed_len = kv.len();
-        drafts.clear();
-        draft_dists.clear();
+        window.tokens.clear();
+        window.dists.clear();
         if k > 0 {
             observer.on_draft_window(k);
-            if chains(chooser, observer) {
-                model.forward_greedy_chain(
-                    Variant::Draft,
-                    pending,
+            match &mut draft_kv {
+                DraftKv::Shared => propose_over_target_kv(
+                    model,
                     &mut kv,
-                    observer,
+                    pending,
                     k,
-                    &mut |id| {
-                        drafts.push(id);
-                        true
-                    },
-                )?;
-                if drafts.len() != k {
-                    return Err(Error::Model(format!(
-                        "a draft window of {k} steps proposed {} tokens",
-                        drafts.len()
-                    )));
-                }
-            } else {
-                let mut last = pending;
-                for step in 0..k {
-                    let token = forward_choose(
-                        model,
-                        Variant::Draft,
-                        &[last],
-                        &mut kv,
-                        observer,
-                        chooser,
-                        Some(&mut draft_dists),
-                    )?;
-                    drafts.push(token);
-                    last = token;
-                    observer.on_draft_step(step);
+                    chooser,
+                    observer,
+                    &mut window,
+                )?,
+                DraftKv::Own(own) => {
+                    // The committed sequence is the target KV plus `pending`.
+                    debug_assert_eq!(committed_len + 1, own.sequence.len());
+                    own.propose(model, k, chooser, observer, &mut window)?
                 }
             }
-            // Drop the draft's scratch positions: the target recomputes them.
-            kv.truncate(committed_len);
         }
 
         verify_tokens.clear();
         verify_tokens.push(pending);
-        verify_tokens.extend_from_slice(&drafts);
+        verify_tokens.extend_from_slice(&window.tokens);
         let (accepted, next) = verify_pass(
             model,
             &verify_tokens,
             &mut kv,
             observer,
             chooser,
-            &drafts,
-            &draft_dists,
+            &window.tokens,
+            &window.dists,
         )?;
         // Valid target KV: the committed prefix, the pending token and the accepted drafts.
         kv.truncate(committed_len + 1 + accepted);
+        draft_kv.roll_back(k, &window.tokens[..accepted], next);
         counters.rounds += 1;
         counters.drafted += k;
         counters.accepted += accepted;
-        let committed = commit_round(commits, &drafts[..accepted], next);
+        let committed = commit_round(commits, &window.tokens[..accepted], next);
         observer.on_commit(accepted, committed);
         pending = next;
     }
-    Ok(())
+    Ok(counters)
 }
 
 /// Runs the verify pass over `verify_tokens` (the pending token, then every draft) and checks
@@ -722,121 +861,4 @@ fn commit_round(commits: &mut Commits<'_>, accepted: &[u32], next: u32) -> usize
         .chain(std::iter::once(&next))
         .filter(|&&token| commits.push(token))
         .count()
-}
-
-/// Draft-then-verify rounds where the draft keeps a KV cache of its own, as a separate draft
-/// model does (the SpecMoEOff baseline).
-///
-/// The target's KV follows the same invariant as in [`decode_speculative`]. The draft's KV always
-/// holds a prefix of the committed sequence (`prompt` and every committed token, `pending` last),
-/// written by the draft, never the whole of it: a round's step 0 runs the committed tokens it
-/// lacks (ending with `pending`) and proposes the first draft; steps 1.. run one draft each. After
-/// verification the draft KV is rolled back to the committed tokens it has run: through the
-/// accepted drafts, except the last draft of the window, which it never ran.
-fn decode_separate_draft<M: LanguageModel>(
-    model: &M,
-    prompt: &[u32],
-    depth: usize,
-    chooser: &mut Chooser,
-    observer: &mut dyn DecodeObserver,
-    commits: &mut Commits<'_>,
-    counters: &mut Counters,
-) -> Result<()> {
-    let capacity = prompt.len() + commits.max_new;
-    let mut kv = model.new_kv(capacity)?;
-    // The draft's own cache. A round leaves at most `committed + depth - 1` positions in it, and
-    // drafting stops short of max_new_tokens, so the same capacity holds.
-    let mut draft_kv = model.new_kv(capacity)?;
-    let first = forward_choose(
-        model,
-        Variant::Target,
-        prompt,
-        &mut kv,
-        observer,
-        chooser,
-        None,
-    )?;
-    // The draft's own prefill, before the first commit: like the target's, it is part of the time
-    // to the first token, not of the per-token time. Its logits are not needed (the first token is
-    // the target's), so it returns ids alone.
-    forward_greedy(model, Variant::Draft, prompt, &mut draft_kv, observer)?;
-    // Everything committed so far, the prompt included: what the draft KV must be a prefix of.
-    let mut sequence: Vec<u32> = Vec::with_capacity(capacity);
-    sequence.extend_from_slice(prompt);
-    sequence.push(first);
-    commits.push(first);
-    observer.on_commit(0, 1);
-    let mut pending = first;
-
-    let mut drafts: Vec<u32> = Vec::with_capacity(depth);
-    let mut draft_dists: Vec<Vec<f64>> = Vec::with_capacity(depth);
-    let mut verify_tokens: Vec<u32> = Vec::with_capacity(depth + 1);
-    while !commits.finished {
-        let k = observer
-            .next_depth(depth)
-            .min(depth)
-            .min(commits.remaining() - 1);
-        let committed_len = kv.len();
-        // The committed sequence is the target KV plus `pending`.
-        debug_assert_eq!(committed_len + 1, sequence.len());
-        drafts.clear();
-        draft_dists.clear();
-        if k > 0 {
-            observer.on_draft_window(k);
-            let unseen = draft_kv.len();
-            if unseen >= sequence.len() {
-                return Err(Error::Model(format!(
-                    "draft KV holds {unseen} positions, the committed sequence only {}",
-                    sequence.len()
-                )));
-            }
-            // Step 0: the committed tokens the draft has not run yet (`pending` at least).
-            let catch_up = &sequence[unseen..];
-            for step in 0..k {
-                let tokens = if step == 0 {
-                    catch_up
-                } else {
-                    &drafts[step - 1..step]
-                };
-                let token = forward_choose(
-                    model,
-                    Variant::Draft,
-                    tokens,
-                    &mut draft_kv,
-                    observer,
-                    chooser,
-                    Some(&mut draft_dists),
-                )?;
-                drafts.push(token);
-                observer.on_draft_step(step);
-            }
-        }
-
-        verify_tokens.clear();
-        verify_tokens.push(pending);
-        verify_tokens.extend_from_slice(&drafts);
-        let (accepted, next) = verify_pass(
-            model,
-            &verify_tokens,
-            &mut kv,
-            observer,
-            chooser,
-            &drafts,
-            &draft_dists,
-        )?;
-        kv.truncate(committed_len + 1 + accepted);
-        if k > 0 {
-            // The draft ran `pending` and drafts 1..k-1: keep what the target accepted of them.
-            draft_kv.truncate(sequence.len() + accepted.min(k - 1));
-        }
-        counters.rounds += 1;
-        counters.drafted += k;
-        counters.accepted += accepted;
-        sequence.extend_from_slice(&drafts[..accepted]);
-        sequence.push(next);
-        let committed = commit_round(commits, &drafts[..accepted], next);
-        observer.on_commit(accepted, committed);
-        pending = next;
-    }
-    Ok(())
 }
