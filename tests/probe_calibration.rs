@@ -6,7 +6,7 @@ mod common;
 use common::Fixture;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specter::probe::read_calibration_tokens;
+use specter::pack::read_calibration_tokens;
 use specter::Error;
 use tokenizers::Tokenizer;
 

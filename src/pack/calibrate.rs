@@ -135,7 +135,7 @@ fn sequences(
                 })?),
                 None => None,
             };
-            let ids = crate::probe::read_calibration_tokens(path, tokenizer.as_ref(), budget)?;
+            let ids = super::read_calibration_tokens(path, tokenizer.as_ref(), budget)?;
             if let Some(&bad) = ids.iter().find(|&&t| t as usize >= info.vocab_size) {
                 return Err(Error::Request(format!(
                     "{}: token id {bad} is out of the model's vocabulary (size {})",

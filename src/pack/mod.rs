@@ -14,9 +14,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 mod calibrate;
+mod calibration_file;
 mod chat_files;
 
 pub use calibrate::{HOLDOUT_BLOCK, HOLDOUT_EVERY};
+pub use calibration_file::{parse_token_ids, read_calibration_tokens};
 pub use chat_files::{chat_file, CHAT_FILES, CHAT_TEMPLATE, GENERATION_CONFIG, TOKENIZER_CONFIG};
 
 use rayon::prelude::*;
