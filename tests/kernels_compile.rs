@@ -29,7 +29,10 @@ fn entries(ptx: &str) -> BTreeSet<String> {
 fn loaded_by_name() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut pairs = Vec::new();
-    for file in ["src/backend/cuda/kernels.rs", "src/doctor/mod.rs"] {
+    for file in [
+        "src/backend/cuda/kernels.rs",
+        "specter-run/src/doctor/mod.rs",
+    ] {
         let text = std::fs::read_to_string(root.join(file)).expect(file);
         for (helper, module) in [
             ("ops(\"", "ops"),

@@ -11,8 +11,8 @@
 //! use std::path::Path;
 //!
 //! use specter::pack::read_calibration_tokens;
-//! use specter::probe::{probe, render_text, ProbeOptions, DEFAULT_CALIBRATION_TOKENS};
 //! use specter::session::{BackendKind, Session};
+//! use specter_run::probe::{probe, render_text, ProbeOptions, DEFAULT_CALIBRATION_TOKENS};
 //!
 //! # fn main() -> specter::Result<()> {
 //! let session = Session::open(Path::new("model.specter"), BackendKind::Cpu)?;
@@ -28,9 +28,8 @@
 //! ```
 
 use serde::Serialize;
-
-use crate::model::{LanguageModel, RouteHook, Variant};
-use crate::{Error, Result};
+use specter::model::{LanguageModel, RouteHook, Variant};
+use specter::{Error, Result};
 
 /// Verification window depth used for the window figures when none is given.
 pub const DEFAULT_WINDOW: usize = 16;
