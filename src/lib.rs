@@ -9,7 +9,6 @@
 
 pub mod arch;
 pub mod backend;
-pub mod checkpoint;
 pub mod decode;
 pub mod depth_profile;
 pub mod error;
@@ -17,12 +16,10 @@ pub mod generate;
 pub mod host_experts;
 pub mod model;
 pub mod offload;
-pub mod pack;
 pub mod quant;
 pub mod session;
 pub mod startup;
 pub mod strategy;
-pub mod synth;
 pub mod verify_mode;
 pub mod weights;
 

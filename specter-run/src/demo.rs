@@ -10,10 +10,11 @@ use specter::arch::{expected_tensors, ArchConfig};
 use specter::backend::cuda::CudaOptions;
 use specter::decode::{GenerateOptions, Mode, Sampling};
 use specter::offload::Policy;
-use specter::pack::{convert, ConvertOptions, Silent};
 use specter::session::{BackendKind, Session, SessionOptions};
 use specter::strategy::{decode_on_session, DecodePlan, DEFAULT_COPY_BANDWIDTH};
-use specter::{synth, Error, Result};
+use specter::{Error, Result};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
+use specter_convert::synth;
 use specter_format::Bundle;
 
 #[derive(Clone, Debug)]

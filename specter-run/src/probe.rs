@@ -10,7 +10,7 @@
 //! ```no_run
 //! use std::path::Path;
 //!
-//! use specter::pack::read_calibration_tokens;
+//! use specter_convert::pack::read_calibration_tokens;
 //! use specter::session::{BackendKind, Session};
 //! use specter_run::probe::{probe, render_text, ProbeOptions, DEFAULT_CALIBRATION_TOKENS};
 //!

@@ -31,7 +31,7 @@ pub fn probe(
     let tokens = match (input.prompt, input.prompt_ids, input.calib) {
         (Some(text), _, _) => session.encode(&text)?,
         (None, Some(ids), _) => ids,
-        (None, None, Some(file)) => specter::pack::read_calibration_tokens(
+        (None, None, Some(file)) => specter_convert::pack::read_calibration_tokens(
             &file,
             session.tokenizer.as_ref(),
             input.max_tokens,

@@ -14,7 +14,7 @@ use cli::{assert_clean_failure, Run};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 
 /// Experts per MoE layer and vocabulary of the fixture.
 const EXPERTS: usize = 8;

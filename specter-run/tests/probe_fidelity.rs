@@ -15,10 +15,10 @@ use rand_chacha::ChaCha8Rng;
 use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
 use specter::backend::cpu::Cpu;
 use specter::model::{LanguageModel, NoHook, RouteHook, Variant};
-use specter::pack::{convert, ConvertOptions, Silent};
 use specter::session::{BackendKind, Session};
 use specter::weights::WeightStore;
 use specter::Error;
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_run::probe::{probe, render_json, render_text, ProbeOptions, ProbeReport};
 
 fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cpu::Cpu;
-use specter::checkpoint::Checkpoint;
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::checkpoint::Checkpoint;
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
 
 /// The repository root: where the tests were built, or `$SPECTER_ROOT` when the test binaries
