@@ -65,7 +65,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// The tiny config of `fixture` (see `specter_convert::synth::fixture_config`), edited by `edit`.
+    /// The tiny config of `fixture` (see `specter_convert::synth::fixture_config`), edited by
+    /// `edit`.
     pub fn fixture_with(fixture: &str, edit: impl FnOnce(&mut serde_json::Value)) -> Model {
         let text = specter_convert::synth::fixture_config(fixture).unwrap();
         let mut value: serde_json::Value = serde_json::from_str(&text).unwrap();
