@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specter::quant::{
+use specter_convert::quant::{
     gptq, marlin_dequantize_out_in, marlin_pack, output_rel_error, rtn, GptqConfig, Hessian,
 };
 

@@ -6,7 +6,7 @@
 #
 # WHAT (default: device ops fixtures bench):
 #   device    device opening, kernel loading, pinned and registered copies, doctor (tests/cuda_device.rs,
-#             tests/cuda_doctor.rs)
+#             specter-run/tests/cuda_doctor.rs)
 #   ops       every CUDA op against the CPU reference on random inputs, one test per op family
 #             (tests/cuda_ops.rs, tests/cuda_ops_fused.rs)
 #   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
@@ -92,13 +92,14 @@ build() {
     cargo build --release -p specter-pack -p specter-run
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
+    # By name across the workspace: most are the root crate's (tests/), cuda_doctor specter-run's.
     local tests=(cuda_device cuda_doctor cuda_ops cuda_ops_fused cuda_fixtures cuda_placement cuda_load cuda_host_experts cuda_pace)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
     # The `measure` feature: cuda_ops_fused checks which launches the fused ops make by leaving
     # them out (the production binaries above are built without it).
-    cargo test -p specter --features measure --release --no-run "${args[@]}" --message-format=json 2>/dev/null |
+    cargo test --release --no-run --workspace --features specter/measure "${args[@]}" --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys, shutil
 for line in sys.stdin:
@@ -118,7 +119,8 @@ for line in sys.stdin:
     ls -l "$CARRY"
 }
 
-# The GPU tests of tests/NAME.rs (ignored elsewhere: tests/common/gpu.rs), filtered by ARGS.
+# The GPU tests of tests/NAME.rs or a crate's CRATE/tests/NAME.rs (ignored elsewhere:
+# tests/common/gpu.rs), filtered by ARGS.
 run_test() {
     local name=$1 log=$2
     shift 2

@@ -9,24 +9,17 @@
 
 pub mod arch;
 pub mod backend;
-pub mod bench;
-pub mod checkpoint;
 pub mod decode;
-pub mod demo;
 pub mod depth_profile;
-pub mod doctor;
 pub mod error;
 pub mod generate;
 pub mod host_experts;
 pub mod model;
 pub mod offload;
-pub mod pack;
-pub mod probe;
 pub mod quant;
 pub mod session;
 pub mod startup;
 pub mod strategy;
-pub mod synth;
 pub mod verify_mode;
 pub mod weights;
 

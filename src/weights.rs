@@ -1,5 +1,6 @@
 //! Where a model's weights come from: a bundle (zero-copy views of the mapping) in production, or a
-//! Hugging Face checkpoint directory (converted on read) in tests and during conversion.
+//! Hugging Face checkpoint directory (converted on read) in tests and during conversion, whose
+//! store is specter-convert's `Checkpoint`.
 
 use std::borrow::Cow;
 

@@ -175,7 +175,7 @@ fn every_moe_layer_reports_its_routing() {
 #[test]
 fn invalid_requests_are_rejected() {
     let fx = Fixture::load("mixtral");
-    let model = MoeModel::open_checkpoint_cpu(&fx.dir).unwrap();
+    let model = specter_convert::checkpoint::open_cpu_model(&fx.dir).unwrap();
     let vocab = fx.cfg.vocab_size as u32;
     let mut kv = model.new_kv(4).unwrap();
     let request_err = |r: Result<Vec<f32>>| match r {

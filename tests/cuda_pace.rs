@@ -14,8 +14,8 @@ use specter::backend::cuda::{CudaBackend, CudaOptions, HostPath, OffloadConfig};
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
 use specter::model::NoHook;
 use specter::offload::{OffloadStats, Policy};
-use specter::pack::{convert, ConvertOptions, Silent};
-use specter::synth::{preset_config_layers, write_checkpoint};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
+use specter_convert::synth::{preset_config_layers, write_checkpoint};
 use specter_format::Bundle;
 
 /// The pace under test: PCIe 4.0 x16.

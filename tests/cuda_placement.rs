@@ -32,7 +32,7 @@ use specter::decode::{
 };
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
 use specter::offload::Policy;
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
 
 const NEW_TOKENS: usize = 64;
@@ -54,11 +54,11 @@ fn gpu_logits_do_not_depend_on_placement_on_any_fixture() {
 fn gpu_logits_do_not_depend_on_placement_at_deepseek_v2_lite_widths() {
     let device = Arc::new(common::gpu::device());
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = specter::synth::preset_config_layers("deepseek-v2-lite", Some(3)).unwrap();
+    let config = specter_convert::synth::preset_config_layers("deepseek-v2-lite", Some(3)).unwrap();
     let cfg = ArchConfig::from_config_json(&config).unwrap();
     let hf = dir.path().join("hf");
     let tensors = specter::arch::expected_tensors(&cfg);
-    specter::synth::write_checkpoint(&hf, &config, &tensors, 0, 4 << 30, 0.02).unwrap();
+    specter_convert::synth::write_checkpoint(&hf, &config, &tensors, 0, 4 << 30, 0.02).unwrap();
     let path = dir.path().join("dsv2-3l.specter");
     convert(&hf, &path, &ConvertOptions::default(), &Silent).expect("convert");
     std::fs::remove_dir_all(&hf).unwrap();

@@ -1,6 +1,7 @@
 //! Rules of the source tree that keep it easy to change: no Rust file over 1,000 lines, no
 //! `SPECTER_*` environment variable read by a library (the binaries map them onto options), and
-//! no import cycle between the files of the root crate's `src/`.
+//! no import cycle between the files of a crate's `src/` (the root crate's, specter-convert's and
+//! specter-run's).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -37,6 +38,7 @@ fn no_rust_file_is_over_a_thousand_lines() {
         "tests",
         "examples",
         "specter-format",
+        "specter-convert",
         "specter-pack",
         "specter-run",
     ] {
@@ -53,12 +55,49 @@ fn no_rust_file_is_over_a_thousand_lines() {
     assert!(long.is_empty(), "files over {MAX_LINES} lines: {long:?}");
 }
 
+/// The files of the library whose root is `lib`: the root and, for each `mod name;` it declares,
+/// `name.rs` or the folder `name/` beside it. (specter-run's library shares `src/` with its
+/// binary, whose files may read the environment.)
+fn library_files(lib: &Path, out: &mut Vec<PathBuf>) {
+    let text = std::fs::read_to_string(lib).expect("read the library root");
+    let dir = lib.parent().expect("the root's folder");
+    out.push(lib.to_path_buf());
+    for line in text.lines() {
+        let line = line.trim();
+        let Some(name) = line
+            .strip_prefix("pub mod ")
+            .or_else(|| line.strip_prefix("mod "))
+            .and_then(|rest| rest.strip_suffix(';'))
+        else {
+            continue;
+        };
+        let file = dir.join(format!("{name}.rs"));
+        if file.is_file() {
+            out.push(file);
+        } else {
+            assert!(
+                dir.join(name).is_dir(),
+                "no file for `mod {name};` in {}",
+                lib.display()
+            );
+            rust_files(&dir.join(name), out);
+        }
+    }
+}
+
 #[test]
 fn libraries_read_no_specter_environment_variables() {
     let mut files = Vec::new();
-    for dir in ["src", "specter-format/src"] {
+    for dir in ["src", "specter-format/src", "specter-convert/src"] {
         rust_files(&root().join(dir), &mut files);
     }
+    let before = files.len();
+    library_files(&root().join("specter-run/src/lib.rs"), &mut files);
+    assert!(
+        files.len() > before + 5,
+        "found only {} files of specter-run's library",
+        files.len() - before
+    );
     let needle = ["env::var", "(\"SPECTER_"].concat();
     let needle_os = ["env::var_os", "(\"SPECTER_"].concat();
     let offenders: Vec<String> = files
@@ -177,10 +216,10 @@ fn text_at(chars: &[char], at: usize) -> String {
     chars[at..chars.len().min(at + 8)].iter().collect()
 }
 
-#[test]
-fn files_of_the_root_crate_import_each_other_without_cycles() {
-    let src = root().join("src");
-    let known = modules(&src);
+/// The import cycles between the files under `src` (one crate's, or a library's and its binary's,
+/// whose module names differ), and how many imports between them were found.
+fn import_cycles(src: &Path) -> (usize, Vec<String>) {
+    let known = modules(src);
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for (module, file) in &known {
         let text = std::fs::read_to_string(file).expect("read");
@@ -196,10 +235,6 @@ fn files_of_the_root_crate_import_each_other_without_cycles() {
             }
         }
     }
-    assert!(
-        edges.values().map(BTreeSet::len).sum::<usize>() > 50,
-        "the import graph looks empty: the parser found too few imports"
-    );
     // A cycle exists when some module reaches itself.
     let mut cycles = Vec::new();
     for start in edges.keys() {
@@ -217,8 +252,25 @@ fn files_of_the_root_crate_import_each_other_without_cycles() {
             }
         }
     }
-    assert!(
-        cycles.is_empty(),
-        "import cycles between files: {cycles:#?}"
-    );
+    (edges.values().map(BTreeSet::len).sum(), cycles)
+}
+
+#[test]
+fn files_of_each_crate_import_each_other_without_cycles() {
+    // Each crate's files import each other more often than this; fewer means the parser broke.
+    for (dir, floor) in [
+        ("src", 50),
+        ("specter-convert/src", 3),
+        ("specter-run/src", 6),
+    ] {
+        let (imports, cycles) = import_cycles(&root().join(dir));
+        assert!(
+            imports > floor,
+            "the import graph of {dir} looks empty: the parser found {imports} imports"
+        );
+        assert!(
+            cycles.is_empty(),
+            "import cycles between files of {dir}: {cycles:#?}"
+        );
+    }
 }

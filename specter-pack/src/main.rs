@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use specter::pack::{self, ConvertOptions, QuantMethod};
+use specter_convert::pack::{self, ConvertOptions, QuantMethod};
 use specter_format::ship::{self, ShipOptions, ShipProgress, UnshipOptions};
 use specter_format::{sha256_hex, Bundle};
 
@@ -670,12 +670,12 @@ fn synth(
         layers,
     } = model;
     let config_json = match (&preset, &fixture, &config) {
-        (Some(name), _, _) => specter::synth::preset_config_layers(name, layers)?,
+        (Some(name), _, _) => specter_convert::synth::preset_config_layers(name, layers)?,
         (None, Some(model_type), _) => {
             if layers.is_some() {
                 anyhow::bail!("--layers applies to --preset only");
             }
-            specter::synth::fixture_config(model_type)?
+            specter_convert::synth::fixture_config(model_type)?
         }
         (None, None, Some(path)) => {
             if layers.is_some() {
@@ -695,8 +695,15 @@ fn synth(
         .map(|t| t.shape.iter().product::<usize>() as u64 * 2)
         .sum();
     let t0 = Instant::now();
-    specter::synth::write_checkpoint(&output, &config_json, &tensors, seed, shard_mib << 20, std)
-        .with_context(|| format!("writing {}", output.display()))?;
+    specter_convert::synth::write_checkpoint(
+        &output,
+        &config_json,
+        &tensors,
+        seed,
+        shard_mib << 20,
+        std,
+    )
+    .with_context(|| format!("writing {}", output.display()))?;
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "wrote {} ({}, {} layers, {} tensors, {:.2} GB of FP16) in {:.1} s ({:.2} GB/s)",

@@ -12,7 +12,7 @@ use std::path::Path;
 use common::{pack, restore_as, Model, Storage};
 use half::f16;
 use specter::arch::{self, Proj, TensorRole};
-use specter::quant::{self, QuantMatrix, GROUP_SIZE};
+use specter_convert::quant::{self, QuantMatrix, GROUP_SIZE};
 use specter_format::{Bundle, DType, PAGE};
 
 /// Shards small enough that every tiny checkpoint needs several.
@@ -257,21 +257,21 @@ fn check_sources(bundle: &Bundle, src: &Path) {
 
 #[test]
 fn every_architecture_from_one_fp16_file() {
-    for (i, fixture) in specter::synth::FIXTURE_CONFIGS.iter().enumerate() {
+    for (i, fixture) in specter_convert::synth::FIXTURE_CONFIGS.iter().enumerate() {
         round_trip(fixture, Storage::F16, false, 100 + i as u64);
     }
 }
 
 #[test]
 fn every_architecture_from_fp16_shards_with_an_index() {
-    for (i, fixture) in specter::synth::FIXTURE_CONFIGS.iter().enumerate() {
+    for (i, fixture) in specter_convert::synth::FIXTURE_CONFIGS.iter().enumerate() {
         round_trip(fixture, Storage::F16, true, 200 + i as u64);
     }
 }
 
 #[test]
 fn every_architecture_from_bf16() {
-    for (i, fixture) in specter::synth::FIXTURE_CONFIGS.iter().enumerate() {
+    for (i, fixture) in specter_convert::synth::FIXTURE_CONFIGS.iter().enumerate() {
         // Alternate single files and shards: both paths of the reader meet the conversion.
         round_trip(fixture, Storage::Bf16, i % 2 == 1, 300 + i as u64);
     }
@@ -279,7 +279,7 @@ fn every_architecture_from_bf16() {
 
 #[test]
 fn every_architecture_from_f32() {
-    for (i, fixture) in specter::synth::FIXTURE_CONFIGS.iter().enumerate() {
+    for (i, fixture) in specter_convert::synth::FIXTURE_CONFIGS.iter().enumerate() {
         round_trip(fixture, Storage::F32, i % 2 == 0, 400 + i as u64);
     }
 }

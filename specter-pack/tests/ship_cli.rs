@@ -6,7 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{assert_clean_failure, entries, pack};
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 
 /// The qwen2_moe fixture converted into a bundle in a fresh directory.
 fn converted() -> (tempfile::TempDir, PathBuf) {

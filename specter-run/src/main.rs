@@ -2,10 +2,11 @@
 
 //!
 //! This file is the command line's shape and dispatch; what each subcommand does lives in the
-//! library (`specter::generate`, `specter::bench`, ...) and its printing in the modules below.
+//! runtime (`specter::generate`) or in this package's library (`specter_run::bench`,
+//! `specter_run::profile`, ...), and its printing in the modules below.
 
 mod args;
-mod bench;
+mod bench_cli;
 mod generate;
 mod serve;
 mod tools;
@@ -51,10 +52,10 @@ enum Command {
         #[arg(long)]
         calib: Option<PathBuf>,
         /// Most tokens read from --calib.
-        #[arg(long, default_value_t = specter::probe::DEFAULT_CALIBRATION_TOKENS)]
+        #[arg(long, default_value_t = specter_run::probe::DEFAULT_CALIBRATION_TOKENS)]
         max_tokens: usize,
         /// Verify-window depth for the window figures.
-        #[arg(long, default_value_t = specter::probe::DEFAULT_WINDOW)]
+        #[arg(long, default_value_t = specter_run::probe::DEFAULT_WINDOW)]
         depth: usize,
         /// auto: CUDA when a usable GPU is found, else the CPU (stderr says which and why).
         #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
@@ -158,7 +159,7 @@ fn main() -> ExitCode {
             backend,
         } => tools::demo(arch, dir, max_new_tokens, depth, backend),
         Command::Profile(args) => tools::profile(args),
-        Command::Bench(args) => bench::bench(args),
+        Command::Bench(args) => bench_cli::bench(args),
         Command::Serve(args) => serve::serve(args),
         Command::Doctor {
             json,

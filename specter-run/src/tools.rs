@@ -31,7 +31,7 @@ pub fn probe(
     let tokens = match (input.prompt, input.prompt_ids, input.calib) {
         (Some(text), _, _) => session.encode(&text)?,
         (None, Some(ids), _) => ids,
-        (None, None, Some(file)) => specter::probe::read_calibration_tokens(
+        (None, None, Some(file)) => specter_convert::pack::read_calibration_tokens(
             &file,
             session.tokenizer.as_ref(),
             input.max_tokens,
@@ -40,12 +40,16 @@ pub fn probe(
             bail!("give tokens to probe with --prompt, --prompt-ids or --calib FILE")
         }
     };
-    let probe_opts = specter::probe::ProbeOptions { window: depth };
-    let report = with_session_model!(session, |m| specter::probe::probe(m, &tokens, &probe_opts))?;
+    let probe_opts = specter_run::probe::ProbeOptions { window: depth };
+    let report = with_session_model!(session, |m| specter_run::probe::probe(
+        m,
+        &tokens,
+        &probe_opts
+    ))?;
     if json {
-        println!("{}", specter::probe::render_json(&report)?);
+        println!("{}", specter_run::probe::render_json(&report)?);
     } else {
-        print!("{}", specter::probe::render_text(&report));
+        print!("{}", specter_run::probe::render_text(&report));
     }
     Ok(())
 }
@@ -71,7 +75,7 @@ pub fn demo(
             temp.path().to_path_buf()
         }
     };
-    let opts = specter::demo::DemoOptions {
+    let opts = specter_run::demo::DemoOptions {
         architecture: arch,
         max_new_tokens,
         depth,
@@ -83,23 +87,23 @@ pub fn demo(
         "Specter demo: {} (random weights, so the tokens mean nothing; the mechanics are real)",
         opts.architecture
     );
-    specter::demo::run(&work_dir, &opts, &mut |line| println!("{line}"))?;
+    specter_run::demo::run(&work_dir, &opts, &mut |line| println!("{line}"))?;
     println!("done. Next: convert a real checkpoint with `specter-pack convert HF_DIR -o model.specter`.");
     Ok(())
 }
 
 pub fn doctor(json: bool, device: usize, no_gpu: bool, work_dir: PathBuf) -> Result<()> {
-    let opts = specter::doctor::DoctorOptions {
+    let opts = specter_run::doctor::DoctorOptions {
         device,
         gpu: !no_gpu,
         work_dir,
         ..Default::default()
     };
-    let report = specter::doctor::diagnose(&opts);
+    let report = specter_run::doctor::diagnose(&opts);
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", specter::doctor::render_text(&report));
+        print!("{}", specter_run::doctor::render_text(&report));
     }
     Ok(())
 }
@@ -127,7 +131,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
     }
     let mut report = {
         let session = Session::open_with(&args.bundle, &opts)?;
-        let mut report = specter::depth_profile::sweep(
+        let mut report = specter_run::profile::sweep(
             &session,
             &args.prompt_ids,
             args.new_tokens,
@@ -136,7 +140,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             Sampling::greedy(),
         )?;
         if let (Some(h), Some(depth)) = (host, report.best_draft_depth()) {
-            let ms = specter::depth_profile::measure_with_host(
+            let ms = specter_run::profile::measure_with_host(
                 &session,
                 &args.prompt_ids,
                 args.new_tokens,
@@ -157,16 +161,14 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
             .num_experts;
         let slots = match args.plain_experts {
             Some(n) => n,
-            None => {
-                (resident + specter::depth_profile::draft_slot_equivalent(&bundle)?).min(experts)
-            }
+            None => (resident + specter_run::profile::draft_slot_equivalent(&bundle)?).min(experts),
         };
         drop(bundle);
         let mut plain_opts = opts.clone();
         plain_opts.with_draft = false;
         plain_opts.offload = Some((slots, policy));
         let session = Session::open_with(&args.bundle, &plain_opts)?;
-        let tpot_ms = specter::depth_profile::measure_plain(
+        let tpot_ms = specter_run::profile::measure_plain(
             &session,
             &args.prompt_ids,
             args.new_tokens,
@@ -175,7 +177,7 @@ pub fn profile(args: ProfileArgs) -> Result<()> {
         )?;
         report.plain = Some(specter::depth_profile::PlainCandidate { slots, tpot_ms });
         if let Some(h) = host {
-            let ms = specter::depth_profile::measure_with_host(
+            let ms = specter_run::profile::measure_with_host(
                 &session,
                 &args.prompt_ids,
                 args.new_tokens,

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use cli::assert_clean_failure;
 use serde_json::Value;
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 
 #[test]
 fn bench_samples_when_asked_and_reports_repeated_4grams() {

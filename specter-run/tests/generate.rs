@@ -14,7 +14,7 @@ use cli::{assert_clean_failure, Run};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 
 /// Experts per MoE layer and vocabulary of the fixture.
 const EXPERTS: usize = 8;
@@ -662,7 +662,7 @@ fn a_depth_profile_is_measured_used_and_refused_for_another_bundle() {
     // The draft's INT4 experts (4 bits a weight plus f16 scales per 128) take the VRAM of about
     // a quarter of the FP16 experts, rounded down.
     let b = specter_format::Bundle::open(&converted().bundle).unwrap();
-    let slots = specter::depth_profile::draft_slot_equivalent(&b).unwrap();
+    let slots = specter_run::profile::draft_slot_equivalent(&b).unwrap();
     assert!((1..=EXPERTS / 4).contains(&slots), "{slots}");
 
     let p = profile.display().to_string();

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 
 const BIN: &str = env!("CARGO_BIN_EXE_specter-run");
 /// Longest any single wait in these tests may take (a server that hangs fails, not blocks CI).

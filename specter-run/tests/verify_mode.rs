@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use cli::{assert_clean_failure, Run};
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_format::{Bundle, SectionKind};
 
 struct Converted {

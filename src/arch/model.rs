@@ -856,13 +856,3 @@ fn mix(h: u64, v: u64) -> u64 {
     let h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
     h ^ (h >> 29)
 }
-
-impl MoeModel<crate::backend::cpu::Cpu> {
-    /// A Hugging Face checkpoint directory (config.json and safetensors) on the CPU reference
-    /// backend.
-    pub fn open_checkpoint_cpu(dir: &std::path::Path) -> Result<Self> {
-        let ck = crate::checkpoint::Checkpoint::open(dir)?;
-        let cfg = ArchConfig::from_config_json(ck.config_json())?;
-        MoeModel::load(cfg, &ck, crate::backend::cpu::Cpu)
-    }
-}

@@ -1,5 +1,6 @@
-//! INT4 quantization of expert weights: round-to-nearest, GPTQ, and the Marlin tiled layout the
-//! W4A16 kernel reads.
+//! The INT4 layout of the draft's expert weights: codes, scales, round-to-nearest, and the Marlin
+//! tiled layout the W4A16 kernel reads. GPTQ, which only conversion runs, is specter-convert's; it
+//! quantizes with the same scale and code rules (the helpers of rtn.rs exported below).
 //!
 //! Conventions shared by every function here:
 //! - symmetric "uint4b8" codes: a stored code `q` in `0..=15` means the weight `(q - 8) * scale`;
@@ -15,13 +16,11 @@
 //! valid on load and may be produced by GPTQ (its error feedback can push a weight past the
 //! group's original maximum); round-to-nearest never needs it. An all-zero group gets scale 1.0.
 
-mod gptq;
 mod marlin;
 mod rtn;
 
-pub use gptq::{gptq, GptqConfig, GptqResult, Hessian};
 pub use marlin::{marlin_dequantize_out_in, marlin_pack, marlin_unpack, MarlinWeight};
-pub use rtn::rtn;
+pub use rtn::{check_weight, group_scales, quantize_code, rtn};
 
 use half::f16;
 
@@ -167,12 +166,12 @@ impl QuantMatrix {
 
 /// The signed value a stored code stands for.
 #[inline(always)]
-pub(crate) fn code_value(q: u8) -> f32 {
+pub fn code_value(q: u8) -> f32 {
     f32::from(q) - 8.0
 }
 
 /// Row-major `[rows][cols]` to row-major `[cols][rows]`, in cache-sized tiles.
-pub(crate) fn transpose<T: Copy + Default>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+pub fn transpose<T: Copy + Default>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
     const TILE: usize = 32;
     let mut dst = vec![T::default(); rows * cols];
     for r0 in (0..rows).step_by(TILE) {
@@ -205,91 +204,9 @@ pub fn check_marlin_shape(tensor: &str, k: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Relative output error of a quantized matrix: `||X W^T - X Q^T||_F / ||X W^T||_F`, where `W` is
-/// the original weight in HF orientation `[n][k]`, `Q` the dequantized `q`, and `X` activations
-/// row-major `[rows][k]`.
-///
-/// Returns NaN when the buffer lengths do not match the shapes, 0 when both norms are zero, and
-/// infinity when only the reference output is zero.
-pub fn output_rel_error(weight_out_in: &[f32], q: &QuantMatrix, x: &[f32], rows: usize) -> f64 {
-    let (k, n) = (q.k, q.n);
-    if weight_out_in.len() != n * k
-        || x.len() != rows * k
-        || q.q.len() != n * k
-        || q.scales.len() != k / GROUP_SIZE * n
-    {
-        return f64::NAN;
-    }
-    let deq = q.dequantize_out_in();
-    // The error term is formed from the weight difference (not as a difference of two nearly
-    // equal outputs), so f32 products keep about six significant digits of the ratio.
-    let w = faer::MatRef::from_column_major_slice(weight_out_in, k, n);
-    let diff: Vec<f32> = weight_out_in.iter().zip(&deq).map(|(a, b)| a - b).collect();
-    let d = faer::MatRef::from_column_major_slice(&diff, k, n);
-    let xm = faer::MatRef::from_row_major_slice(x, rows, k);
-    let reference = xm * w;
-    let error = xm * d;
-    let sum_sq = |m: &faer::Mat<f32>| -> f64 {
-        (0..m.ncols())
-            .map(|j| {
-                m.col_as_slice(j)
-                    .iter()
-                    .map(|&v| f64::from(v) * f64::from(v))
-                    .sum::<f64>()
-            })
-            .sum()
-    };
-    let num = sum_sq(&error).sqrt();
-    let den = sum_sq(&reference).sqrt();
-    if den == 0.0 {
-        if num == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        }
-    } else {
-        num / den
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    #[test]
-    fn output_rel_error_matches_direct_computation() {
-        let mut rng = ChaCha8Rng::seed_from_u64(31);
-        let (n, k, rows) = (64, 256, 9);
-        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.1f32..0.1)).collect();
-        let x: Vec<f32> = (0..rows * k)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let q = rtn("w", &w, n, k).unwrap();
-        let deq = q.dequantize_out_in();
-        let (mut num, mut den) = (0.0f64, 0.0f64);
-        for r in 0..rows {
-            for c in 0..n {
-                let (mut y, mut yq) = (0.0f64, 0.0f64);
-                for i in 0..k {
-                    y += f64::from(x[r * k + i]) * f64::from(w[c * k + i]);
-                    yq += f64::from(x[r * k + i]) * f64::from(deq[c * k + i]);
-                }
-                num += (y - yq).powi(2);
-                den += y * y;
-            }
-        }
-        let expected = (num / den).sqrt();
-        let got = output_rel_error(&w, &q, &x, rows);
-        assert!(
-            got > 0.0 && (got - expected).abs() <= 1e-5 * expected,
-            "{got} vs {expected}"
-        );
-        // A weight that is exactly its own dequantization has no error.
-        assert_eq!(output_rel_error(&deq, &q, &x, rows), 0.0);
-        assert!(output_rel_error(&w, &q, &x[1..], rows).is_nan());
-    }
 
     #[test]
     fn marlin_shape_rules_are_named() {

@@ -1,4 +1,4 @@
-//! Round-to-nearest quantization and the scale rule shared with GPTQ.
+//! Round-to-nearest quantization and the scale and code rules GPTQ (in specter-convert) shares.
 
 use half::f16;
 use rayon::prelude::*;
@@ -42,7 +42,7 @@ const ROUNDING_MAGIC: f32 = 12_582_912.0;
 /// The code nearest to `w` at scale `s` (positive, finite): `clamp(round(w / s) + 8, 0, 15)`,
 /// ties rounding to even.
 #[inline(always)]
-pub(crate) fn quantize_code(w: f32, s: f32) -> u8 {
+pub fn quantize_code(w: f32, s: f32) -> u8 {
     // Clamping first keeps the magic-number rounding in range; it cannot change the result.
     let x = (w / s).clamp(-9.0, 9.0);
     let rounded = (x + ROUNDING_MAGIC) - ROUNDING_MAGIC;
@@ -51,7 +51,7 @@ pub(crate) fn quantize_code(w: f32, s: f32) -> u8 {
 
 /// Checks the inputs every quantizer shares: the buffer length, `k` a positive multiple of the
 /// group size, `n` positive, and every weight finite.
-pub(crate) fn check_weight(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<()> {
+pub fn check_weight(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<()> {
     if n == 0 || k == 0 || !k.is_multiple_of(GROUP_SIZE) {
         return Err(Error::Quant(format!(
             "{tensor}: shape [{n}, {k}] (out, in) is not quantizable: input features must be a \
@@ -80,12 +80,7 @@ pub(crate) fn check_weight(tensor: &str, weight_out_in: &[f32], n: usize, k: usi
 
 /// Scales for every (group, output row) of an HF-oriented weight `[n][k]`, returned row-major
 /// `[k / 128][n]`.
-pub(crate) fn group_scales(
-    tensor: &str,
-    weight_out_in: &[f32],
-    n: usize,
-    k: usize,
-) -> Result<Vec<f16>> {
+pub fn group_scales(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<Vec<f16>> {
     let groups = k / GROUP_SIZE;
     // Computed per output row (contiguous in the HF layout), then transposed to [groups][n].
     let per_row: Vec<Vec<f16>> = weight_out_in

@@ -10,16 +10,25 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cpu::Cpu;
-use specter::checkpoint::Checkpoint;
-use specter::pack::{convert, ConvertOptions, Silent};
+use specter_convert::checkpoint::Checkpoint;
+use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
 
 /// The repository root: where the tests were built, or `$SPECTER_ROOT` when the test binaries
-/// were carried to another machine (the GPU checks run that way).
+/// were carried to another machine (the GPU checks run that way). The other crates' tests include
+/// these helpers too, so the root is the first directory up from the crate that holds the
+/// fixtures.
 pub fn repo_root() -> PathBuf {
     match std::env::var_os("SPECTER_ROOT") {
         Some(root) if !root.is_empty() => PathBuf::from(root),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf(),
+        _ => {
+            let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+            manifest
+                .ancestors()
+                .find(|dir| dir.join("tests/fixtures").is_dir())
+                .unwrap_or(manifest)
+                .to_path_buf()
+        }
     }
 }
 

@@ -65,9 +65,10 @@ pub struct Model {
 }
 
 impl Model {
-    /// The tiny config of `fixture` (see `specter::synth::fixture_config`), edited by `edit`.
+    /// The tiny config of `fixture` (see `specter_convert::synth::fixture_config`), edited by
+    /// `edit`.
     pub fn fixture_with(fixture: &str, edit: impl FnOnce(&mut serde_json::Value)) -> Model {
-        let text = specter::synth::fixture_config(fixture).unwrap();
+        let text = specter_convert::synth::fixture_config(fixture).unwrap();
         let mut value: serde_json::Value = serde_json::from_str(&text).unwrap();
         edit(&mut value);
         let config_json = serde_json::to_string_pretty(&value).unwrap();
@@ -86,8 +87,15 @@ impl Model {
 
     /// Writes the checkpoint (FP16 values, random by `seed`) with `specs` in place of the full map.
     pub fn write_specs(&self, dir: &Path, specs: &[TensorSpec], seed: u64, shard_bytes: u64) {
-        specter::synth::write_checkpoint(dir, &self.config_json, specs, seed, shard_bytes, 0.05)
-            .unwrap();
+        specter_convert::synth::write_checkpoint(
+            dir,
+            &self.config_json,
+            specs,
+            seed,
+            shard_bytes,
+            0.05,
+        )
+        .unwrap();
     }
 
     pub fn write(&self, dir: &Path, seed: u64) {

@@ -108,14 +108,14 @@ pub fn spawn(
             };
             let meta = ModelMeta {
                 max_context: session.info().max_context,
-                tokenizer_config: specter::pack::chat_file(
+                tokenizer_config: specter_convert::pack::chat_file(
                     &session.bundle,
-                    specter::pack::TOKENIZER_CONFIG,
+                    specter_convert::pack::TOKENIZER_CONFIG,
                 )
                 .map(<[u8]>::to_vec),
-                chat_template_file: specter::pack::chat_file(
+                chat_template_file: specter_convert::pack::chat_file(
                     &session.bundle,
-                    specter::pack::CHAT_TEMPLATE,
+                    specter_convert::pack::CHAT_TEMPLATE,
                 )
                 .map(<[u8]>::to_vec),
                 backend: if session.cuda().is_some() {
@@ -177,7 +177,8 @@ fn open(bundle: &std::path::Path, opts: &SessionOptions, decode: &DecodeConfig) 
 /// models often end turns with a token only the latter names, such as ChatML's `<|im_end|>`).
 fn end_tokens(session: &Session) -> Result<Vec<u32>> {
     let mut ids = session.info().eos_token_ids.clone();
-    let Some(bytes) = specter::pack::chat_file(&session.bundle, specter::pack::GENERATION_CONFIG)
+    let Some(bytes) =
+        specter_convert::pack::chat_file(&session.bundle, specter_convert::pack::GENERATION_CONFIG)
     else {
         return Ok(ids);
     };

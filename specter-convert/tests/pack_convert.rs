@@ -3,15 +3,19 @@
 //! count; unused tensors are reported, not packed; progress adds up; and a failed conversion
 //! leaves an existing bundle at the output path untouched.
 
+// The root crate's test helpers: fixtures, found from the repository root.
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use half::f16;
 use specter::arch::{self, ArchConfig, TensorRole};
-use specter::checkpoint::Checkpoint;
-use specter::pack::{convert, ConvertOptions, Progress, QuantMethod, Silent};
 use specter::weights::WeightStore;
+use specter_convert::checkpoint::Checkpoint;
+use specter_convert::pack::{convert, ConvertOptions, Progress, QuantMethod, Silent};
 use specter_format::{Bundle, DType};
 
 const FIXTURES: &[&str] = &[
@@ -25,9 +29,7 @@ const FIXTURES: &[&str] = &[
 ];
 
 fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    common::repo_root().join("tests/fixtures").join(name)
 }
 
 fn options(threads: Option<usize>) -> ConvertOptions {
@@ -119,7 +121,7 @@ fn output_does_not_depend_on_the_thread_count() {
 
 #[test]
 fn an_unused_tensor_is_reported_and_left_out() {
-    let config = specter::synth::fixture_config("mixtral").unwrap();
+    let config = specter_convert::synth::fixture_config("mixtral").unwrap();
     let cfg = ArchConfig::from_config_json(&config).unwrap();
     let mut specs = arch::expected_tensors(&cfg);
     let extra = "model.layers.0.self_attn.rotary_emb.inv_freq";
@@ -130,7 +132,7 @@ fn an_unused_tensor_is_reported_and_left_out() {
     });
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("hf");
-    specter::synth::write_checkpoint(&src, &config, &specs, 41, u64::MAX, 0.05).unwrap();
+    specter_convert::synth::write_checkpoint(&src, &config, &specs, 41, u64::MAX, 0.05).unwrap();
     let out = dir.path().join("model.specter");
     let report = convert(&src, &out, &options(Some(2)), &Silent).unwrap();
     assert_eq!(report.ignored_tensors, vec![extra.to_string()]);
@@ -198,11 +200,11 @@ fn a_failed_conversion_leaves_an_existing_bundle_untouched() {
     let before = std::fs::read(&out).unwrap();
 
     // A checkpoint whose last expert tensor holds an infinity: found halfway through writing.
-    let config = specter::synth::fixture_config("mixtral").unwrap();
+    let config = specter_convert::synth::fixture_config("mixtral").unwrap();
     let cfg = ArchConfig::from_config_json(&config).unwrap();
     let specs = arch::expected_tensors(&cfg);
     let src = dir.path().join("bad");
-    specter::synth::write_checkpoint(&src, &config, &specs, 42, u64::MAX, 0.05).unwrap();
+    specter_convert::synth::write_checkpoint(&src, &config, &specs, 42, u64::MAX, 0.05).unwrap();
     let last_expert = specs
         .iter()
         .rev()

@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use half::f16;
 use serde::Serialize;
+use specter::backend::cuda::CudaDevice;
+use specter::host_experts::{default_threads, ExpertJob, ExpertWeights, HostExperts};
+use specter::{Error, Result};
 
 use super::{driver, DoctorOptions};
-use crate::backend::cuda::CudaDevice;
-use crate::host_experts::{default_threads, ExpertJob, ExpertWeights, HostExperts};
-use crate::{Error, Result};
 
 /// The expert shape measured: DeepSeek-V2-Lite's routed experts (17.3 MB of FP16 weights).
 const HIDDEN: usize = 2048;

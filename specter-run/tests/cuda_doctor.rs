@@ -2,10 +2,13 @@
 //! driver is reported as a problem with a fix rather than an error or a panic. On a GPU machine
 //! `gpu_doctor_checks_run` (ignored elsewhere, see tests/common/gpu.rs) checks the GPU half.
 
+// The root crate's test helpers: fixtures (found from the repository root) and the GPU tests'
+// convention.
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use specter::backend::cuda::{driver_library_present, NO_DRIVER_MESSAGE};
-use specter::doctor::{diagnose, render_text, DoctorOptions};
+use specter_run::doctor::{diagnose, render_text, DoctorOptions};
 
 fn small_options() -> DoctorOptions {
     DoctorOptions {

@@ -28,13 +28,13 @@ use serde::Serialize;
 
 pub use auto::{calibrate_auto, AutoChoice};
 
-use crate::backend::cuda::CudaOptions;
-use crate::decode::{GenerateOptions, GenerateOutput, Mode, Sampling, SPECMOEOFF_DEPTH};
-use crate::depth_profile::DepthProfile;
-use crate::offload::{PathTelemetry, Policy};
-use crate::session::{BackendKind, Session, SessionOptions};
-use crate::strategy::{decode_on_session, AutoDepthStart, DecodePlan};
-use crate::{Error, Result};
+use specter::backend::cuda::CudaOptions;
+use specter::decode::{GenerateOptions, GenerateOutput, Mode, Sampling, SPECMOEOFF_DEPTH};
+use specter::depth_profile::DepthProfile;
+use specter::offload::{PathTelemetry, Policy};
+use specter::session::{BackendKind, Session, SessionOptions};
+use specter::strategy::{decode_on_session, AutoDepthStart, DecodePlan};
+use specter::{Error, Result};
 
 /// A protocol case: draft depth and experts per layer in VRAM.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -599,7 +599,7 @@ pub fn run(
     let auto_over_specmoeoff = over_specmoeoff("auto");
     Ok(BenchReport {
         bundle: path.display().to_string(),
-        backend: crate::generate::backend_name(opts.backend),
+        backend: specter::generate::backend_name(opts.backend),
         device,
         case: opts.case,
         prompts: opts.prompts.len(),
@@ -827,7 +827,29 @@ pub fn render_svg(r: &BenchReport) -> String {
 
 #[cfg(test)]
 mod tests {
+    use specter::depth_profile::{HostCandidates, PlainCandidate, ProfileKey};
+
     use super::*;
+
+    /// A profile measured at `depths` with these TPOTs (ms), and a plain candidate at 32 slots.
+    fn sample_profile(depths: Vec<usize>, tpot_ms: Vec<f64>, plain: Option<f64>) -> DepthProfile {
+        DepthProfile {
+            key: ProfileKey {
+                manifest_sha256: "ab".into(),
+                backend: "cuda".into(),
+                device: "gpu".into(),
+                residency: "16 of 64".into(),
+            },
+            prompt_tokens: 16,
+            new_tokens: 32,
+            acceptance: vec![0.5; depths.len()],
+            best_depth: 1,
+            depths,
+            tpot_ms,
+            plain: plain.map(|tpot_ms| PlainCandidate { slots: 32, tpot_ms }),
+            host: None,
+        }
+    }
 
     #[test]
     fn repeated_4grams_are_counted_against_earlier_ones() {
@@ -844,18 +866,14 @@ mod tests {
 
     #[test]
     fn the_calibration_line_names_every_depth_and_the_plain_candidate() {
-        let profile = crate::depth_profile::sample_profile(
-            vec![0, 4, 16],
-            vec![38.9, 44.7, 42.0],
-            Some(23.7),
-        );
+        let profile = sample_profile(vec![0, 4, 16], vec![38.9, 44.7, 42.0], Some(23.7));
         assert_eq!(
             calibration_line(&profile),
             "Calibration TPOT ms with the draft: depth 0 38.90, depth 4 44.70, depth 16 42.00; \
              plain without it at 32 slots: 23.70.\n"
         );
         let mut with_host = profile;
-        with_host.host = Some(crate::depth_profile::HostCandidates {
+        with_host.host = Some(HostCandidates {
             threads: 16,
             plain_tpot_ms: Some(21.5),
             depth: 16,

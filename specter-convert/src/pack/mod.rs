@@ -14,20 +14,22 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 mod calibrate;
+mod calibration_file;
 mod chat_files;
 
 pub use calibrate::{HOLDOUT_BLOCK, HOLDOUT_EVERY};
+pub use calibration_file::{parse_token_ids, read_calibration_tokens};
 pub use chat_files::{chat_file, CHAT_FILES, CHAT_TEMPLATE, GENERATION_CONFIG, TOKENIZER_CONFIG};
 
 use rayon::prelude::*;
+use specter::arch::{self, ArchConfig, Proj, TensorRole, TensorSpec};
+use specter::weights::WeightStore;
 use specter_format::{
     BundleWriter, DType, Provenance, QuantInfo, QuantStat, SectionKind, SourceFile,
 };
 
-use crate::arch::{self, ArchConfig, Proj, TensorRole, TensorSpec};
 use crate::checkpoint::Checkpoint;
 use crate::quant::{self, MarlinWeight, QuantMatrix, GROUP_SIZE};
-use crate::weights::WeightStore;
 use crate::{Error, Result};
 
 /// Which quantizer makes the draft's INT4 experts.

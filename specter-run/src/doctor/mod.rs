@@ -7,16 +7,16 @@
 //! ceiling (the host expert kernel beside copies, `shared_read.rs`). Every failure is recorded
 //! as a [`Problem`] with a fix; `diagnose` itself never fails.
 
-use crate::backend::cuda::{
-    compile_source, driver_library_present, kernel_source, nvrtc_library_present, nvrtc_version,
-    CudaDevice, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
-use crate::{Error, Result};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use half::f16;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use specter::backend::cuda::{
+    compile_source, driver_library_present, kernel_source, nvrtc_library_present, nvrtc_version,
+    CudaDevice, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use specter::{Error, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -171,7 +171,7 @@ pub struct DoctorReport {
     pub bandwidth: Option<BandwidthReport>,
     /// How fast the host's threads read memory, one figure per thread count: the ceiling of the
     /// host expert kernel (src/host_experts).
-    pub host_read: Vec<crate::host_experts::bandwidth::HostReadBandwidth>,
+    pub host_read: Vec<specter::host_experts::bandwidth::HostReadBandwidth>,
     /// The host expert kernel and pinned copies reading host memory at once: the hybrid path's
     /// ceiling, measured where a GPU is and the host read measurement is asked for.
     pub shared_read: Option<SharedReadReport>,
@@ -205,7 +205,9 @@ pub fn diagnose(opts: &DoctorOptions) -> DoctorReport {
         bandwidth: None,
         host_read: Vec::new(),
         shared_read: None,
-        host_expert_path: crate::host_experts::KernelPath::detect().name().to_string(),
+        host_expert_path: specter::host_experts::KernelPath::detect()
+            .name()
+            .to_string(),
         problems: Vec::new(),
     };
     if opts.host_read_bytes > 0 {
@@ -217,7 +219,9 @@ pub fn diagnose(opts: &DoctorOptions) -> DoctorReport {
         counts.dedup();
         report.host_read = counts
             .into_iter()
-            .map(|t| crate::host_experts::bandwidth::measure(t, opts.host_read_bytes, opts.repeats))
+            .map(|t| {
+                specter::host_experts::bandwidth::measure(t, opts.host_read_bytes, opts.repeats)
+            })
             .collect();
     }
     if report.system.ram_total_bytes.is_none() {

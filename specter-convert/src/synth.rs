@@ -15,8 +15,8 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde_json::{json, Value};
+use specter::arch::TensorSpec;
 
-use crate::arch::TensorSpec;
 use crate::{Error, Result};
 
 /// Elements generated per parallel work item: one RNG stream each.

@@ -4,12 +4,12 @@
 
 use std::path::Path;
 
+use specter::decode::{GenerateOptions, Mode};
+use specter::session::{BackendKind, Session, SessionOptions};
+use specter::{Error, Result};
 use specter_format::SectionKind;
 
 use super::{run_one, BenchMode, BenchOptions};
-use crate::decode::{GenerateOptions, Mode};
-use crate::session::{BackendKind, Session, SessionOptions};
-use crate::{Error, Result};
 
 /// Greedy tokens per prompt, and where they were computed.
 pub(super) struct Reference {
@@ -67,7 +67,7 @@ fn resident_shortfall(path: &Path) -> Result<Option<String>> {
         .map(|i| bundle.section_bytes(i).len() as u64)
         .sum::<u64>()
         + WORKING_BYTES;
-    let device = crate::backend::cuda::CudaDevice::open(0)?;
+    let device = specter::backend::cuda::CudaDevice::open(0)?;
     let (free, _) = device.memory_info()?;
     Ok((need > free as u64).then(|| {
         format!(

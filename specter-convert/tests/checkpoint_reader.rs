@@ -1,6 +1,10 @@
 //! The checkpoint reader over the committed fixtures and over hand-built (sharded, fused, broken)
 //! checkpoints.
 
+// The root crate's test helpers: fixtures, found from the repository root.
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -10,8 +14,8 @@ use rand_chacha::ChaCha8Rng;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use sha2::{Digest, Sha256};
-use specter::checkpoint::Checkpoint;
 use specter::weights::WeightStore;
+use specter_convert::checkpoint::Checkpoint;
 
 const FIXTURES: &[&str] = &[
     "deepseek_v2",
@@ -24,9 +28,7 @@ const FIXTURES: &[&str] = &[
 ];
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    common::repo_root().join("tests/fixtures").join(name)
 }
 
 /// A tensor to write: dtype, shape, little-endian bytes.

@@ -18,9 +18,11 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use sha2::{Digest, Sha256};
+use specter::arch::{ArchConfig, MoeModel};
+use specter::backend::cpu::Cpu;
+use specter::weights::{Tensor, WeightStore};
 use specter_format::SourceFile;
 
-use crate::weights::{Tensor, WeightStore};
 use crate::{Error, Result};
 
 /// Name of the shard index file transformers writes for sharded checkpoints.
@@ -257,6 +259,14 @@ impl Checkpoint {
         // Ranges come from headers that `read_metadata` validated against the file length.
         &self.shards[entry.shard].map[entry.start..entry.end]
     }
+}
+
+/// The model of the checkpoint directory `dir` on the CPU reference backend. The runtime opens
+/// bundles; a checkpoint is run only by conversion (GPTQ calibration) and by tests.
+pub fn open_cpu_model(dir: &Path) -> Result<MoeModel<Cpu>> {
+    let ck = Checkpoint::open(dir)?;
+    let cfg = ArchConfig::from_config_json(ck.config_json())?;
+    MoeModel::load(cfg, &ck, Cpu)
 }
 
 impl WeightStore for Checkpoint {

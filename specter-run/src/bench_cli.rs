@@ -1,5 +1,5 @@
 //! `specter-run bench`: the paper's protocol from the command line (the protocol itself is
-//! `specter::bench`).
+//! `specter_run::bench`).
 
 use std::io::IsTerminal;
 
@@ -66,7 +66,7 @@ fn read_bench_prompts(path: &std::path::Path, bundle: &std::path::Path) -> Resul
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
-    use specter::bench::{self, BenchCase, BenchMode, BenchOptions};
+    use specter_run::bench::{self, BenchCase, BenchMode, BenchOptions};
     let mut cuda = cuda_options_from_env()?;
     args.hybrid.apply_bench(&mut cuda)?;
     let modes = args

@@ -2,6 +2,8 @@
 //! from a file of token ids), per-expert GPTQ against held-out rows, the pooled fallback for
 //! starved experts, valid Marlin INT4 tensors, and a draft that decodes losslessly.
 
+// The root crate's test helpers: fixtures, found from the repository root.
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
@@ -13,9 +15,9 @@ use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
 use specter::model::NoHook;
-use specter::pack::{convert, ConvertOptions, ConvertReport, QuantMethod, Silent};
 use specter::quant::{marlin_pack, marlin_unpack};
 use specter::weights::WeightStore;
+use specter_convert::pack::{convert, ConvertOptions, ConvertReport, QuantMethod, Silent};
 use specter_format::{Bundle, QuantInfo};
 
 const FIXTURES: [&str; 3] = ["deepseek_v2", "qwen2_moe", "mixtral"];

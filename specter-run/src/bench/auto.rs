@@ -1,14 +1,16 @@
 //! `auto`'s calibration: on the first prompt, sampled as the bench samples, outside the timed runs, every way `auto` may decode
-//! is measured and the fastest kept ([`crate::depth_profile::Candidate`]): the draft at each
+//! is measured and the fastest kept ([`specter::depth_profile::Candidate`]): the draft at each
 //! candidate depth, plain decoding without it, and, where the host path may run, both again with
 //! part of the missing experts computed on host threads.
 
+use specter::backend::cuda::CudaOptions;
+use specter::depth_profile::{DepthProfile, PlainCandidate};
+use specter::offload::Policy;
+use specter::session::{Session, SessionOptions};
+use specter::Result;
+
 use super::BenchOptions;
-use crate::backend::cuda::CudaOptions;
-use crate::depth_profile::{self, DepthProfile, PlainCandidate};
-use crate::offload::Policy;
-use crate::session::{Session, SessionOptions};
-use crate::Result;
+use crate::profile;
 
 /// What `auto`'s calibration chose.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,7 +75,7 @@ pub(super) fn open_settled(path: &std::path::Path, opts: &SessionOptions) -> Res
 /// Host threads of the host path: the user's `--host-threads`, else every core but one.
 pub(super) fn host_threads(cuda: &CudaOptions) -> usize {
     cuda.host_experts
-        .unwrap_or_else(crate::host_experts::default_threads)
+        .unwrap_or_else(specter::host_experts::default_threads)
 }
 
 /// `auto` with offloaded experts: the offline profile (`specter-run profile`) done on the first
@@ -95,23 +97,16 @@ pub fn calibrate_auto(
     // The bench's own sampling: greedy output that loops keeps a cache's hit rate high, so a
     // choice calibrated greedily can be the wrong one for sampled runs.
     let sampling = opts.sampling;
-    let depths = crate::decode::candidate_depths(opts.case.depth);
+    let depths = specter::decode::candidate_depths(opts.case.depth);
     let host = opts
         .auto_host
         .then(|| opts.cuda.host_experts_config(host_threads(&opts.cuda)));
     let mut profile = {
         let session = open_settled(path, draft_opts)?;
-        let mut profile = depth_profile::sweep(&session, prompt, tokens, &depths, 1, sampling)?;
+        let mut profile = profile::sweep(&session, prompt, tokens, &depths, 1, sampling)?;
         if let (Some(h), Some(depth)) = (host, profile.best_draft_depth()) {
-            let ms = depth_profile::measure_with_host(
-                &session,
-                prompt,
-                tokens,
-                Some(depth),
-                h,
-                1,
-                sampling,
-            )?;
+            let ms =
+                profile::measure_with_host(&session, prompt, tokens, Some(depth), h, 1, sampling)?;
             profile.record_host_draft(h.threads, depth, ms);
         }
         profile
@@ -120,13 +115,13 @@ pub fn calibrate_auto(
     plain_opts.with_draft = false;
     plain_opts.offload = Some((opts.case.matched, Policy::Lru));
     let plain = open_settled(path, &plain_opts)?;
-    let plain_ms = depth_profile::measure_plain(&plain, prompt, tokens, 1, sampling)?;
+    let plain_ms = profile::measure_plain(&plain, prompt, tokens, 1, sampling)?;
     profile.plain = Some(PlainCandidate {
         slots: opts.case.matched,
         tpot_ms: plain_ms,
     });
     if let Some(h) = host {
-        let ms = depth_profile::measure_with_host(&plain, prompt, tokens, None, h, 1, sampling)?;
+        let ms = profile::measure_with_host(&plain, prompt, tokens, None, h, 1, sampling)?;
         profile.record_host_plain(h.threads, ms);
     }
     let chosen = profile.choice();

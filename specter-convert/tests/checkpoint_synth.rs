@@ -1,13 +1,17 @@
 //! Random-weight checkpoints written by `synth` and read back by `checkpoint`.
 
+// The root crate's test helpers: fixtures, found from the repository root.
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 use std::path::Path;
 
 use specter::arch::{expected_tensors, ArchConfig, Proj, TensorRole, TensorSpec};
-use specter::checkpoint::Checkpoint;
-use specter::synth::{
+use specter::weights::WeightStore;
+use specter_convert::checkpoint::Checkpoint;
+use specter_convert::synth::{
     fixture_config, preset_config, preset_config_layers, write_checkpoint, FIXTURE_CONFIGS, PRESETS,
 };
-use specter::weights::WeightStore;
 
 fn specs_for(config: &str) -> Vec<TensorSpec> {
     expected_tensors(&ArchConfig::from_config_json(config).unwrap())
@@ -48,7 +52,7 @@ fn every_fixture_config_round_trips_through_the_reader() {
 /// The Rust fixture configs describe the same models as the committed (Python-made) fixtures.
 #[test]
 fn fixture_configs_match_the_committed_fixtures() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = common::repo_root().join("tests/fixtures");
     for name in FIXTURE_CONFIGS {
         let committed = std::fs::read_to_string(root.join(name).join("config.json")).unwrap();
         let ours = ArchConfig::from_config_json(&fixture_config(name).unwrap()).unwrap();

@@ -15,8 +15,9 @@ use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
 use rayon::prelude::*;
 
-use super::rtn::{check_weight, group_scales, quantize_code};
-use super::{code_value, transpose, QuantMatrix, GROUP_SIZE};
+use super::{
+    check_weight, code_value, group_scales, quantize_code, transpose, QuantMatrix, GROUP_SIZE,
+};
 use crate::{Error, Result};
 
 /// Rows of activations converted to f64 at a time while accumulating a Hessian.
@@ -257,7 +258,7 @@ fn lazy_update(
 ///
 /// Errors (naming the tensor) on bad shapes, non-finite weights, a Hessian of another width, with
 /// no rows or with non-finite entries, and when the Hessian stays indefinite after extra
-/// damping; each of these can be answered by falling back to [`super::rtn`].
+/// damping; each of these can be answered by falling back to [`super::rtn()`].
 pub fn gptq(
     tensor: &str,
     weight_out_in: &[f32],

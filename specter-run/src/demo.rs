@@ -6,20 +6,20 @@
 use std::path::Path;
 use std::time::Instant;
 
+use specter::arch::{expected_tensors, ArchConfig};
+use specter::backend::cuda::CudaOptions;
+use specter::decode::{GenerateOptions, Mode, Sampling};
+use specter::offload::Policy;
+use specter::session::{BackendKind, Session, SessionOptions};
+use specter::strategy::{decode_on_session, DecodePlan, DEFAULT_COPY_BANDWIDTH};
+use specter::{Error, Result};
+use specter_convert::pack::{convert, ConvertOptions, Silent};
+use specter_convert::synth;
 use specter_format::Bundle;
-
-use crate::arch::{expected_tensors, ArchConfig};
-use crate::backend::cuda::CudaOptions;
-use crate::decode::{GenerateOptions, Mode, Sampling};
-use crate::offload::Policy;
-use crate::pack::{convert, ConvertOptions, Silent};
-use crate::session::{BackendKind, Session, SessionOptions};
-use crate::strategy::{decode_on_session, DecodePlan, DEFAULT_COPY_BANDWIDTH};
-use crate::{synth, Error, Result};
 
 #[derive(Clone, Debug)]
 pub struct DemoOptions {
-    /// A `model_type` from [`crate::arch::SUPPORTED_MODEL_TYPES`].
+    /// A `model_type` from [`specter::arch::SUPPORTED_MODEL_TYPES`].
     pub architecture: String,
     pub max_new_tokens: usize,
     pub depth: usize,

@@ -2,6 +2,9 @@
 //! (RTN INT4 draft), a draft that equals its target exactly (experts on the INT4 grid), and
 //! degraded drafts (experts swapped between ids, experts quantized from noise).
 
+// The root crate's test helpers: fixtures (found from the repository root) and the GPU tests'
+// convention.
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;
@@ -12,11 +15,11 @@ use rand_chacha::ChaCha8Rng;
 use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
 use specter::backend::cpu::Cpu;
 use specter::model::{LanguageModel, NoHook, RouteHook, Variant};
-use specter::pack::{convert, ConvertOptions, Silent};
-use specter::probe::{probe, render_json, render_text, ProbeOptions, ProbeReport};
 use specter::session::{BackendKind, Session};
 use specter::weights::WeightStore;
 use specter::Error;
+use specter_convert::pack::{convert, ConvertOptions, Silent};
+use specter_run::probe::{probe, render_json, render_text, ProbeOptions, ProbeReport};
 
 fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
@@ -440,7 +443,7 @@ fn a_depth_sweep_samples_as_asked() {
     let session = Session::open(&path, BackendKind::Cpu).unwrap();
     let prompt = fx.prompts()[0].clone();
     let sweep =
-        |sampling| specter::depth_profile::sweep(&session, &prompt, 24, &[4], 1, sampling).unwrap();
+        |sampling| specter_run::profile::sweep(&session, &prompt, 24, &[4], 1, sampling).unwrap();
     let greedy = sweep(specter::decode::Sampling::greedy());
     let again = sweep(specter::decode::Sampling::greedy());
     let sampled = sweep(specter::decode::Sampling {

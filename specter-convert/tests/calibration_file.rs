@@ -1,13 +1,15 @@
-//! Reading the probe's calibration sequence: token-id files, text files through a tokenizer, and
-//! the errors for files that are neither.
+//! Reading a calibration file (GPTQ calibration and the probe read them): token-id files, text
+//! files through a tokenizer, and the errors for files that are neither.
 
+// The root crate's test helpers: fixtures, found from the repository root.
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::Fixture;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specter::probe::read_calibration_tokens;
 use specter::Error;
+use specter_convert::pack::read_calibration_tokens;
 use tokenizers::Tokenizer;
 
 fn fixture_tokenizer() -> Tokenizer {

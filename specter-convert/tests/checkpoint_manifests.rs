@@ -1,11 +1,14 @@
 //! The tensor maps in manifests/ against real checkpoints: each map, expanded with a fixture's
 //! config.json, must list exactly the fixture's tensors (written by transformers) with their shapes.
 
+// The root crate's test helpers: the repository root, where manifests/ and the fixtures are.
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use serde_json::Value;
-use specter::checkpoint::Checkpoint;
+use specter_convert::checkpoint::Checkpoint;
 
 const ARCHS: &[&str] = &[
     "deepseek_v2",
@@ -17,7 +20,7 @@ const ARCHS: &[&str] = &[
 ];
 
 fn manifest(model_type: &str) -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+    let path = common::repo_root()
         .join("manifests")
         .join(format!("{model_type}.json"));
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
@@ -200,7 +203,7 @@ fn expand(m: &Value, config: &Value) -> BTreeMap<String, Vec<usize>> {
 
 #[test]
 fn manifests_list_exactly_the_fixture_tensors() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let fixtures = common::repo_root().join("tests/fixtures");
     let mut checked = 0;
     for item in std::fs::read_dir(&fixtures).unwrap() {
         let dir = item.unwrap().path();
@@ -233,12 +236,12 @@ fn manifests_list_exactly_the_fixture_tensors() {
 /// benchmark presets.
 #[test]
 fn manifests_agree_with_expected_tensors() {
-    let mut configs: Vec<String> = specter::synth::FIXTURE_CONFIGS
+    let mut configs: Vec<String> = specter_convert::synth::FIXTURE_CONFIGS
         .iter()
-        .map(|n| specter::synth::fixture_config(n).unwrap())
+        .map(|n| specter_convert::synth::fixture_config(n).unwrap())
         .collect();
-    for p in specter::synth::PRESETS {
-        configs.push(specter::synth::preset_config_layers(p, Some(3)).unwrap());
+    for p in specter_convert::synth::PRESETS {
+        configs.push(specter_convert::synth::preset_config_layers(p, Some(3)).unwrap());
     }
     for text in configs {
         let config: Value = serde_json::from_str(&text).unwrap();
