@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use specter::backend::cuda::args::{DevPtr, KernelArgs};
+use specter::backend::cuda::args::{DevPtr, KernelArgs, Params};
 use specter::backend::cuda::launch_overlapping;
 
 type Res<T> = Result<T, Box<dyn Error>>;
@@ -90,7 +90,6 @@ fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
 /// The arguments of the three kernels of examples/bench_stream.cu: (const __half* w, int k, int n,
 /// const float* x, float* y, int stages, int late).
 #[derive(Clone, Copy)]
-#[repr(C)]
 struct StreamArgs {
     w: DevPtr,
     k: i32,
@@ -101,21 +100,23 @@ struct StreamArgs {
     late: i32,
 }
 
+impl Params for StreamArgs {
+    fn push_params(&mut self, out: &mut Vec<*mut std::ffi::c_void>) {
+        self.w.push_params(out);
+        self.k.push_params(out);
+        self.n.push_params(out);
+        self.x.push_params(out);
+        self.y.push_params(out);
+        self.stages.push_params(out);
+        self.late.push_params(out);
+    }
+    fn push_ptx(out: &mut Vec<&'static str>) {
+        out.extend([".u64", ".u32", ".u32", ".u64", ".u64", ".u32", ".u32"]);
+    }
+}
+
 impl KernelArgs for StreamArgs {
     const KERNELS: &'static [&'static str] = &["read_ldg", "read_ldg_pf", "read_bulk"];
-    const PTX: &'static [&'static str] = &[".u64", ".u32", ".u32", ".u64", ".u64", ".u32", ".u32"];
-    fn params(&mut self) -> Vec<*mut std::ffi::c_void> {
-        let p = |v: &mut dyn std::any::Any| v as *mut dyn std::any::Any as *mut std::ffi::c_void;
-        vec![
-            p(&mut self.w),
-            p(&mut self.k),
-            p(&mut self.n),
-            p(&mut self.x),
-            p(&mut self.y),
-            p(&mut self.stages),
-            p(&mut self.late),
-        ]
-    }
 }
 
 /// One product y = w . x launched with programmatic stream serialisation.

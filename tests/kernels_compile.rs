@@ -6,7 +6,7 @@
 //! NVRTC from pip and runs it that way (`scripts/kernel-check.sh test`), so there it cannot skip.
 
 use specter::backend::cuda::{
-    compile_source, nvrtc_library_present, KernelSource, KERNELS, KERNEL_SIGNATURES,
+    compile_source, kernel_signatures, nvrtc_library_present, KernelSource, KERNELS,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -186,13 +186,13 @@ fn every_kernel_compiles_for_each_architecture() {
         params.extend(entry_params(&ptx));
     }
     let mut typed = 0;
-    for (kernels, types) in KERNEL_SIGNATURES {
-        for name in *kernels {
+    for (kernels, types) in kernel_signatures() {
+        for name in kernels {
             let got = params.get(*name).unwrap_or_else(|| {
                 panic!("the backend launches {name}, which no kernel file defines")
             });
             assert_eq!(
-                got, types,
+                got, &types,
                 "{name}: its argument struct's types (right) are not the kernel's parameters (left)"
             );
             typed += 1;

@@ -315,20 +315,7 @@ impl CudaBackend {
                 if let (Extra::Shared(sh, _), Some(hs)) = (extra, &shared_h) {
                     // Routing and work list in block 0, the shared gate/up in the others.
                     let args = RoutePlanSharedArgs {
-                        logits: route_plan.logits,
-                        experts: experts_i,
-                        top_k: top_k_i,
-                        renormalize: route_plan.renormalize,
-                        scale,
-                        ids: ids_p,
-                        weights: weights_p,
-                        rows: rows_i,
-                        table,
-                        max_groups: max_groups_i,
-                        groups: groups_p,
-                        item_row: item_row_p,
-                        item_weight: item_weight_p,
-                        row_items: row_items_p,
+                        plan: route_plan,
                         x: dptr(&x.buf, s),
                         k: int(hidden, "hidden")?,
                         w_shared: DevPtr(sh.gate_up),

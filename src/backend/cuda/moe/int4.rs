@@ -356,17 +356,11 @@ impl MoeInt4Kernels {
         let top_k = combine.top_k as u32;
         let grid = ((l.hidden / COLS_PER_BLOCK) as u32, top_k, 1);
         let bytes = kernel.dynamic_shared(0, l.inter, "down with the combine")?;
-        let d = down_args(l);
         // As moe_int4_down_8's (checked above and by MoeLaunch's promise), plus the shared output
         // and y, `hidden` floats each (SharedDown's and the caller's). The grid's rows are the
         // cluster's top_k blocks.
         let args = Int4DownCombineArgs {
-            groups: d.groups,
-            h: d.h,
-            item_weight: d.item_weight,
-            out: d.out,
-            hidden: d.hidden,
-            inter: d.inter,
+            down: down_args(l),
             top_k,
             s_y: DevPtr(shared.y),
             y: DevPtr(combine.y),

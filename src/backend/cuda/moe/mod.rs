@@ -394,8 +394,6 @@ impl CudaBackend {
         l: &MoeLaunch,
         shared: Option<&SharedDown>,
     ) -> Result<()> {
-        let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
-        let groups = int(l.num_groups, "groups")?;
         // Work blocks: (features, groups), run by grid-stride blocks.
         let blocks = |per_group: u32, rows: usize| per_group.saturating_mul(rows as u32);
         // Groups of at most one item (decode): the one-item forms, the same bits.
@@ -411,15 +409,7 @@ impl CudaBackend {
             "moe gate/up",
             (gate_up.grid(blocks(gx, l.num_groups), one), 1, 1),
             32 * GEMV_WARPS as u32,
-            MoeGateUpArgs {
-                x: DevPtr(l.x),
-                hidden: h,
-                inter: i,
-                groups: DevPtr(l.groups),
-                num_groups: groups,
-                item_row: DevPtr(l.item_row),
-                h: DevPtr(l.h),
-            },
+            gate_up_args(l)?,
         )?;
         self.launch_moe_f16_down(l, shared)
     }
@@ -481,13 +471,7 @@ impl CudaBackend {
             (down.grid(work_blocks, one), 1, 1),
             32 * GEMV_WARPS as u32,
             MoeDownSharedArgs {
-                h: args.h,
-                hidden: h,
-                inter: i,
-                groups: args.groups,
-                num_groups: groups,
-                item_weight: args.item_weight,
-                out: args.out,
+                down: args,
                 h_shared: DevPtr(sd.h),
                 rows: int(sd.rows, "rows")?,
                 inter_shared: int(sd.inter, "shared inter")?,
@@ -539,13 +523,7 @@ impl CudaBackend {
         let counters =
             ptr(&self.experts_counters, &self.stream) + (4 * slot * EXPERTS_ONE_SLOT_WORDS) as u64;
         let args = MoeExpertsOneArgs {
-            x: DevPtr(l.x),
-            hidden: int(l.hidden, "hidden")?,
-            inter: int(l.inter, "inter")?,
-            groups: DevPtr(l.groups),
-            num_groups: int(l.num_groups, "groups")?,
-            item_row: DevPtr(l.item_row),
-            h: DevPtr(l.h),
+            gate_up: gate_up_args(l)?,
             item_weight: DevPtr(l.item_weight),
             out: DevPtr(l.out),
             h_shared: DevPtr(shared.h),
@@ -761,6 +739,19 @@ impl CudaBackend {
         self.defer_free(d_groups);
         Ok(())
     }
+}
+
+/// The FP16 gate/up kernels' arguments for `l`.
+fn gate_up_args(l: &MoeLaunch) -> Result<MoeGateUpArgs> {
+    Ok(MoeGateUpArgs {
+        x: DevPtr(l.x),
+        hidden: int(l.hidden, "hidden")?,
+        inter: int(l.inter, "inter")?,
+        groups: DevPtr(l.groups),
+        num_groups: int(l.num_groups, "groups")?,
+        item_row: DevPtr(l.item_row),
+        h: DevPtr(l.h),
+    })
 }
 
 /// The staging slices of the host's experts: `experts[i]`'s items (`first..first + count` of

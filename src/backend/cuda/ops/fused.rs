@@ -125,13 +125,15 @@ impl CudaBackend {
                 ),
                 32 * GEMV_WARPS as u32,
                 Linear2Args {
-                    x: dptr(&x.buf, s),
-                    rows: int(x.rows, "rows")?,
-                    k: int(x.cols, "in")?,
-                    wa: dptr(wa, s),
-                    na: int(na, "out")?,
-                    ba: DevPtr(0),
-                    ya: dptr(&ya.buf, s),
+                    a: LinearArgs {
+                        x: dptr(&x.buf, s),
+                        rows: int(x.rows, "rows")?,
+                        k: int(x.cols, "in")?,
+                        w: dptr(wa, s),
+                        n: int(na, "out")?,
+                        bias: DevPtr(0),
+                        y: dptr(&ya.buf, s),
+                    },
                     wb: dptr(wb, s),
                     nb: int(nb, "out")?,
                     bb: DevPtr(0),
@@ -223,18 +225,7 @@ impl CudaBackend {
         let args = MlaExpandAppendArgs {
             kv: dptr(&kv.buf, s),
             k_pe: dptr(&k_pe.buf, s),
-            heads: t.heads,
-            nope: t.nope,
-            rope: t.rope,
-            v_dim: t.v_dim,
-            keys: t.keys,
-            values: t.values,
-            start: t.start,
-            start_at: t.start_at,
-            q: t.q,
-            cos_t: t.cos_t,
-            sin_t: t.sin_t,
-            interleaved: t.interleaved,
+            tail: t,
         };
         self.launch(
             &self.k.mla_expand_append,
@@ -245,9 +236,7 @@ impl CudaBackend {
         )
     }
 
-    /// The arguments `mla_expand_append` and `mla_kv_append_1` share, in their order: the
-    /// shape, the caches and where the rows go (`start`, or the step buffer's position), the
-    /// query and its rotation tables and style.
+    /// The arguments `mla_expand_append` and `mla_kv_append_1` end with.
     #[allow(clippy::too_many_arguments)]
     fn append_args(
         &self,
@@ -258,9 +247,9 @@ impl CudaBackend {
         (start, start_at): (usize, u64),
         q: &GpuAct,
         (cos, sin, style): (u64, u64, RopeStyle),
-    ) -> Result<AppendArgs> {
+    ) -> Result<MlaAppendTail> {
         let s = &self.stream;
-        Ok(AppendArgs {
+        Ok(MlaAppendTail {
             heads: int(mla.heads, "heads")?,
             nope: int(mla.nope, "nope")?,
             rope: int(rope, "rope")?,
@@ -419,18 +408,7 @@ impl CudaBackend {
             w_norm: dptr(w_norm, s),
             eps: step.eps,
             w_kv: dptr(w_kv, s),
-            heads: t.heads,
-            nope: t.nope,
-            rope: t.rope,
-            v_dim: t.v_dim,
-            keys: t.keys,
-            values: t.values,
-            start: t.start,
-            start_at: t.start_at,
-            q: t.q,
-            cos_t: t.cos_t,
-            sin_t: t.sin_t,
-            interleaved: t.interleaved,
+            tail: t,
         };
         self.launch(
             &self.k.mla_kv_append,
@@ -440,22 +418,6 @@ impl CudaBackend {
             args,
         )
     }
-}
-
-/// The arguments `mla_expand_append` and `mla_kv_append_1` share, from `heads` on.
-struct AppendArgs {
-    heads: i32,
-    nope: i32,
-    rope: i32,
-    v_dim: i32,
-    keys: DevPtr,
-    values: DevPtr,
-    start: i32,
-    start_at: DevPtr,
-    q: DevPtr,
-    cos_t: DevPtr,
-    sin_t: DevPtr,
-    interleaved: i32,
 }
 
 /// The shapes of the rows `mla_expand_append` writes: `kv` and `k_pe` of the new rows, and the

@@ -1,7 +1,9 @@
 //! Typed kernel arguments: one struct per kernel signature, its fields the kernel's parameters in
 //! order, each of the type the driver reads for it (a device address, a 32-bit integer or float,
-//! a 64-bit integer). tests/kernels_compile.rs checks every struct against the parameters of its
-//! kernels in the PTX that NVRTC compiles, so a signature and its struct cannot drift apart.
+//! a 64-bit integer), or a group of them that several signatures share (a field of a
+//! [`Params`] struct stands for its own fields in order). tests/kernels_compile.rs checks every
+//! struct against the parameters of its kernels in the PTX that NVRTC compiles, so a signature
+//! and its struct cannot drift apart.
 
 use std::ffi::c_void;
 
@@ -10,64 +12,110 @@ use std::ffi::c_void;
 #[repr(transparent)]
 pub struct DevPtr(pub u64);
 
-/// A kernel parameter's type as the driver reads it: its PTX parameter type.
-pub trait Param: Copy {
-    const PTX: &'static str;
+/// Parameters in a kernel's order: one scalar, or a struct of them.
+pub trait Params: Copy {
+    /// Appends the address of each parameter, in order; valid while `self` is neither moved
+    /// nor dropped.
+    fn push_params(&mut self, out: &mut Vec<*mut c_void>);
+    /// Appends each parameter's PTX type, in order.
+    fn push_ptx(out: &mut Vec<&'static str>);
 }
 
-impl Param for DevPtr {
-    const PTX: &'static str = ".u64";
+/// One scalar parameter of the PTX type `$ptx`.
+macro_rules! scalar_param {
+    ($($ty:ty => $ptx:literal),*) => {
+        $(
+            impl Params for $ty {
+                fn push_params(&mut self, out: &mut Vec<*mut c_void>) {
+                    out.push(self as *mut $ty as *mut c_void);
+                }
+                fn push_ptx(out: &mut Vec<&'static str>) {
+                    out.push($ptx);
+                }
+            }
+        )*
+    };
 }
 
-impl Param for u64 {
-    const PTX: &'static str = ".u64";
-}
-
-impl Param for i32 {
-    const PTX: &'static str = ".u32";
-}
-
-impl Param for u32 {
-    const PTX: &'static str = ".u32";
-}
-
-impl Param for f32 {
-    const PTX: &'static str = ".f32";
-}
+scalar_param!(DevPtr => ".u64", u64 => ".u64", i32 => ".u32", u32 => ".u32", f32 => ".f32");
 
 /// The arguments of one kernel signature.
-pub trait KernelArgs {
+pub trait KernelArgs: Params {
     /// The kernels that take these arguments.
     const KERNELS: &'static [&'static str];
+
+    /// Each parameter's address, in order: what the driver's launch takes.
+    fn params(&mut self) -> Vec<*mut c_void> {
+        let mut out = Vec::new();
+        self.push_params(&mut out);
+        out
+    }
+
     /// Each parameter's PTX type, in order.
-    const PTX: &'static [&'static str];
-    /// Each parameter's address, in order: what the driver's launch takes. Valid while `self`
-    /// is neither moved nor dropped.
-    fn params(&mut self) -> Vec<*mut c_void>;
+    fn ptx() -> Vec<&'static str> {
+        let mut out = Vec::new();
+        Self::push_ptx(&mut out);
+        out
+    }
 }
 
-/// Declares an argument struct per kernel signature and lists every one in [`KERNEL_SIGNATURES`].
-macro_rules! kernel_args {
-    ($( $(#[doc = $doc:expr])* $name:ident for [$($kernel:literal),+] { $( $field:ident : $ty:ty ),* $(,)? } )*) => {
+/// Declares parameter structs: each field a scalar or another parameter struct.
+macro_rules! params {
+    ($( $(#[doc = $doc:expr])* $name:ident { $( $field:ident : $ty:ty ),* $(,)? } )*) => {
         $(
             $(#[doc = $doc])*
             #[derive(Clone, Copy, Debug)]
-            #[repr(C)]
             pub struct $name { $( pub $field: $ty, )* }
+
+            impl Params for $name {
+                fn push_params(&mut self, out: &mut Vec<*mut c_void>) {
+                    $( self.$field.push_params(out); )*
+                }
+                fn push_ptx(out: &mut Vec<&'static str>) {
+                    $( <$ty as Params>::push_ptx(out); )*
+                }
+            }
+        )*
+    };
+}
+
+/// Declares an argument struct per kernel signature and lists every one in
+/// [`kernel_signatures`].
+macro_rules! kernel_args {
+    ($( $(#[doc = $doc:expr])* $name:ident for [$($kernel:literal),+] { $($fields:tt)* } )*) => {
+        $(
+            params! { $(#[doc = $doc])* $name { $($fields)* } }
 
             impl KernelArgs for $name {
                 const KERNELS: &'static [&'static str] = &[$($kernel),+];
-                const PTX: &'static [&'static str] = &[$(<$ty as Param>::PTX),*];
-                fn params(&mut self) -> Vec<*mut c_void> {
-                    vec![$( &mut self.$field as *mut $ty as *mut c_void ),*]
-                }
             }
         )*
 
         /// Every argument struct: its kernels and their parameters' PTX types.
-        pub const KERNEL_SIGNATURES: &[(&[&str], &[&str])] =
-            &[$( (<$name as KernelArgs>::KERNELS, <$name as KernelArgs>::PTX) ),*];
+        pub fn kernel_signatures() -> Vec<(&'static [&'static str], Vec<&'static str>)> {
+            vec![$( (<$name as KernelArgs>::KERNELS, <$name as KernelArgs>::ptx()) ),*]
+        }
     };
+}
+
+params! {
+    /// The parameters `mla_expand_append` and `mla_kv_append_1` end with: the shape, the caches
+    /// and where the rows go (`start`, or the step buffer's position), the query and its
+    /// rotation tables and style.
+    MlaAppendTail {
+        heads: i32,
+        nope: i32,
+        rope: i32,
+        v_dim: i32,
+        keys: DevPtr,
+        values: DevPtr,
+        start: i32,
+        start_at: DevPtr,
+        q: DevPtr,
+        cos_t: DevPtr,
+        sin_t: DevPtr,
+        interleaved: i32,
+    }
 }
 
 kernel_args! {
@@ -112,15 +160,10 @@ kernel_args! {
         bias: DevPtr,
         y: DevPtr,
     }
-    /// Two products of one input in one launch.
+    /// Two products of one input in one launch: `a` as `linear_f16` takes it, then the second
+    /// weight, bias and output, and the feature blocks of the first.
     Linear2Args for ["linear2_f16", "linear2_f16_1"] {
-        x: DevPtr,
-        rows: i32,
-        k: i32,
-        wa: DevPtr,
-        na: i32,
-        ba: DevPtr,
-        ya: DevPtr,
+        a: LinearArgs,
         wb: DevPtr,
         nb: i32,
         bb: DevPtr,
@@ -138,20 +181,7 @@ kernel_args! {
     }
     /// Routing and work list (block 0) beside the shared experts' gate/up.
     RoutePlanSharedArgs for ["route_plan_shared_f16", "route_plan_shared_f16_1"] {
-        logits: DevPtr,
-        experts: i32,
-        top_k: i32,
-        renormalize: i32,
-        scale: f32,
-        ids: DevPtr,
-        weights: DevPtr,
-        rows: i32,
-        table: DevPtr,
-        max_groups: i32,
-        groups: DevPtr,
-        item_row: DevPtr,
-        item_weight: DevPtr,
-        row_items: DevPtr,
+        plan: RoutePlanArgs,
         x: DevPtr,
         k: i32,
         w_shared: DevPtr,
@@ -180,13 +210,7 @@ kernel_args! {
     }
     /// The routed down with the shared experts' down product in the same launch.
     MoeDownSharedArgs for ["moe_f16_down_shared", "moe_f16_down_shared_1"] {
-        h: DevPtr,
-        hidden: i32,
-        inter: i32,
-        groups: DevPtr,
-        num_groups: i32,
-        item_weight: DevPtr,
-        out: DevPtr,
+        down: MoeDownArgs,
         h_shared: DevPtr,
         rows: i32,
         inter_shared: i32,
@@ -195,13 +219,7 @@ kernel_args! {
     }
     /// A one-row MoE layer's shared down, routed experts and combine in one launch.
     MoeExpertsOneArgs for ["moe_f16_experts_1"] {
-        x: DevPtr,
-        hidden: i32,
-        inter: i32,
-        groups: DevPtr,
-        num_groups: i32,
-        item_row: DevPtr,
-        h: DevPtr,
+        gate_up: MoeGateUpArgs,
         item_weight: DevPtr,
         out: DevPtr,
         h_shared: DevPtr,
@@ -238,12 +256,7 @@ kernel_args! {
     }
     /// The one-row INT4 down with the combine in its clusters.
     Int4DownCombineArgs for ["moe_int4_down_combine_8"] {
-        groups: DevPtr,
-        h: DevPtr,
-        item_weight: DevPtr,
-        out: DevPtr,
-        hidden: u32,
-        inter: u32,
+        down: Int4DownArgs,
         top_k: u32,
         s_y: DevPtr,
         y: DevPtr,
@@ -354,18 +367,7 @@ kernel_args! {
     MlaExpandAppendArgs for ["mla_expand_append"] {
         kv: DevPtr,
         k_pe: DevPtr,
-        heads: i32,
-        nope: i32,
-        rope: i32,
-        v_dim: i32,
-        keys: DevPtr,
-        values: DevPtr,
-        start: i32,
-        start_at: DevPtr,
-        q: DevPtr,
-        cos_t: DevPtr,
-        sin_t: DevPtr,
-        interleaved: i32,
+        tail: MlaAppendTail,
     }
     /// MLA for one row, from the compressed projection to the caches, in one launch.
     MlaKvAppendArgs for ["mla_kv_append_1"] {
@@ -374,18 +376,7 @@ kernel_args! {
         w_norm: DevPtr,
         eps: f32,
         w_kv: DevPtr,
-        heads: i32,
-        nope: i32,
-        rope: i32,
-        v_dim: i32,
-        keys: DevPtr,
-        values: DevPtr,
-        start: i32,
-        start_at: DevPtr,
-        q: DevPtr,
-        cos_t: DevPtr,
-        sin_t: DevPtr,
-        interleaved: i32,
+        tail: MlaAppendTail,
     }
     /// `x + a`, its RMSNorm and one or two products of it, for one row.
     AddNormLinearArgs for ["add_norm_linear_1"] {
