@@ -93,8 +93,21 @@ fn embedded_kernels_match_their_sources() {
         let file = format!("{}.cu", k.name);
         let on_disk = std::fs::read_to_string(kernels.join(&file))
             .expect("embedded kernel has a source file");
+        // The constants shared with the host come first (build.rs writes them from
+        // src/backend/cuda/runtime/kernel_defines.rs), then the file from its first line.
+        let start = format!("#line 1 \"{file}\"\n");
+        let (defines, text) = k
+            .source
+            .split_once(&start)
+            .unwrap_or_else(|| panic!("kernels/{file}: no {start:?} after the shared constants"));
+        assert!(
+            defines
+                .lines()
+                .all(|l| l.starts_with("// The constants shared") || l.starts_with("#define ")),
+            "kernels/{file}: more than the shared constants before its text: {defines:?}"
+        );
         assert_eq!(
-            k.source,
+            text,
             spliced(&kernels, &file, &on_disk),
             "kernels/{file} embedded text differs from the file with its headers spliced in",
         );
