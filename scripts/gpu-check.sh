@@ -466,7 +466,7 @@ EOF
 # $RESIDENCY_SLOTS (default "63 48 32 8"; an item N=MODES runs those bench modes at N) experts
 # per layer, $RESIDENCY_PROMPTS prompts (12) of
 # $RESIDENCY_TOKENS new tokens (128); then pinned staging and waiting for registration through
-# `generate` on 3 prompts at 32 slots. The bench fails on any token that differs. With
+# `generate` on $RESIDENCY_GEN_PROMPTS prompts (3) at 32 slots. The bench fails on any token that differs. With
 # $OLD_CARRY, the earlier binaries' bench too (its agreement column: runs equal to resident), at
 # the slot counts in $OLD_SLOTS (default: all).
 residency() {
@@ -493,7 +493,7 @@ residency() {
         done
     done
     local want=""
-    for i in 0 1 2; do
+    for i in $(seq 0 $(( ${RESIDENCY_GEN_PROMPTS:-3} - 1 ))); do
         local prompt
         prompt=$(python3 -c "import random; r = random.Random($i); print(','.join(str(r.randrange(3, 102400)) for _ in range(16)))")
         for v in "resident|" "pinned32|--resident-experts 32 --pinned-staging" "registered32|--resident-experts 32 --wait-registration"; do

@@ -64,7 +64,12 @@ fn gpu_logits_do_not_depend_on_placement_at_deepseek_v2_lite_widths() {
     std::fs::remove_dir_all(&hf).unwrap();
     let bundle = Arc::new(Bundle::open(&path).expect("open bundle"));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(58);
-    let prompts: Vec<Vec<u32>> = (0..2)
+    // Two prompts; SPECTER_PLACEMENT_PROMPTS sets another count (a device call short of time).
+    let count = std::env::var("SPECTER_PLACEMENT_PROMPTS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(2);
+    let prompts: Vec<Vec<u32>> = (0..count)
         .map(|_| {
             (0..16)
                 .map(|_| rng.random_range(3..cfg.vocab_size as u32))
