@@ -280,13 +280,10 @@ fn mismatch(path: &Path, profiled: &ProfileKey, here: &ProfileKey) -> Error {
     ))
 }
 
-/// A profile measured at `depths` with these TPOTs (ms), and a plain candidate at 32 slots.
-#[cfg(test)]
-pub(crate) fn sample_profile(
-    depths: Vec<usize>,
-    tpot_ms: Vec<f64>,
-    plain: Option<f64>,
-) -> DepthProfile {
+/// A profile measured at `depths` with these TPOTs (ms), and a plain candidate at 32 slots: the
+/// one the tests of the profile's users (here and in specter-run) build their cases from.
+#[doc(hidden)]
+pub fn sample_profile(depths: Vec<usize>, tpot_ms: Vec<f64>, plain: Option<f64>) -> DepthProfile {
     DepthProfile {
         key: ProfileKey {
             manifest_sha256: "ab".into(),

@@ -827,29 +827,9 @@ pub fn render_svg(r: &BenchReport) -> String {
 
 #[cfg(test)]
 mod tests {
-    use specter::depth_profile::{HostCandidates, PlainCandidate, ProfileKey};
+    use specter::depth_profile::{sample_profile, HostCandidates};
 
     use super::*;
-
-    /// A profile measured at `depths` with these TPOTs (ms), and a plain candidate at 32 slots.
-    fn sample_profile(depths: Vec<usize>, tpot_ms: Vec<f64>, plain: Option<f64>) -> DepthProfile {
-        DepthProfile {
-            key: ProfileKey {
-                manifest_sha256: "ab".into(),
-                backend: "cuda".into(),
-                device: "gpu".into(),
-                residency: "16 of 64".into(),
-            },
-            prompt_tokens: 16,
-            new_tokens: 32,
-            acceptance: vec![0.5; depths.len()],
-            best_depth: 1,
-            depths,
-            tpot_ms,
-            plain: plain.map(|tpot_ms| PlainCandidate { slots: 32, tpot_ms }),
-            host: None,
-        }
-    }
 
     #[test]
     fn repeated_4grams_are_counted_against_earlier_ones() {
