@@ -17,15 +17,7 @@ use sha2::{Digest, Sha256};
 use specter::weights::WeightStore;
 use specter_convert::checkpoint::Checkpoint;
 
-const FIXTURES: &[&str] = &[
-    "deepseek_v2",
-    "deepseek_v2_qlora",
-    "qwen2_moe",
-    "phimoe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-];
+use common::FIXTURES;
 
 fn fixture(name: &str) -> PathBuf {
     common::repo_root().join("tests/fixtures").join(name)

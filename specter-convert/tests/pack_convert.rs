@@ -18,15 +18,7 @@ use specter_convert::checkpoint::Checkpoint;
 use specter_convert::pack::{convert, ConvertOptions, Progress, QuantMethod, Silent};
 use specter_format::{Bundle, DType};
 
-const FIXTURES: &[&str] = &[
-    "deepseek_v2",
-    "deepseek_v2_qlora",
-    "qwen2_moe",
-    "phimoe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-];
+use common::FIXTURES;
 
 fn fixture_dir(name: &str) -> PathBuf {
     common::repo_root().join("tests/fixtures").join(name)
