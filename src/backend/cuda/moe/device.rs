@@ -297,13 +297,7 @@ impl CudaBackend {
                     weights: weights_p,
                 };
                 let route_plan = RoutePlanArgs {
-                    logits: route_args.logits,
-                    experts: experts_i,
-                    top_k: top_k_i,
-                    renormalize: route_args.renormalize,
-                    scale,
-                    ids: ids_p,
-                    weights: weights_p,
+                    route: route_args,
                     rows: rows_i,
                     table,
                     max_groups: max_groups_i,

@@ -463,13 +463,7 @@ kernel_args! {
     }
     /// Routing and its work list in one launch.
     RoutePlanArgs for ["route_plan"] {
-        logits: DevPtr,
-        experts: i32,
-        top_k: i32,
-        renormalize: i32,
-        scale: f32,
-        ids: DevPtr,
-        weights: DevPtr,
+        route: RouteTopkArgs,
         rows: i32,
         table: DevPtr,
         max_groups: i32,
