@@ -253,13 +253,14 @@ impl CudaBackend {
             int(top_k, "top_k")?,
             int(n_experts, "experts")?,
         );
-        let max_groups_i = int(max_groups, "groups")?;
-        let (table, groups_p) = (DevPtr(table), dptr(&groups, s));
-        let (item_row_p, item_weight_p, row_items_p) = (
-            dptr(&item_row, s),
-            dptr(&item_weight, s),
-            dptr(&row_items, s),
-        );
+        let list = WorkList {
+            table: DevPtr(table),
+            max_groups: int(max_groups, "groups")?,
+            groups: dptr(&groups, s),
+            item_row: dptr(&item_row, s),
+            item_weight: dptr(&item_weight, s),
+            row_items: dptr(&row_items, s),
+        };
         let (ids_p, weights_p) = (dptr(&ids, s), dptr(&weights, s));
         let plan_separately = |this: &Self| -> Result<()> {
             let args = MoePlanArgs {
@@ -268,12 +269,7 @@ impl CudaBackend {
                 rows: rows_i,
                 top_k: top_k_i,
                 experts: experts_i,
-                table,
-                max_groups: max_groups_i,
-                groups: groups_p,
-                item_row: item_row_p,
-                item_weight: item_weight_p,
-                row_items: row_items_p,
+                list,
             };
             this.launch(
                 &this.k.moe_plan,
@@ -299,12 +295,7 @@ impl CudaBackend {
                 let route_plan = RoutePlanArgs {
                     route: route_args,
                     rows: rows_i,
-                    table,
-                    max_groups: max_groups_i,
-                    groups: groups_p,
-                    item_row: item_row_p,
-                    item_weight: item_weight_p,
-                    row_items: row_items_p,
+                    list,
                 };
                 if let (Extra::Shared(sh, _), Some(hs)) = (extra, &shared_h) {
                     // Routing and work list in block 0, the shared gate/up in the others.

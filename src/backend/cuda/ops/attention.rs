@@ -7,7 +7,7 @@ use crate::backend::cuda::ops::rope::{rope_cos_sin, RopeTableGpu};
 use crate::backend::cuda::runtime::act::GpuAct;
 use crate::backend::cuda::runtime::driver::{guarded, NO_CLUSTER};
 use crate::backend::cuda::runtime::kernels::*;
-use crate::backend::{check, AttentionSpec, RopeSpec};
+use crate::backend::{check, AttentionSpec, MlaShape, RopeSpec};
 use crate::Result;
 
 impl CudaBackend {
@@ -113,15 +113,11 @@ impl CudaBackend {
         let values = self.alloc(kv.rows, heads * v_dim)?;
         if kv.rows > 0 {
             let s = &self.stream;
+            let shape = MlaShape { heads, nope, v_dim };
             let args = MlaExpandKvArgs {
                 kv: dptr(&kv.buf, s),
                 k_pe: dptr(&k_pe.buf, s),
-                heads: int(heads, "heads")?,
-                nope: int(nope, "nope")?,
-                rope: int(rope, "rope")?,
-                v_dim: int(v_dim, "v_dim")?,
-                keys: dptr(&keys.buf, s),
-                values: dptr(&values.buf, s),
+                caches: mla_caches(shape, rope, &keys, &values, s)?,
             };
             let h = u32::try_from(heads)
                 .map_err(|_| shape_err("mla_expand_kv", "too many heads".into()))?;

@@ -250,12 +250,7 @@ impl CudaBackend {
     ) -> Result<MlaAppendTail> {
         let s = &self.stream;
         Ok(MlaAppendTail {
-            heads: int(mla.heads, "heads")?,
-            nope: int(mla.nope, "nope")?,
-            rope: int(rope, "rope")?,
-            v_dim: int(mla.v_dim, "v_dim")?,
-            keys: dptr(&keys.buf, s),
-            values: dptr(&values.buf, s),
+            caches: mla_caches(mla, rope, keys, values, s)?,
             start: int(start, "start")?,
             start_at: DevPtr(start_at),
             q: dptr(&q.buf, s),

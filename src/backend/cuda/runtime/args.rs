@@ -99,16 +99,30 @@ macro_rules! kernel_args {
 }
 
 params! {
-    /// The parameters `mla_expand_append` and `mla_kv_append_1` end with: the shape, the caches
-    /// and where the rows go (`start`, or the step buffer's position), the query and its
-    /// rotation tables and style.
-    MlaAppendTail {
+    /// A grouped-expert work list to build: the experts' pointer table, the most groups, and
+    /// where the groups, each item's row and weight, and each row's items go.
+    WorkList {
+        table: DevPtr,
+        max_groups: i32,
+        groups: DevPtr,
+        item_row: DevPtr,
+        item_weight: DevPtr,
+        row_items: DevPtr,
+    }
+    /// MLA's expanded caches: the shape of a head and the key and value buffers.
+    MlaCaches {
         heads: i32,
         nope: i32,
         rope: i32,
         v_dim: i32,
         keys: DevPtr,
         values: DevPtr,
+    }
+    /// The parameters `mla_expand_append` and `mla_kv_append_1` end with: the caches, then where
+    /// the rows go (`start`, or the step buffer's position), the query and its rotation tables
+    /// and style.
+    MlaAppendTail {
+        caches: MlaCaches,
         start: i32,
         start_at: DevPtr,
         q: DevPtr,
@@ -399,12 +413,7 @@ kernel_args! {
     MlaExpandKvArgs for ["mla_expand_kv"] {
         kv: DevPtr,
         k_pe: DevPtr,
-        heads: i32,
-        nope: i32,
-        rope: i32,
-        v_dim: i32,
-        keys: DevPtr,
-        values: DevPtr,
+        caches: MlaCaches,
     }
     /// The greedy choice of each row.
     ArgmaxArgs for ["argmax_rows"] {
@@ -454,23 +463,13 @@ kernel_args! {
         rows: i32,
         top_k: i32,
         experts: i32,
-        table: DevPtr,
-        max_groups: i32,
-        groups: DevPtr,
-        item_row: DevPtr,
-        item_weight: DevPtr,
-        row_items: DevPtr,
+        list: WorkList,
     }
     /// Routing and its work list in one launch.
     RoutePlanArgs for ["route_plan"] {
         route: RouteTopkArgs,
         rows: i32,
-        table: DevPtr,
-        max_groups: i32,
-        groups: DevPtr,
-        item_row: DevPtr,
-        item_weight: DevPtr,
-        row_items: DevPtr,
+        list: WorkList,
     }
     /// Stamps the GPU clock before a batch of paced copies (kernels/util.cu).
     LinkPaceStartArgs for ["link_pace_start"] {

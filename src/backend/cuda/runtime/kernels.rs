@@ -6,8 +6,10 @@ use std::marker::PhantomData;
 
 use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
+use crate::backend::cuda::runtime::act::GpuAct;
 pub(in crate::backend::cuda) use crate::backend::cuda::runtime::args::*;
 use crate::backend::cuda::CudaDevice;
+use crate::backend::MlaShape;
 use crate::{Error, Result};
 
 pub(in crate::backend::cuda) use crate::backend::cuda::runtime::launch_constants::*;
@@ -199,6 +201,24 @@ pub(in crate::backend::cuda) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) ->
 /// The device address of a buffer, as a kernel argument.
 pub(in crate::backend::cuda) fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> DevPtr {
     DevPtr(ptr(s, stream))
+}
+
+/// The MLA caches' arguments: `mla`'s heads, `rope` rotated key dimensions, and the buffers.
+pub(in crate::backend::cuda) fn mla_caches(
+    mla: MlaShape,
+    rope: usize,
+    keys: &GpuAct,
+    values: &GpuAct,
+    s: &CudaStream,
+) -> Result<MlaCaches> {
+    Ok(MlaCaches {
+        heads: int(mla.heads, "heads")?,
+        nope: int(mla.nope, "nope")?,
+        rope: int(rope, "rope")?,
+        v_dim: int(mla.v_dim, "v_dim")?,
+        keys: dptr(&keys.buf, s),
+        values: dptr(&values.buf, s),
+    })
 }
 
 /// A size or index as a kernel's 32-bit `int`, or an error naming it when it does not fit.
