@@ -10,7 +10,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter_convert::quant::{
-    gptq, marlin_dequantize_out_in, marlin_pack, output_rel_error, rtn, GptqConfig, Hessian,
+    gptq, marlin_dequantize_out_in, marlin_pack, output_rel_error, rtn, Bits, GptqConfig, Hessian,
 };
 
 fn normal(rng: &mut ChaCha8Rng) -> f32 {
@@ -52,7 +52,7 @@ fn bench(k: usize, n: usize) -> Result<(), Box<dyn Error>> {
     let t_gptq = t.elapsed();
 
     let t = Instant::now();
-    let base = rtn("bench", &w, n, k)?;
+    let base = rtn("bench", &w, n, k, Bits::FOUR)?;
     let t_rtn = t.elapsed();
 
     let t = Instant::now();

@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use specter::backend::cuda::experts::{ExpertGroup, MoeLaunch};
 use specter::backend::cuda::{CudaDevice, CudaSlice, CudaStream, MoeInt4Kernels};
-use specter::quant::{marlin_dequantize_out_in, marlin_pack, rtn, QuantMatrix};
+use specter::quant::{marlin_dequantize_out_in, marlin_pack, rtn, Bits, QuantMatrix};
 use specter::Error;
 use std::sync::Arc;
 
@@ -61,12 +61,34 @@ fn make_expert(
     hidden: usize,
     inter: usize,
 ) -> Expert {
-    let gate = rtn("gate", &random_weight(rng, inter, hidden), inter, hidden).unwrap();
-    let up = rtn("up", &random_weight(rng, inter, hidden), inter, hidden).unwrap();
+    let gate = rtn(
+        "gate",
+        &random_weight(rng, inter, hidden),
+        inter,
+        hidden,
+        Bits::FOUR,
+    )
+    .unwrap();
+    let up = rtn(
+        "up",
+        &random_weight(rng, inter, hidden),
+        inter,
+        hidden,
+        Bits::FOUR,
+    )
+    .unwrap();
     let gate_up = marlin_pack(&QuantMatrix::concat_n(&gate, &up).unwrap()).unwrap();
-    let down =
-        marlin_pack(&rtn("down", &random_weight(rng, hidden, inter), hidden, inter).unwrap())
-            .unwrap();
+    let down = marlin_pack(
+        &rtn(
+            "down",
+            &random_weight(rng, hidden, inter),
+            hidden,
+            inter,
+            Bits::FOUR,
+        )
+        .unwrap(),
+    )
+    .unwrap();
     assert!(gate_up.qweight.iter().any(|&w| w != 0x8888_8888));
     Expert {
         gate_up_ref: marlin_dequantize_out_in(hidden, 2 * inter, &gate_up.qweight, &gate_up.scales)

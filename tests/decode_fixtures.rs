@@ -9,7 +9,7 @@ use std::cell::RefCell;
 use common::{Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
-use specter::decode::{generate, generate_with_offload, GenerateOptions, Mode, Sampling};
+use specter::decode::{generate, generate_with_offload, Mode};
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
 use specter::offload::{
     frequency_top_m, ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig,
@@ -69,15 +69,7 @@ impl<M: LanguageModel> LanguageModel for Recording<'_, M> {
     }
 }
 
-fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
-    GenerateOptions {
-        mode,
-        max_new_tokens,
-        depth,
-        sampling: Sampling::greedy(),
-        stop_at_eos: false,
-    }
-}
+use common::greedy_options as options;
 
 /// For every fixture: greedy Specter output equals target-only output at every depth, and
 /// every verify pass's logits equal, bit for bit, those of one target pass over the whole

@@ -185,6 +185,11 @@ pub enum FormatError {
         actual: DType,
     },
 
+    /// The manifest's precision is not one the format defines, or a tensor of an expert or draft
+    /// section is not stored as it says.
+    #[error("the bundle's expert precision does not match its sections: {0}")]
+    Precision(String),
+
     #[error("tensor {name:?} has a dimension of {dim}, too large for this platform")]
     DimensionTooLarge { name: String, dim: u64 },
 

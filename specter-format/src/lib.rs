@@ -1,6 +1,6 @@
-//! The Specter bundle: one page-aligned, mmappable file holding a model's tensors, its FP16 routed
-//! experts laid out for one-DMA-per-expert copies, its INT4 draft experts, and a checksummed rkyv
-//! manifest. This crate knows bytes, not models. docs/FORMAT.md is the specification.
+//! The Specter bundle: one page-aligned, mmappable file holding a model's tensors, its target's
+//! routed experts (FP16, INT8 or INT4) laid out for one-DMA-per-expert copies, its quantized draft
+//! experts, and a checksummed rkyv manifest. This crate knows bytes, not models. docs/FORMAT.md is the specification.
 //!
 //! Write with [`BundleWriter`], read with [`Bundle`]; [`Bundle::verify`] checks every byte.
 //! [`ship::ship`] and [`ship::unship`] pack a bundle into compressed, checksummed chunks for
@@ -9,6 +9,7 @@
 mod error;
 mod header;
 pub mod manifest;
+mod precision;
 mod reader;
 pub mod ship;
 mod verify;
@@ -17,6 +18,7 @@ mod writer;
 pub use error::{FormatError, Result};
 pub use header::{Header, HEADER_CHECKSUM_OFFSET, HEADER_LEN, MAGIC};
 pub use manifest::*;
+pub use precision::Layout;
 pub use reader::{Bundle, TensorView};
 pub use verify::{SectionCheck, VerifyReport};
 pub use writer::BundleWriter;
@@ -28,8 +30,9 @@ pub const PAGE: u64 = 4096;
 /// vector loads.
 pub const TENSOR_ALIGN: u64 = 64;
 
-/// The format version this crate writes. Readers refuse a newer major and accept a newer minor.
-pub const FORMAT_MAJOR: u16 = 1;
+/// The format version this crate writes. Readers refuse a newer major and accept a newer minor;
+/// they read major 1 too (its manifest lacks the precision, which is then FP16 with a 4-bit draft).
+pub const FORMAT_MAJOR: u16 = 2;
 pub const FORMAT_MINOR: u16 = 0;
 
 /// Lower-case hex of a sha256.

@@ -43,6 +43,9 @@ impl Storage {
 /// An open, checked bundle. Cheap to share between threads.
 pub struct Bundle {
     storage: Storage,
+    /// A format 1.x bundle's manifest, converted to the current one when it was opened; `None`
+    /// when the file's own manifest is current.
+    upgraded: Option<AlignedVec<16>>,
     header: Header,
     tensor_index: HashMap<String, u32>,
     expert_index: HashMap<(u32, u32), u32>,
@@ -77,6 +80,10 @@ impl<'a> TensorView<'a> {
 
     pub fn as_u32(&self) -> Result<&'a [u32]> {
         self.cast(DType::U32)
+    }
+
+    pub fn as_u8(&self) -> Result<&'a [u8]> {
+        self.cast(DType::U8)
     }
 
     pub fn as_i32(&self) -> Result<&'a [i32]> {
@@ -217,11 +224,19 @@ impl Bundle {
                 actual: sha256_hex(&actual_sha),
             });
         }
-        let manifest = rkyv::access::<ArchivedManifest, rkyv::rancor::Error>(manifest_bytes)
+        let upgraded = if header.major == 1 {
+            Some(upgrade_v1(manifest_bytes)?)
+        } else {
+            None
+        };
+        let current = upgraded.as_deref().unwrap_or(manifest_bytes);
+        let manifest = rkyv::access::<ArchivedManifest, rkyv::rancor::Error>(current)
             .map_err(|e| FormatError::ManifestInvalid(e.to_string()))?;
         let (tensor_index, expert_index) = check_manifest(manifest, &header, actual)?;
+        crate::precision::check(manifest)?;
         Ok(Bundle {
             storage,
+            upgraded,
             header,
             tensor_index,
             expert_index,
@@ -243,6 +258,9 @@ impl Bundle {
     }
 
     fn manifest_bytes(&self) -> &[u8] {
+        if let Some(upgraded) = &self.upgraded {
+            return upgraded;
+        }
         // Both fit in usize and lie inside the storage: checked at open.
         let start = self.header.manifest_offset as usize;
         let end = start + self.header.manifest_len as usize;
@@ -411,6 +429,17 @@ fn checked_range(
 type Indexes = (HashMap<String, u32>, HashMap<(u32, u32), u32>);
 
 /// Checks every range and cross-reference in a validated manifest, and builds the name indexes.
+/// A format 1.x manifest (validated like any other), as the current manifest: the same values
+/// with [`Precision::default`] (an FP16 target and a 4-bit draft, which 1.x always held).
+fn upgrade_v1(bytes: &[u8]) -> Result<AlignedVec<16>> {
+    let old = rkyv::access::<crate::ArchivedManifestV1, rkyv::rancor::Error>(bytes)
+        .map_err(|e| FormatError::ManifestInvalid(format!("format 1.x manifest: {e}")))?;
+    let old = rkyv::deserialize::<crate::ManifestV1, rkyv::rancor::Error>(old)
+        .map_err(|e| FormatError::ManifestInvalid(format!("format 1.x manifest: {e}")))?;
+    rkyv::to_bytes::<rkyv::rancor::Error>(&old.upgrade())
+        .map_err(|e| FormatError::ManifestEncode(e.to_string()))
+}
+
 fn check_manifest(manifest: &ArchivedManifest, header: &Header, file_len: u64) -> Result<Indexes> {
     let sections = &manifest.sections;
     let manifest_start = header.manifest_offset;

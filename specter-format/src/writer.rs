@@ -18,8 +18,8 @@ use sha2::{Digest, Sha256};
 
 use crate::header::{Header, HEADER_LEN};
 use crate::{
-    DType, ExpertEntry, FormatError, Manifest, Provenance, Result, SectionEntry, SectionKind,
-    TensorEntry, PAGE, TENSOR_ALIGN,
+    DType, ExpertEntry, FormatError, Manifest, Precision, Provenance, Result, SectionEntry,
+    SectionKind, TensorEntry, PAGE, TENSOR_ALIGN,
 };
 
 /// Buffer between the writer and the file: large enough that writes are few, small enough that
@@ -147,6 +147,7 @@ pub struct BundleWriter {
     expert_keys: HashSet<(u32, u32)>,
     open_section: Option<OpenSection>,
     open_expert: Option<OpenExpert>,
+    precision: Precision,
 }
 
 impl BundleWriter {
@@ -210,6 +211,7 @@ impl BundleWriter {
             expert_keys: HashSet::new(),
             open_section: None,
             open_expert: None,
+            precision: Precision::default(),
         };
         // The header is written last, when the manifest's place and hash are known; reserve its page.
         writer.write_zeros(HEADER_LEN as u64)?;
@@ -418,6 +420,12 @@ impl BundleWriter {
     /// Writes the manifest (sections, tensors and experts as written; the rest from the caller)
     /// and the header, fsyncs the file, renames it over the output path and fsyncs the directory.
     /// Returns the file's length.
+    /// Records how the experts are encoded (an FP16 target with a 4-bit draft unless set). The
+    /// reader checks every expert and draft tensor against it.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+    }
+
     pub fn finish(
         mut self,
         architecture: &str,
@@ -438,6 +446,7 @@ impl BundleWriter {
             sections: std::mem::take(&mut self.sections),
             tensors: std::mem::take(&mut self.tensors),
             experts: std::mem::take(&mut self.experts),
+            precision: self.precision.clone(),
             provenance,
         };
         let manifest_bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&manifest)

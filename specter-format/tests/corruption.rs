@@ -140,7 +140,8 @@ fn a_newer_major_is_refused_and_a_newer_minor_accepted() {
     });
     let err = open_err(newer_major.clone());
     assert!(
-        matches!(err, FormatError::NewerMajor { found, supported } if found == 2 && supported == 1),
+        matches!(err, FormatError::NewerMajor { found, supported }
+            if found == specter_format::FORMAT_MAJOR + 1 && supported == specter_format::FORMAT_MAJOR),
         "{err}"
     );
     assert!(err.to_string().contains("upgrade"), "{err}");

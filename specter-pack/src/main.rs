@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use specter_convert::pack::{self, ConvertOptions, QuantMethod};
+use specter_convert::pack::{self, ConvertOptions, QuantMethod, TargetPrecision};
 use specter_format::ship::{self, ShipOptions, ShipProgress, UnshipOptions};
 use specter_format::{sha256_hex, Bundle};
 
@@ -35,9 +35,17 @@ enum Command {
         /// Output bundle path; written atomically (nothing appears there unless conversion succeeds).
         #[arg(short, long)]
         output: PathBuf,
-        /// Quantizer for the INT4 draft experts.
+        /// Quantizer for the draft's experts (and a quantized target's).
         #[arg(long, value_enum, default_value_t = Quant::Rtn)]
         quant: Quant,
+        /// How the target's routed experts are stored: fp16, int8 (group 128) or int4 (group
+        /// 128, Marlin-tiled).
+        #[arg(long, default_value = "fp16")]
+        target: String,
+        /// Bits per weight of the draft's experts: 4, 3 or 2, fewer than the target's (default:
+        /// 4 under fp16 and int8 targets, 3 under int4).
+        #[arg(long)]
+        draft_bits: Option<u32>,
         /// Worker threads for quantization (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
@@ -169,29 +177,37 @@ fn main() -> ExitCode {
             hf_dir,
             output,
             quant,
+            target,
+            draft_bits,
             threads,
             calib,
             calib_tokens,
             calib_seed,
             damp,
             min_rows_per_feature,
-        } => convert(
-            hf_dir,
-            output,
-            quant,
-            ConvertOptions {
-                quant: match quant {
-                    Quant::Rtn => QuantMethod::Rtn,
-                    Quant::Gptq => QuantMethod::Gptq,
-                },
-                threads,
-                calib,
-                calib_tokens,
-                calib_seed,
-                damp,
-                min_rows_per_feature,
-            },
-        ),
+        } => TargetPrecision::parse(&target)
+            .map_err(anyhow::Error::from)
+            .and_then(|target| {
+                convert(
+                    hf_dir,
+                    output,
+                    quant,
+                    ConvertOptions {
+                        quant: match quant {
+                            Quant::Rtn => QuantMethod::Rtn,
+                            Quant::Gptq => QuantMethod::Gptq,
+                        },
+                        target,
+                        draft_bits,
+                        threads,
+                        calib,
+                        calib_tokens,
+                        calib_seed,
+                        damp,
+                        min_rows_per_feature,
+                    },
+                )
+            }),
         Command::Synth {
             preset,
             fixture,
@@ -455,21 +471,35 @@ fn convert(
         secs,
         report.source_tensor_bytes as f64 / 1e9 / secs.max(1e-9),
     );
+    let p = &report.precision;
+    let target = match p.target_bits {
+        16 => "FP16 target".to_string(),
+        b => format!("INT{b} target"),
+    };
     match opts.quant {
-        QuantMethod::Rtn => println!(
-            "  {} shared tensors, {} MoE layers x {} experts; INT4 draft ({}), mean relative weight error {:.4}",
-            report.shared_tensors,
-            report.moe_layers,
-            report.experts_per_layer,
-            opts.quant.name(),
-            report.mean_rel_err
-        ),
-        QuantMethod::Gptq => {
+        QuantMethod::Rtn => {
             println!(
-                "  {} shared tensors, {} MoE layers x {} experts; INT4 draft (gptq, damp {})",
+                "  {} shared tensors, {} MoE layers x {} experts; {target}, {}-bit draft ({}), \
+                 mean relative weight error {:.4}",
                 report.shared_tensors,
                 report.moe_layers,
                 report.experts_per_layer,
+                p.draft_bits,
+                opts.quant.name(),
+                report.mean_rel_err
+            );
+            if let Some(e) = report.target_rel_err {
+                println!("  {target}: mean relative weight error {e:.4}");
+            }
+        }
+        QuantMethod::Gptq => {
+            println!(
+                "  {} shared tensors, {} MoE layers x {} experts; {target}, {}-bit draft (gptq, \
+                 damp {})",
+                report.shared_tensors,
+                report.moe_layers,
+                report.experts_per_layer,
+                p.draft_bits,
                 opts.damp
             );
             println!(
@@ -484,10 +514,16 @@ fn convert(
                 None => "n/a (no matrix had enough calibration rows)".to_string(),
             };
             println!(
-                "  held-out mean relative output error: rtn {:.4}, gptq {gptq}; {} matrices on \
-                 the layer's pooled rows, {} stored as rtn (too few rows or GPTQ failed)",
+                "  draft held-out mean relative output error: rtn {:.4}, gptq {gptq}; {} matrices \
+                 on the layer's pooled rows, {} stored as rtn (too few rows or GPTQ failed)",
                 report.mean_rel_err, report.pooled_fallbacks, report.rtn_fallbacks
             );
+            if let (Some(rtn), gptq) = (report.target_rel_err, report.target_rel_err_gptq) {
+                let gptq = gptq.map_or("n/a".to_string(), |g| format!("{g:.4}"));
+                println!(
+                    "  {target} held-out mean relative output error: rtn {rtn:.4}, gptq {gptq}"
+                );
+            }
         }
     }
     if !report.ignored_tensors.is_empty() {
@@ -518,9 +554,16 @@ fn verify(path: PathBuf) -> Result<ExitCode> {
         );
     }
     if report.is_ok() {
+        let p = &bundle.manifest().precision;
         println!(
-            "{}: ok, {} sections, {:.2} GB verified in {:.2} s ({:.2} GB/s)",
+            "{}: ok, {} target, {}-bit draft, {} sections, {:.2} GB verified in {:.2} s ({:.2} \
+             GB/s)",
             path.display(),
+            match p.target_bits.to_native() {
+                16 => "FP16".to_string(),
+                b => format!("INT{b}"),
+            },
+            p.draft_bits,
             report.sections.len(),
             report.bytes as f64 / 1e9,
             secs,
@@ -535,6 +578,37 @@ fn verify(path: PathBuf) -> Result<ExitCode> {
             report.sections.len()
         );
         Ok(ExitCode::FAILURE)
+    }
+}
+
+/// One line on how a copy of the experts was quantized, and one on its mean error.
+fn print_quant(label: &str, q: &specter_format::QuantInfo) {
+    println!(
+        "{label} INT{} {} (group {}, {}symmetric, act-order {}), calibration: {}",
+        q.bits,
+        q.method,
+        q.group_size,
+        if q.symmetric { "" } else { "a" },
+        q.act_order,
+        q.calibration
+    );
+    if !q.stats.is_empty() {
+        let n = q.stats.len() as f64;
+        let rtn = q.stats.iter().map(|s| s.rel_err_rtn as f64).sum::<f64>() / n;
+        let gptq: Vec<f64> = q
+            .stats
+            .iter()
+            .map(|s| s.rel_err_gptq as f64)
+            .filter(|v| v.is_finite())
+            .collect();
+        print!(
+            "{label} mean relative error over {} matrices: rtn {rtn:.4}",
+            q.stats.len()
+        );
+        if !gptq.is_empty() {
+            print!(", gptq {:.4}", gptq.iter().sum::<f64>() / gptq.len() as f64);
+        }
+        println!();
     }
 }
 
@@ -557,33 +631,13 @@ fn inspect(path: PathBuf, json: bool, tensors: bool) -> Result<ExitCode> {
     println!("opened in    {open_us:.0} us (header and manifest checked; no tensor bytes read)");
     let p = &manifest.provenance;
     println!("written by   {} {}", p.tool, p.tool_version);
-    let q = &p.quant;
-    println!(
-        "draft        INT4 {} (group {}, {}symmetric, act-order {}), calibration: {}",
-        q.method,
-        q.group_size,
-        if q.symmetric { "" } else { "a" },
-        q.act_order,
-        q.calibration
-    );
-    if !q.stats.is_empty() {
-        let n = q.stats.len() as f64;
-        let rtn = q.stats.iter().map(|s| s.rel_err_rtn as f64).sum::<f64>() / n;
-        let gptq: Vec<f64> = q
-            .stats
-            .iter()
-            .map(|s| s.rel_err_gptq as f64)
-            .filter(|v| v.is_finite())
-            .collect();
-        print!(
-            "quant error  mean relative error over {} matrices: rtn {rtn:.4}",
-            q.stats.len()
-        );
-        if !gptq.is_empty() {
-            print!(", gptq {:.4}", gptq.iter().sum::<f64>() / gptq.len() as f64);
-        }
-        println!();
+    let precision = &manifest.precision;
+    if precision.target_bits == 16 {
+        println!("target       FP16 experts");
+    } else {
+        print_quant("target      ", &precision.target_quant);
     }
+    print_quant("draft       ", &p.quant);
     println!("\nsections ({}):", manifest.sections.len());
     println!(
         "  {:<20} {:<14} {:>14} {:>14}  sha256",
@@ -600,7 +654,7 @@ fn inspect(path: PathBuf, json: bool, tensors: bool) -> Result<ExitCode> {
         );
     }
     println!(
-        "\n{} tensors, {} FP16 expert blobs",
+        "\n{} tensors, {} target expert blobs",
         manifest.tensors.len(),
         manifest.experts.len()
     );

@@ -86,6 +86,8 @@ fn the_good_bundle_verifies_and_inspects() {
     let run = inspect(&path);
     assert!(run.ok(), "{run:?}");
     assert!(run.stdout.contains("architecture deepseek_v2"), "{run:?}");
+    assert!(run.stdout.contains("target       FP16 experts"), "{run:?}");
+    assert!(run.stdout.contains("draft        INT4 rtn"), "{run:?}");
     let bundle = specter_format::Bundle::open(&path).unwrap();
     let manifest = bundle.to_manifest().unwrap();
     for section in &manifest.sections {
@@ -97,7 +99,7 @@ fn the_good_bundle_verifies_and_inspects() {
     }
     assert!(
         run.stdout.contains(&format!(
-            "{} tensors, {} FP16 expert blobs",
+            "{} tensors, {} target expert blobs",
             manifest.tensors.len(),
             manifest.experts.len()
         )),
@@ -179,11 +181,31 @@ fn a_wrong_magic_is_refused() {
 
 #[test]
 fn a_newer_major_version_is_refused() {
-    let path = damaged("v2.specter", &damage::newer_major(&converted().bytes));
+    let path = damaged("v3.specter", &damage::newer_major(&converted().bytes));
     assert_refused(
         &path,
-        &["version 2.x", "newer than this build supports (1.x)"],
+        &["version 3.x", "newer than this build supports (2.x)"],
     );
+}
+
+#[test]
+fn a_precision_that_does_not_match_the_sections_is_refused() {
+    // The bundle holds FP16 experts and 4-bit drafts; its manifest is edited to say otherwise.
+    let good = &converted().bytes;
+    for (target_bits, draft_bits, needles) in [
+        (8, 4, &["expert precision", "experts.1", "8-bit"][..]),
+        (16, 2, &["expert precision", "draft.1", "2-bit"][..]),
+        (4, 4, &["expert precision", "no smaller"][..]),
+    ] {
+        let mut m = damage::manifest(good);
+        m.precision.target_bits = target_bits;
+        m.precision.draft_bits = draft_bits;
+        let path = damaged(
+            &format!("precision-{target_bits}-{draft_bits}.specter"),
+            &damage::with_manifest(good, &m),
+        );
+        assert_refused(&path, needles);
+    }
 }
 
 #[test]

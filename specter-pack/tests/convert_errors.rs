@@ -332,6 +332,63 @@ fn zero_threads_are_refused() {
 }
 
 #[test]
+fn impossible_precisions_are_refused_before_writing() {
+    let case = Case::new();
+    Model::fixture("mixtral").write(&case.src, 19);
+    let mark = mark_untouched(&case.out_dir);
+    for (args, needles) in [
+        (
+            &["--target", "int6"][..],
+            &["--target int6", "fp16, int8 or int4"][..],
+        ),
+        (&["--draft-bits", "5"], &["--draft-bits 5", "4, 3 or 2"]),
+        (&["--draft-bits", "8"], &["--draft-bits 8", "4, 3 or 2"]),
+        (
+            &["--target", "int4", "--draft-bits", "4"],
+            &["--draft-bits 4", "--target int4", "smaller than its target"],
+        ),
+    ] {
+        case.assert_fails(args, needles);
+    }
+    assert_untouched(&case.out_dir, mark);
+}
+
+#[test]
+fn quantized_targets_convert_verify_and_inspect() {
+    let case = Case::new();
+    Model::fixture("mixtral").write(&case.src, 20);
+    for (args, target, draft) in [
+        (&["--target", "int8"][..], "INT8", "INT4"),
+        (&["--target", "int4"], "INT4", "INT3"),
+        (&["--target", "int8", "--draft-bits", "2"], "INT8", "INT2"),
+    ] {
+        let run = case.convert(args);
+        assert!(run.ok(), "{run:?}");
+        assert!(
+            run.stdout
+                .contains(&format!("{target} target, {}-bit draft", &draft[3..])),
+            "{run:?}"
+        );
+        let path = case.output();
+        let run = pack(&["verify".as_ref(), path.as_os_str()]);
+        assert!(
+            run.ok() && run.stdout.contains(&format!("{target} target")),
+            "{run:?}"
+        );
+        let run = pack(&["inspect".as_ref(), path.as_os_str()]);
+        assert!(run.ok(), "{run:?}");
+        assert!(
+            run.stdout.contains(&format!("target       {target} rtn")),
+            "{run:?}"
+        );
+        assert!(
+            run.stdout.contains(&format!("draft        {draft} rtn")),
+            "{run:?}"
+        );
+    }
+}
+
+#[test]
 fn calibration_without_gptq_is_refused_before_writing() {
     let case = Case::new();
     Model::fixture("mixtral").write(&case.src, 18);

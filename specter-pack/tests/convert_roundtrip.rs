@@ -200,10 +200,11 @@ fn check_draft(bundle: &Bundle, model: &Model, expected: &BTreeMap<String, Vec<f
                 .clone()
         };
         let (gate, up, down) = (spec.name.clone(), name_of(Proj::Up), name_of(Proj::Down));
-        let qg = quant::rtn(&gate, &weights(&gate), inter, hidden).unwrap();
-        let qu = quant::rtn(&up, &weights(&up), inter, hidden).unwrap();
+        let qg = quant::rtn(&gate, &weights(&gate), inter, hidden, quant::Bits::FOUR).unwrap();
+        let qu = quant::rtn(&up, &weights(&up), inter, hidden, quant::Bits::FOUR).unwrap();
         let want_gate_up = QuantMatrix::concat_n(&qg, &qu).unwrap();
-        let want_down = quant::rtn(&down, &weights(&down), hidden, inter).unwrap();
+        let want_down =
+            quant::rtn(&down, &weights(&down), hidden, inter, quant::Bits::FOUR).unwrap();
         for (part, k, n, want) in [
             ("gate_up", hidden, 2 * inter, &want_gate_up),
             ("down", inter, hidden, &want_down),

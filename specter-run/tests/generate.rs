@@ -387,9 +387,9 @@ fn assert_bundle_refused(name: &str, bytes: &[u8], needles: &[&str]) {
 fn damaged_or_foreign_bundles_are_refused() {
     let good = std::fs::read(&converted().bundle).unwrap();
     assert_bundle_refused(
-        "v2.specter",
+        "v3.specter",
         &damage::newer_major(&good),
-        &["version 2.x", "newer than this build supports"],
+        &["version 3.x", "newer than this build supports"],
     );
     assert_bundle_refused(
         "magic.specter",

@@ -66,5 +66,5 @@ pub use model::{MoeKv, MoeModel};
 pub use rope::RopeTable;
 pub use tensors::{
     draft_tensor_name, expected_tensors, expert_tensor_name, router_tensor_name,
-    shared_expert_gate_name, shared_expert_prefix,
+    shared_expert_gate_name, shared_expert_prefix, target_tensor_name,
 };

@@ -9,11 +9,12 @@ use super::config::{ArchConfig, AttentionKind, ModelType, NormKind, QkNorm, Rout
 use super::rope::{attention_scale, rope_table, RopeTable};
 use super::tensors::{
     draft_tensor_name, expected_tensors, expert_tensor_name, router_tensor_name,
-    shared_expert_gate_name, shared_expert_prefix,
+    shared_expert_gate_name, shared_expert_prefix, target_tensor_name,
 };
 use super::{Proj, TensorSpec};
 use crate::backend::{AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, RopeSpec, RouteSpec};
 use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
+use crate::quant::Bits;
 use crate::weights::WeightStore;
 use crate::{Error, Result};
 
@@ -211,19 +212,39 @@ impl<B: Backend> Loader<'_, B> {
         })
     }
 
-    fn int4(
+    /// A quantized expert matrix of `k` inputs and `n` outputs: `name(kind)` names its
+    /// `qweight` and `scales`; Marlin-tiled at 4 bits, in the row layout otherwise.
+    fn quantized(
         &self,
-        layer: usize,
-        expert: usize,
-        part: &str,
+        name: impl Fn(&str) -> String,
+        bits: Bits,
         k: usize,
         n: usize,
     ) -> Result<B::Weight> {
-        let qname = draft_tensor_name(layer, expert, part, "qweight");
-        let sname = draft_tensor_name(layer, expert, part, "scales");
-        let q = self.store.u32(&qname)?;
+        let (qname, sname) = (name("qweight"), name("scales"));
         let s = self.store.f16(&sname)?;
-        self.backend.weight_int4(&qname, k, n, &q.data, &s.data)
+        if bits == Bits::FOUR {
+            let q = self.store.u32(&qname)?;
+            self.backend.weight_int4(&qname, k, n, &q.data, &s.data)
+        } else {
+            let q = self.store.u8(&qname)?;
+            self.backend
+                .weight_rows(&qname, bits, k, n, &q.data, &s.data)
+        }
+    }
+
+    /// One routed expert's quantized copy: `tensor(part, kind)` names its tensors.
+    fn quantized_expert(
+        &self,
+        tensor: impl Fn(&str, &str) -> String,
+        bits: Bits,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<GatedMlp<B>> {
+        Ok(GatedMlp {
+            gate_up: self.quantized(|kind| tensor("gate_up", kind), bits, hidden, 2 * inter)?,
+            down: self.quantized(|kind| tensor("down", kind), bits, inter, hidden)?,
+        })
     }
 }
 
@@ -265,6 +286,10 @@ impl<B: Backend> MoeModel<B> {
             specs: specs.into_iter().map(|s| (s.name, s.shape)).collect(),
         };
         let (hidden, inter) = cfg.expert_dims();
+        let widths = store.expert_widths()?;
+        backend.check_expert_widths(widths)?;
+        let mut info = cfg.model_info();
+        info.expert_bytes = widths.target_expert_bytes(hidden, inter);
 
         let mut draft_missing = None;
         if !with_draft {
@@ -328,18 +353,26 @@ impl<B: Backend> MoeModel<B> {
                 let mut target = Vec::with_capacity(cfg.moe.num_experts);
                 let mut draft = Vec::new();
                 for e in 0..cfg.moe.num_experts {
-                    target.push(backend.routed_expert(l, e, &mut || {
-                        loader.gated(
+                    target.push(backend.routed_expert(l, e, &mut || match widths.target {
+                        None => loader.gated(
                             &expert_tensor_name(&cfg, l, e, Proj::Gate),
                             &expert_tensor_name(&cfg, l, e, Proj::Up),
                             &expert_tensor_name(&cfg, l, e, Proj::Down),
-                        )
+                        ),
+                        Some(bits) => loader.quantized_expert(
+                            |part, kind| target_tensor_name(l, e, part, kind),
+                            bits,
+                            hidden,
+                            inter,
+                        ),
                     })?);
                     if draft_missing.is_none() {
-                        draft.push(GatedMlp {
-                            gate_up: loader.int4(l, e, "gate_up", hidden, 2 * inter)?,
-                            down: loader.int4(l, e, "down", inter, hidden)?,
-                        });
+                        draft.push(loader.quantized_expert(
+                            |part, kind| draft_tensor_name(l, e, part, kind),
+                            widths.draft,
+                            hidden,
+                            inter,
+                        )?);
                     }
                 }
                 let shared = match cfg.moe.shared {
@@ -388,7 +421,7 @@ impl<B: Backend> MoeModel<B> {
         let lm_head_bias = loader.opt("lm_head.bias", cfg.lm_head_bias)?;
         drop(loader);
         Ok(MoeModel {
-            info: cfg.model_info(),
+            info,
             rope: rope_table(&cfg),
             attention_scale: attention_scale(&cfg),
             cfg,

@@ -36,10 +36,16 @@ pub fn expert_tensor_name(cfg: &ArchConfig, layer: usize, expert: usize, proj: P
     }
 }
 
-/// The name of a draft (INT4, Marlin-tiled) expert tensor: `part` is `"gate_up"` or `"down"`,
-/// `kind` is `"qweight"` or `"scales"`.
+/// The name of a draft (quantized) expert tensor: `part` is `"gate_up"` or `"down"`, `kind` is
+/// `"qweight"` or `"scales"`.
 pub fn draft_tensor_name(layer: usize, expert: usize, part: &str, kind: &str) -> String {
     format!("draft.layers.{layer}.experts.{expert}.{part}.{kind}")
+}
+
+/// The name of a quantized (INT8 or INT4) target expert tensor, as [`draft_tensor_name`] names
+/// the draft's. An FP16 target keeps the checkpoint's names ([`expert_tensor_name`]).
+pub fn target_tensor_name(layer: usize, expert: usize, part: &str, kind: &str) -> String {
+    format!("target.layers.{layer}.experts.{expert}.{part}.{kind}")
 }
 
 /// The router weight (`[num_experts, hidden]`) of an MoE layer.

@@ -221,6 +221,33 @@ pub trait Backend: Send + Sync {
         scales: &[f16],
     ) -> Result<Self::Weight>;
 
+    /// An 8-, 3- or 2-bit weight in the row layout (`crate::quant::rows_pack`) used as `[n, k]`:
+    /// `k` inputs, `n` outputs. Products with it round their input rows to f16 first, as with
+    /// INT4 weights. The default refuses: a backend without kernels for the width says so.
+    fn weight_rows(
+        &self,
+        name: &str,
+        bits: crate::quant::Bits,
+        k: usize,
+        n: usize,
+        qweight: &[u8],
+        scales: &[f16],
+    ) -> Result<Self::Weight> {
+        let _ = (k, n, qweight, scales);
+        Err(Error::Backend(format!(
+            "{name}: the {} backend has no kernels for {bits}-bit weights",
+            self.name()
+        )))
+    }
+
+    /// Refuses, before any weight is read, routed experts this backend cannot run as they are
+    /// stored. The default accepts every width [`Self::weight_int4`] and [`Self::weight_rows`]
+    /// take.
+    fn check_expert_widths(&self, widths: crate::weights::ExpertWidths) -> Result<()> {
+        let _ = widths;
+        Ok(())
+    }
+
     /// `rows x cols` zeros.
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act>;

@@ -10,7 +10,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{
-    check_marlin_shape, code_value, QuantMatrix, GROUP_SIZE, MARLIN_TILE_K, MARLIN_TILE_N,
+    check_marlin_shape, code_value, Bits, QuantMatrix, GROUP_SIZE, MARLIN_TILE_K, MARLIN_TILE_N,
 };
 use crate::{Error, Result};
 
@@ -88,11 +88,18 @@ fn check_lengths(what: &str, k: usize, n: usize, words: usize, scales: usize) ->
     Ok(())
 }
 
-/// Packs a quantized matrix into the Marlin layout. Requires `k % 128 == 0` and `n % 64 == 0`.
+/// Packs a 4-bit quantized matrix into the Marlin layout. Requires `k % 128 == 0` and
+/// `n % 64 == 0`.
 pub fn marlin_pack(m: &QuantMatrix) -> Result<MarlinWeight> {
     let (k, n) = (m.k, m.n);
     check_marlin_shape("marlin_pack", k, n)?;
     m.validate("marlin_pack")?;
+    if m.bits != Bits::FOUR {
+        return Err(Error::Quant(format!(
+            "marlin_pack: the Marlin layout holds 4-bit codes, not {}-bit",
+            m.bits
+        )));
+    }
     let row_words = 2 * n;
     let mut qweight = vec![0u32; k / MARLIN_TILE_K * row_words];
     qweight
@@ -156,6 +163,7 @@ pub fn marlin_unpack(k: usize, n: usize, qweight: &[u32], scales: &[f16]) -> Res
     Ok(QuantMatrix {
         k,
         n,
+        bits: Bits::FOUR,
         q,
         scales: plain,
     })
@@ -204,7 +212,8 @@ pub fn marlin_dequantize_out_in(
                         let slot = 8 * w + t;
                         let code = ((word >> (4 * t)) & 0xF) as u8;
                         let s = group_scales[usize::from(slot_col[slot])];
-                        block_out[slot_offset[slot] as usize + base] = code_value(code) * s;
+                        block_out[slot_offset[slot] as usize + base] =
+                            code_value(code, Bits::FOUR) * s;
                     }
                 }
             }
@@ -222,6 +231,7 @@ mod tests {
         QuantMatrix {
             k,
             n,
+            bits: Bits::FOUR,
             q: (0..k * n).map(|_| rng.random_range(0..16u8)).collect(),
             scales: (0..k / GROUP_SIZE * n)
                 .map(|_| f16::from_f32(rng.random_range(1e-4f32..0.1)))

@@ -1,25 +1,29 @@
-//! The INT4 layout of the draft's expert weights: codes, scales, round-to-nearest, and the Marlin
-//! tiled layout the W4A16 kernel reads. GPTQ, which only conversion runs, is specter-convert's; it
-//! quantizes with the same scale and code rules (the helpers of rtn.rs exported below).
+//! The quantized layouts of expert weights: codes, scales, round-to-nearest, the Marlin tiled
+//! layout the W4A16 kernel reads (4 bits), and the row layouts of 8-bit targets and 2- and 3-bit
+//! drafts (rows.rs). GPTQ, which only conversion runs, is specter-convert's; it quantizes with the
+//! same scale and code rules (the helpers of rtn.rs exported below).
 //!
 //! Conventions shared by every function here:
-//! - symmetric "uint4b8" codes: a stored code `q` in `0..=15` means the weight `(q - 8) * scale`;
+//! - symmetric unsigned codes of [`Bits`] `b` in {2, 3, 4, 8}: a stored code `q` in `0..2^b` means
+//!   the weight `(q - 2^(b-1)) * scale` ("uint4b8" at 4 bits, "uint8b128" at 8);
 //! - one f16 scale per (group of [`GROUP_SIZE`] input features, output feature);
 //! - orientation: `K` = input features, `N` = output features. Hugging Face stores a linear weight
 //!   as `[N][K]` ("out, in"); a [`QuantMatrix`] holds codes as `[K][N]`, the orientation Marlin
 //!   tiles.
 //!
-//! Scale choice (see [`rtn`]): `scale = max|w| / 7` over the group, rounded to f16 and nudged up
+//! Scale choice (see [`rtn`]): `scale = max|w| / (2^(b-1) - 1)` over the group (`/ 7` at 4 bits), rounded to f16 and nudged up
 //! to the next f16 if rounding made it too small for the group's largest weight to stay within
 //! half a step of a code. Rounding is done against the stored f16 scale, so dequantizing the
-//! stored codes and scales reproduces exactly what the quantizer aimed at. The code 0 (`-8`) is
+//! stored codes and scales reproduces exactly what the quantizer aimed at. The code 0 (`-2^(b-1)`) is
 //! valid on load and may be produced by GPTQ (its error feedback can push a weight past the
 //! group's original maximum); round-to-nearest never needs it. An all-zero group gets scale 1.0.
 
 mod marlin;
+mod rows;
 mod rtn;
 
 pub use marlin::{marlin_dequantize_out_in, marlin_pack, marlin_unpack, MarlinWeight};
+pub use rows::{rows_dequantize_out_in, rows_pack, rows_unpack, RowsWeight};
 pub use rtn::{check_weight, group_scales, quantize_code, rtn};
 
 use half::f16;
@@ -35,27 +39,90 @@ pub const MARLIN_TILE_N: usize = 64;
 /// Rows of one Marlin tile (input features).
 pub const MARLIN_TILE_K: usize = 16;
 
-/// An unpacked INT4 matrix.
+/// Bits per quantized weight: 2, 3, 4 or 8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Bits(u8);
+
+impl Bits {
+    /// The draft's default, and the Marlin layout's width.
+    pub const FOUR: Bits = Bits(4);
+    pub const EIGHT: Bits = Bits(8);
+
+    /// `bits` when it is one of the supported widths (2, 3, 4, 8).
+    pub fn new(bits: u32) -> Result<Bits> {
+        match bits {
+            2 | 3 | 4 | 8 => Ok(Bits(bits as u8)),
+            _ => Err(Error::Quant(format!(
+                "{bits}-bit weights are not supported (2, 3, 4 or 8)"
+            ))),
+        }
+    }
+
+    pub fn get(self) -> u32 {
+        u32::from(self.0)
+    }
+
+    /// The code that stands for zero, `2^(b-1)`.
+    #[inline(always)]
+    pub fn zero_code(self) -> u8 {
+        1 << (self.0 - 1)
+    }
+
+    /// The largest code, `2^b - 1`.
+    #[inline(always)]
+    pub fn max_code(self) -> u8 {
+        ((1u16 << self.0) - 1) as u8
+    }
+
+    /// The largest positive level, `2^(b-1) - 1`: a group's scale is its largest magnitude over
+    /// this.
+    #[inline(always)]
+    pub fn top_level(self) -> f32 {
+        f32::from(self.zero_code()) - 1.0
+    }
+}
+
+impl std::fmt::Display for Bits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// An unpacked quantized matrix.
 ///
-/// `q` is row-major `[k][n]` with values `0..=15`; `scales` is row-major `[k / 128][n]`.
+/// `q` is row-major `[k][n]` with values `0..2^bits`; `scales` is row-major `[k / 128][n]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantMatrix {
     pub k: usize,
     pub n: usize,
+    pub bits: Bits,
     pub q: Vec<u8>,
     pub scales: Vec<f16>,
 }
 
 impl QuantMatrix {
     /// Builds a matrix after checking the shape rules and the code range.
-    pub fn new(tensor: &str, k: usize, n: usize, q: Vec<u8>, scales: Vec<f16>) -> Result<Self> {
-        let m = QuantMatrix { k, n, q, scales };
+    pub fn new(
+        tensor: &str,
+        k: usize,
+        n: usize,
+        bits: Bits,
+        q: Vec<u8>,
+        scales: Vec<f16>,
+    ) -> Result<Self> {
+        let m = QuantMatrix {
+            k,
+            n,
+            bits,
+            q,
+            scales,
+        };
         m.validate(tensor)?;
         Ok(m)
     }
 
     /// Checks that the fields agree with each other: `k` a multiple of the group size, buffer
-    /// lengths matching the shape, every code within `0..=15`, every scale finite.
+    /// lengths matching the shape, every code within `0..2^bits`, every scale finite.
     pub fn validate(&self, tensor: &str) -> Result<()> {
         if self.k == 0 || self.n == 0 || !self.k.is_multiple_of(GROUP_SIZE) {
             return Err(Error::Quant(format!(
@@ -87,10 +154,11 @@ impl QuantMatrix {
                 self.n
             )));
         }
-        if let Some(pos) = self.q.iter().position(|&v| v > 15) {
+        let max = self.bits.max_code();
+        if let Some(pos) = self.q.iter().position(|&v| v > max) {
             return Err(Error::Quant(format!(
-                "{tensor}: code {} at index {pos} is outside 0..=15",
-                self.q[pos]
+                "{tensor}: code {} at index {pos} is outside 0..={max} ({}-bit)",
+                self.q[pos], self.bits
             )));
         }
         if let Some(pos) = self.scales.iter().position(|s| !s.is_finite()) {
@@ -120,7 +188,7 @@ impl QuantMatrix {
                 .zip(q_group.chunks_exact(self.n))
             {
                 for ((o, &q), &s) in out_row.iter_mut().zip(q_row).zip(&s) {
-                    *o = code_value(q) * s;
+                    *o = code_value(q, self.bits) * s;
                 }
             }
         }
@@ -138,10 +206,10 @@ impl QuantMatrix {
     pub fn concat_n(a: &QuantMatrix, b: &QuantMatrix) -> Result<QuantMatrix> {
         a.validate("concat_n: first operand")?;
         b.validate("concat_n: second operand")?;
-        if a.k != b.k {
+        if a.k != b.k || a.bits != b.bits {
             return Err(Error::Quant(format!(
-                "concat_n: input features differ ({} vs {})",
-                a.k, b.k
+                "concat_n: input features ({} vs {}) or widths ({}-bit vs {}-bit) differ",
+                a.k, b.k, a.bits, b.bits
             )));
         }
         let n = a.n + b.n;
@@ -158,16 +226,17 @@ impl QuantMatrix {
         Ok(QuantMatrix {
             k: a.k,
             n,
+            bits: a.bits,
             q,
             scales,
         })
     }
 }
 
-/// The signed value a stored code stands for.
+/// The signed value a stored code of width `bits` stands for.
 #[inline(always)]
-pub fn code_value(q: u8) -> f32 {
-    f32::from(q) - 8.0
+pub fn code_value(q: u8, bits: Bits) -> f32 {
+    f32::from(q) - f32::from(bits.zero_code())
 }
 
 /// Row-major `[rows][cols]` to row-major `[cols][rows]`, in cache-sized tiles.

@@ -3,33 +3,28 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::{transpose, QuantMatrix, GROUP_SIZE};
+use super::{transpose, Bits, QuantMatrix, GROUP_SIZE};
 use crate::{Error, Result};
-
-/// Largest code magnitude a scale is sized for: `scale = max|w| / 7`.
-const SCALE_DIVISOR: f32 = 7.0;
-
-/// A group's largest weight may sit at most this many scales from zero and still round to a
-/// code within half a step (the top code is +7, so +7.5 rounds to it with error 0.5).
-const MAX_STEPS: f32 = 7.5;
 
 /// The f16 scale of a group whose largest magnitude is `max_abs` (finite, non-negative).
 ///
-/// `max_abs / 7` rounded to f16; an all-zero group gets 1.0 (any positive value dequantizes its
-/// codes of 8 to exactly zero); a group so small its scale would underflow f16 gets the smallest
-/// positive subnormal, and a scale that f16 rounding left too small for `max_abs` to be within half
-/// a step of a code is moved up one f16 step at a time. Returns `None` when the scale overflows
-/// f16 (weights beyond about 458000 in magnitude).
-pub(crate) fn group_scale(max_abs: f32) -> Option<f16> {
+/// `max_abs / top` rounded to f16, `top` being the largest positive level (`2^(b-1) - 1`: 7 at 4
+/// bits); an all-zero group gets 1.0 (any positive value dequantizes its zero codes to exactly
+/// zero); a group so small its scale would underflow f16 gets the smallest positive subnormal, and
+/// a scale that f16 rounding left too small for `max_abs` to be within half a step of the top code
+/// is moved up one f16 step at a time. Returns `None` when the scale overflows f16 (weights beyond
+/// about 458000 in magnitude at 4 bits).
+pub(crate) fn group_scale(max_abs: f32, bits: Bits) -> Option<f16> {
     if max_abs == 0.0 {
         return Some(f16::ONE);
     }
-    let mut s = f16::from_f32(max_abs / SCALE_DIVISOR);
+    let top = bits.top_level();
+    let mut s = f16::from_f32(max_abs / top);
     if s.to_f32() == 0.0 {
         s = f16::from_bits(1);
     }
     // Positive f16 values are ordered like their bit patterns, so +1 is the next value up.
-    while s.is_finite() && max_abs / s.to_f32() > MAX_STEPS {
+    while s.is_finite() && max_abs / s.to_f32() > top + 0.5 {
         s = f16::from_bits(s.to_bits() + 1);
     }
     s.is_finite().then_some(s)
@@ -39,14 +34,16 @@ pub(crate) fn group_scale(max_abs: f32) -> Option<f16> {
 /// even, without a call into libm (the baseline x86-64 target has no rounding instruction).
 const ROUNDING_MAGIC: f32 = 12_582_912.0;
 
-/// The code nearest to `w` at scale `s` (positive, finite): `clamp(round(w / s) + 8, 0, 15)`,
-/// ties rounding to even.
+/// The code of width `bits` nearest to `w` at scale `s` (positive, finite):
+/// `clamp(round(w / s) + 2^(b-1), 0, 2^b - 1)`, ties rounding to even (at 4 bits,
+/// `clamp(round(w / s) + 8, 0, 15)`).
 #[inline(always)]
-pub fn quantize_code(w: f32, s: f32) -> u8 {
+pub fn quantize_code(w: f32, s: f32, bits: Bits) -> u8 {
+    let zero = f32::from(bits.zero_code());
     // Clamping first keeps the magic-number rounding in range; it cannot change the result.
-    let x = (w / s).clamp(-9.0, 9.0);
+    let x = (w / s).clamp(-zero - 1.0, zero + 1.0);
     let rounded = (x + ROUNDING_MAGIC) - ROUNDING_MAGIC;
-    (rounded + 8.0).clamp(0.0, 15.0) as u8
+    (rounded + zero).clamp(0.0, f32::from(bits.max_code())) as u8
 }
 
 /// Checks the inputs every quantizer shares: the buffer length, `k` a positive multiple of the
@@ -78,9 +75,15 @@ pub fn check_weight(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> 
     Ok(())
 }
 
-/// Scales for every (group, output row) of an HF-oriented weight `[n][k]`, returned row-major
-/// `[k / 128][n]`.
-pub fn group_scales(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<Vec<f16>> {
+/// Scales for every (group, output row) of an HF-oriented weight `[n][k]` at width `bits`,
+/// returned row-major `[k / 128][n]`.
+pub fn group_scales(
+    tensor: &str,
+    weight_out_in: &[f32],
+    n: usize,
+    k: usize,
+    bits: Bits,
+) -> Result<Vec<f16>> {
     let groups = k / GROUP_SIZE;
     // Computed per output row (contiguous in the HF layout), then transposed to [groups][n].
     let per_row: Vec<Vec<f16>> = weight_out_in
@@ -91,7 +94,7 @@ pub fn group_scales(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> 
                 .enumerate()
                 .map(|(g, group)| {
                     let max_abs = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                    group_scale(max_abs).ok_or_else(|| {
+                    group_scale(max_abs, bits).ok_or_else(|| {
                         Error::Quant(format!(
                             "{tensor}: out {row} group {g}: max |w| = {max_abs} needs a scale \
                              beyond the f16 range"
@@ -110,13 +113,20 @@ pub fn group_scales(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> 
     Ok(scales)
 }
 
-/// Round-to-nearest quantization of a Hugging Face oriented weight `[n][k]` (out, in).
+/// Round-to-nearest quantization of a Hugging Face oriented weight `[n][k]` (out, in) to codes of
+/// width `bits`.
 ///
 /// Every weight is rounded to the nearest code at its group's f16 scale, so each dequantized
 /// weight is within half a scale of the original.
-pub fn rtn(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<QuantMatrix> {
+pub fn rtn(
+    tensor: &str,
+    weight_out_in: &[f32],
+    n: usize,
+    k: usize,
+    bits: Bits,
+) -> Result<QuantMatrix> {
     check_weight(tensor, weight_out_in, n, k)?;
-    let scales = group_scales(tensor, weight_out_in, n, k)?;
+    let scales = group_scales(tensor, weight_out_in, n, k, bits)?;
     // Codes in HF orientation first (rows contiguous), then transposed to [k][n].
     let mut codes_out_in = vec![0u8; n * k];
     codes_out_in
@@ -131,13 +141,14 @@ pub fn rtn(tensor: &str, weight_out_in: &[f32], n: usize, k: usize) -> Result<Qu
             {
                 let s = scales[g * n + c].to_f32();
                 for (q, &v) in cg.iter_mut().zip(wg) {
-                    *q = quantize_code(v, s);
+                    *q = quantize_code(v, s, bits);
                 }
             }
         });
     Ok(QuantMatrix {
         k,
         n,
+        bits,
         q: transpose(&codes_out_in, n, k),
         scales,
     })
@@ -166,7 +177,7 @@ mod tests {
             for v in &mut w[k..k + GROUP_SIZE] {
                 *v *= 1e-6;
             }
-            let m = rtn("test.weight", &w, n, k).unwrap();
+            let m = rtn("test.weight", &w, n, k, Bits::FOUR).unwrap();
             assert_eq!((m.k, m.n), (k, n));
             m.validate("test.weight").unwrap();
             assert!(m.q.iter().all(|&q| q <= 15));
@@ -220,14 +231,51 @@ mod tests {
             (-1e9, 0),
         ];
         for (x, code) in cases {
-            assert_eq!(quantize_code(x * 0.25, 0.25), code, "{x}");
+            assert_eq!(quantize_code(x * 0.25, 0.25, Bits::FOUR), code, "{x}");
         }
         let mut rng = ChaCha8Rng::seed_from_u64(13);
         for _ in 0..10_000 {
             let x: f32 = rng.random_range(-8.4f32..7.4);
-            let q = quantize_code(x, 1.0);
-            assert!((x - code_value(q)).abs() <= 0.5, "{x} -> {q}");
+            let q = quantize_code(x, 1.0, Bits::FOUR);
+            assert!((x - code_value(q, Bits::FOUR)).abs() <= 0.5, "{x} -> {q}");
         }
+    }
+
+    #[test]
+    fn every_width_rounds_within_half_a_step_and_uses_its_top_code() {
+        let mut rng = ChaCha8Rng::seed_from_u64(14);
+        let (n, k) = (64, 256);
+        for bits in [2, 3, 4, 8] {
+            let bits = Bits::new(bits).unwrap();
+            let w = random_weight(&mut rng, n, k);
+            let m = rtn("w", &w, n, k, bits).unwrap();
+            m.validate("w").unwrap();
+            assert_eq!(
+                m.q.iter().copied().max(),
+                Some(bits.max_code()),
+                "{bits}-bit"
+            );
+            let deq = m.dequantize_out_in();
+            let mut err2 = 0f64;
+            let mut norm2 = 0f64;
+            for c in 0..n {
+                for r in 0..k {
+                    let s = m.scales[(r / GROUP_SIZE) * n + c].to_f32();
+                    let err = (w[c * k + r] - deq[c * k + r]).abs();
+                    assert!(err <= s * 0.5 * (1.0 + 1e-5), "{bits}-bit: {err} vs {s}");
+                    err2 += f64::from(err).powi(2);
+                    norm2 += f64::from(w[c * k + r]).powi(2);
+                }
+            }
+            // Each bit halves the step: the relative error falls with the width.
+            let rel = (err2 / norm2).sqrt();
+            let bound = [0.0, 0.0, 0.75, 0.35, 0.16, 0.0, 0.0, 0.0, 0.011][bits.get() as usize];
+            assert!(rel < bound, "{bits}-bit relative error {rel}");
+        }
+        assert!(Bits::new(5).is_err() && Bits::new(16).is_err());
+        assert_eq!(quantize_code(-1e9, 1.0, Bits::EIGHT), 0);
+        assert_eq!(quantize_code(1e9, 1.0, Bits::EIGHT), 255);
+        assert_eq!(quantize_code(0.0, 1.0, Bits::new(2).unwrap()), 2);
     }
 
     #[test]
@@ -238,7 +286,7 @@ mod tests {
         for v in &mut w[5 * k + GROUP_SIZE..5 * k + 2 * GROUP_SIZE] {
             *v = 0.0;
         }
-        let m = rtn("zero.weight", &w, n, k).unwrap();
+        let m = rtn("zero.weight", &w, n, k, Bits::FOUR).unwrap();
         assert_eq!(m.scales[n + 5], f16::ONE);
         for r in GROUP_SIZE..2 * GROUP_SIZE {
             assert_eq!(m.q[r * n + 5], 8);
@@ -253,17 +301,24 @@ mod tests {
     fn tiny_and_huge_groups() {
         // A magnitude whose scale underflows f16 and one whose scale is a coarse subnormal.
         for &max in &[1e-12f32, 3e-7, 1e-3, 400.0, 60000.0] {
-            let s = group_scale(max).unwrap();
+            let s = group_scale(max, Bits::FOUR).unwrap();
             assert!(s.to_f32() > 0.0);
             assert!(max / s.to_f32() <= 7.5, "max {max} scale {s}");
         }
-        assert!(group_scale(1e6).is_none());
+        assert!(group_scale(1e6, Bits::FOUR).is_none());
     }
 
     #[test]
     fn rtn_shape_errors_name_the_tensor() {
         let w = vec![0.5f32; 64 * 100];
-        let err = rtn("layers.3.mlp.experts.7.up_proj.weight", &w, 64, 100).unwrap_err();
+        let err = rtn(
+            "layers.3.mlp.experts.7.up_proj.weight",
+            &w,
+            64,
+            100,
+            Bits::FOUR,
+        )
+        .unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.contains("layers.3.mlp.experts.7.up_proj.weight"),
@@ -271,12 +326,14 @@ mod tests {
         );
         assert!(msg.contains("multiple of 128"), "{msg}");
 
-        let err = rtn("short.weight", &w[..10], 64, 128).unwrap_err();
+        let err = rtn("short.weight", &w[..10], 64, 128, Bits::FOUR).unwrap_err();
         assert!(err.to_string().contains("short.weight"));
 
         let mut w = vec![0.5f32; 64 * 128];
         w[130] = f32::NAN;
-        let msg = rtn("nan.weight", &w, 64, 128).unwrap_err().to_string();
+        let msg = rtn("nan.weight", &w, 64, 128, Bits::FOUR)
+            .unwrap_err()
+            .to_string();
         assert!(
             msg.contains("nan.weight") && msg.contains("out 1 in 2"),
             "{msg}"

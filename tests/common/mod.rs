@@ -64,9 +64,14 @@ impl Fixture {
     /// tiled) into a bundle in a fresh temporary directory, opened. The directory lasts as long
     /// as the returned guard.
     pub fn bundle(&self) -> (tempfile::TempDir, Bundle) {
+        self.bundle_with(&ConvertOptions::default())
+    }
+
+    /// As [`Self::bundle`], converted with `opts` (another target precision or draft width).
+    pub fn bundle_with(&self, opts: &ConvertOptions) -> (tempfile::TempDir, Bundle) {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("model.specter");
-        convert(&self.dir, &path, &ConvertOptions::default(), &Silent).expect("convert");
+        convert(&self.dir, &path, opts, &Silent).expect("convert");
         let bundle = Bundle::open(&path).expect("open bundle");
         (dir, bundle)
     }
@@ -141,6 +146,21 @@ pub const FIXTURES: &[&str] = &[
     "olmoe",
     "qwen3_moe",
 ];
+
+/// Greedy decoding options in `mode`: `max_new_tokens` tokens, drafts of `depth`, no stop at EOS.
+pub fn greedy_options(
+    mode: specter::decode::Mode,
+    max_new_tokens: usize,
+    depth: usize,
+) -> specter::decode::GenerateOptions {
+    specter::decode::GenerateOptions {
+        mode,
+        max_new_tokens,
+        depth,
+        sampling: specter::decode::Sampling::greedy(),
+        stop_at_eos: false,
+    }
+}
 
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
@@ -226,6 +246,7 @@ pub fn grid_quantize(
             grid[col * k + kk] = value;
         }
     }
-    let m = specter::quant::QuantMatrix::new(name, k, n, codes, scales).unwrap();
+    let m = specter::quant::QuantMatrix::new(name, k, n, specter::quant::Bits::FOUR, codes, scales)
+        .unwrap();
     (specter::quant::marlin_pack(&m).unwrap(), grid)
 }

@@ -18,18 +18,18 @@ use std::path::Path;
 
 use faer::MatRef;
 use rayon::prelude::*;
-use specter::arch::{self, ArchConfig};
+use specter::arch::ArchConfig;
 use specter::backend::cpu::Cpu;
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
 use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
-use specter::weights::WeightStore;
 use specter_format::QuantStat;
 
 use crate::checkpoint::Checkpoint;
 use crate::quant::{self, GptqConfig, Hessian, QuantMatrix};
 use crate::{Error, Result};
 
-use super::{ConvertOptions, DraftExpert, LayoutPlan, Progress};
+use super::encode::{Encoding, QuantExpert};
+use super::{load_expert, ConvertOptions, LayoutPlan, Progress};
 
 /// Longest calibration sequence read from a file (one KV cache, one attention window).
 const FILE_SEQUENCE_LEN: usize = 512;
@@ -371,7 +371,7 @@ fn quantize_matrix(
 ) -> Result<(QuantMatrix, QuantStat)> {
     let Weight { tensor, w, n, k } = weight;
     let rows = eval.len() / k;
-    let rtn = quant::rtn(tensor, w, n, k)?;
+    let rtn = quant::rtn(tensor, w, n, k, gptq_cfg.bits)?;
     let rel_err_rtn = quant::output_rel_error(w, &rtn, eval, rows) as f32;
     if fallback == "rtn" {
         let stat = QuantStat {
@@ -404,7 +404,9 @@ fn quantize_matrix(
 }
 
 /// Quantizes one routed expert with GPTQ against its calibration rows (each matrix against the
-/// layer's pooled rows when fewer than `opts.min_rows_per_feature` rows per input reached it).
+/// layer's pooled rows when fewer than `opts.min_rows_per_feature` rows per input reached it),
+/// once per encoding: every copy is fitted to the same Hessians.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gptq_expert(
     ckpt: &Checkpoint,
     plan: &LayoutPlan,
@@ -413,7 +415,8 @@ pub(crate) fn gptq_expert(
     names: &[String; 3],
     rows: &LayerRows,
     opts: &ConvertOptions,
-) -> Result<DraftExpert> {
+    encodings: &[Encoding],
+) -> Result<Vec<QuantExpert>> {
     let (h, i) = (plan.hidden, plan.inter);
     if rows.hidden != h {
         return Err(Error::Model(format!(
@@ -421,13 +424,7 @@ pub(crate) fn gptq_expert(
             rows.hidden
         )));
     }
-    let load = |name: &str| -> Result<Vec<f32>> {
-        let t = ckpt.f16(name)?;
-        Ok(t.data.iter().map(|v| v.to_f32()).collect())
-    };
-    let gate = load(&names[0])?;
-    let up = load(&names[1])?;
-    let down = load(&names[2])?;
+    let [gate, up, down] = load_expert(ckpt, names)?;
     let reached = rows.fit_of[expert].len();
     let enough = |rows: usize, k: usize| rows >= opts.min_rows_per_feature.saturating_mul(k);
     let pooled_rows = rows.fit.len() / h;
@@ -473,46 +470,50 @@ pub(crate) fn gptq_expert(
     drop(own_x);
     let act_held = swiglu(&held_x, held_x.len() / h, &gate, &up, h);
 
-    let gptq_cfg = GptqConfig {
-        damp: opts.damp,
-        ..GptqConfig::default()
-    };
     let mut gate_up_w = gate;
     gate_up_w.extend_from_slice(&up);
-    let gu_name = arch::draft_tensor_name(layer, expert, "gate_up", "qweight");
-    let (q_gu, mut s_gu) = quantize_matrix(
-        Weight {
-            tensor: &gu_name,
-            w: &gate_up_w,
-            n: 2 * i,
-            k: h,
-        },
-        h_gate_up,
-        &held_x,
-        &gptq_cfg,
-        fallback(h),
-    )?;
-    let d_name = arch::draft_tensor_name(layer, expert, "down", "qweight");
-    let (q_d, mut s_d) = quantize_matrix(
-        Weight {
-            tensor: &d_name,
-            w: &down,
-            n: h,
-            k: i,
-        },
-        &h_down,
-        &act_held,
-        &gptq_cfg,
-        fallback(i),
-    )?;
-    // The stat counts the fitted rows that reached this expert, also when it fell back.
-    s_gu.calib_tokens = reached as u64;
-    s_d.calib_tokens = reached as u64;
-    Ok(DraftExpert {
-        gate_up: quant::marlin_pack(&q_gu)?,
-        down: quant::marlin_pack(&q_d)?,
-        stats: vec![s_gu, s_d],
-    })
+    encodings
+        .iter()
+        .map(|&encoding| {
+            let gptq_cfg = GptqConfig {
+                damp: opts.damp,
+                bits: encoding.bits,
+                ..GptqConfig::default()
+            };
+            let gu_name = encoding
+                .role
+                .tensor_name(layer, expert, "gate_up", "qweight");
+            let (q_gu, mut s_gu) = quantize_matrix(
+                Weight {
+                    tensor: &gu_name,
+                    w: &gate_up_w,
+                    n: 2 * i,
+                    k: h,
+                },
+                h_gate_up,
+                &held_x,
+                &gptq_cfg,
+                fallback(h),
+            )?;
+            let d_name = encoding.role.tensor_name(layer, expert, "down", "qweight");
+            let (q_d, mut s_d) = quantize_matrix(
+                Weight {
+                    tensor: &d_name,
+                    w: &down,
+                    n: h,
+                    k: i,
+                },
+                &h_down,
+                &act_held,
+                &gptq_cfg,
+                fallback(i),
+            )?;
+            // The stat counts the fitted rows that reached this expert, also when it fell back.
+            s_gu.calib_tokens = reached as u64;
+            s_d.calib_tokens = reached as u64;
+            QuantExpert::new(encoding, &q_gu, &q_d, vec![s_gu, s_d])
+        })
+        .collect()
 }
 
 /// Quantizes every routed expert of one layer in parallel.
@@ -523,12 +524,13 @@ pub(crate) fn gptq_layer(
     experts: &[[String; 3]],
     inputs: &LayerInputs,
     opts: &ConvertOptions,
-) -> Result<Vec<DraftExpert>> {
+    encodings: &[Encoding],
+) -> Result<Vec<Vec<QuantExpert>>> {
     let rows = LayerRows::new(layer, inputs, plan.hidden, experts.len())?;
     experts
         .par_iter()
         .enumerate()
-        .map(|(e, names)| gptq_expert(ckpt, plan, layer, e, names, &rows, opts))
+        .map(|(e, names)| gptq_expert(ckpt, plan, layer, e, names, &rows, opts, encodings))
         .collect()
 }
 

@@ -1,7 +1,8 @@
 //! Conversion of a Hugging Face checkpoint into a bundle: validate every tensor against the
-//! architecture's tensor map, write the shared tensors and each MoE layer's FP16 experts (one
-//! page-aligned blob per expert), quantize each routed expert to INT4 (group 128) for the draft,
-//! tile it for Marlin, and record checksums, sources and quantization statistics.
+//! architecture's tensor map, write the shared tensors and each MoE layer's target experts (FP16,
+//! or quantized to INT8 or INT4; one page-aligned blob per expert), quantize each routed expert
+//! for the draft (4, 3 or 2 bits, group 128; Marlin-tiled at 4 bits), and record checksums,
+//! sources, the precision and quantization statistics.
 //!
 //! With `--quant gptq` the FP16 target is first run over calibration sequences (a file, or text
 //! the target generates itself) to record each MoE layer's expert inputs; see [`calibrate`].
@@ -16,23 +17,26 @@ use std::path::{Path, PathBuf};
 mod calibrate;
 mod calibration_file;
 mod chat_files;
+mod encode;
 
 pub use calibrate::{HOLDOUT_BLOCK, HOLDOUT_EVERY};
 pub use calibration_file::{parse_token_ids, read_calibration_tokens};
 pub use chat_files::{chat_file, CHAT_FILES, CHAT_TEMPLATE, GENERATION_CONFIG, TOKENIZER_CONFIG};
+pub use encode::TargetPrecision;
 
 use rayon::prelude::*;
 use specter::arch::{self, ArchConfig, Proj, TensorRole, TensorSpec};
 use specter::weights::WeightStore;
 use specter_format::{
-    BundleWriter, DType, Provenance, QuantInfo, QuantStat, SectionKind, SourceFile,
+    BundleWriter, DType, Precision, Provenance, QuantInfo, QuantStat, SectionKind, SourceFile,
 };
 
 use crate::checkpoint::Checkpoint;
-use crate::quant::{self, MarlinWeight, QuantMatrix, GROUP_SIZE};
+use crate::quant::{self, Bits, QuantMatrix, GROUP_SIZE};
 use crate::{Error, Result};
+use encode::{Encoding, QuantExpert, Role};
 
-/// Which quantizer makes the draft's INT4 experts.
+/// Which quantizer makes the quantized experts (the draft's, and a quantized target's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantMethod {
     /// Round to nearest: no calibration, the floor of draft quality.
@@ -63,6 +67,11 @@ pub const DEFAULT_MIN_ROWS_PER_FEATURE: usize = 8;
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
     pub quant: QuantMethod,
+    /// How the target's routed experts are stored.
+    pub target: TargetPrecision,
+    /// The draft's bits per weight (4, 3 or 2, fewer than the target's); `None`: the target's
+    /// default ([`TargetPrecision::default_draft_bits`]).
+    pub draft_bits: Option<u32>,
     /// Worker threads for quantization (None: all cores).
     pub threads: Option<usize>,
     /// GPTQ calibration file (text, tokenized with the checkpoint's tokenizer, or token ids);
@@ -83,6 +92,8 @@ impl Default for ConvertOptions {
     fn default() -> Self {
         ConvertOptions {
             quant: QuantMethod::Rtn,
+            target: TargetPrecision::Fp16,
+            draft_bits: None,
             threads: None,
             calib: None,
             calib_tokens: DEFAULT_CALIB_TOKENS,
@@ -120,11 +131,16 @@ pub struct ConvertReport {
     pub shared_tensors: usize,
     pub moe_layers: usize,
     pub experts_per_layer: usize,
-    /// Mean over expert matrices of round-to-nearest's relative error: the weight error without
-    /// calibration, the held-out output error with it.
+    /// What the bundle records: the target's and the draft's widths.
+    pub precision: Precision,
+    /// Mean over the draft's expert matrices of round-to-nearest's relative error: the weight
+    /// error without calibration, the held-out output error with it.
     pub mean_rel_err: f64,
-    /// Mean held-out relative output error of the GPTQ matrices (None without GPTQ).
+    /// Mean held-out relative output error of the draft's GPTQ matrices (None without GPTQ).
     pub mean_rel_err_gptq: Option<f64>,
+    /// The same two for a quantized target's matrices (None for an FP16 target).
+    pub target_rel_err: Option<f64>,
+    pub target_rel_err_gptq: Option<f64>,
     /// Expert matrices quantized against the layer's pooled rows / with RTN after GPTQ failed.
     pub pooled_fallbacks: usize,
     pub rtn_fallbacks: usize,
@@ -160,6 +176,18 @@ fn convert_inner(
     opts: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertReport> {
+    // Impossible widths are refused before anything is read.
+    let draft_bits = opts.target.draft_bits(opts.draft_bits)?;
+    let mut encodings = vec![Encoding {
+        role: Role::Draft,
+        bits: draft_bits,
+    }];
+    if let Some(bits) = opts.target.quant_bits() {
+        encodings.push(Encoding {
+            role: Role::Target,
+            bits,
+        });
+    }
     progress.stage("reading checkpoint");
     let ckpt = Checkpoint::open(src)?;
     refuse_overwriting_input(&ckpt, out)?;
@@ -227,77 +255,99 @@ fn convert_inner(
     }
     writer.end_section()?;
 
-    let mut stats = Vec::new();
+    let (mut stats, mut target_stats) = (Vec::new(), Vec::new());
     for (moe_index, (&layer, experts)) in plan.experts.iter().enumerate() {
-        // The FP16 experts stream into the bundle on this thread while the same experts are
-        // quantized on the others: the two read the same source pages and share nothing else.
-        progress.stage(&format!("layer {layer}: FP16 experts, INT4 draft experts"));
-        let (written, drafts) = rayon::join(
-            || -> Result<()> {
-                writer.begin_section(
-                    &format!("experts.{layer}"),
-                    SectionKind::Experts {
-                        layer: layer as u32,
-                    },
-                )?;
-                for (e, names) in experts.iter().enumerate() {
-                    writer.begin_expert(layer as u32, e as u32)?;
-                    for name in names {
-                        let t = ckpt.f16(name)?;
-                        writer.write_tensor(
-                            name,
-                            DType::F16,
-                            &dims(&t.shape),
-                            bytemuck::cast_slice(&t.data),
-                        )?;
-                        progress.advance(t.data.len() as u64 * 2);
+        let quantize = || -> Result<Vec<Vec<QuantExpert>>> {
+            match &calibration {
+                None => experts
+                    .par_iter()
+                    .enumerate()
+                    .map(|(e, names)| quantize_expert(&ckpt, &plan, layer, e, names, &encodings))
+                    .collect(),
+                Some(calib) => calibrate::gptq_layer(
+                    &ckpt,
+                    &plan,
+                    layer,
+                    experts,
+                    &calib.layers[moe_index],
+                    opts,
+                    &encodings,
+                ),
+            }
+        };
+        let section = |writer: &mut BundleWriter, kind: SectionKind| -> Result<()> {
+            let name = match kind {
+                SectionKind::Draft { .. } => format!("draft.{layer}"),
+                _ => format!("experts.{layer}"),
+            };
+            Ok(writer.begin_section(&name, kind)?)
+        };
+        let target_kind = SectionKind::Experts {
+            layer: layer as u32,
+        };
+        let quantized = if opts.target == TargetPrecision::Fp16 {
+            // The FP16 experts stream into the bundle on this thread while the same experts are
+            // quantized on the others: the two read the same source pages and share nothing else.
+            progress.stage(&format!(
+                "layer {layer}: FP16 experts, {draft_bits}-bit draft"
+            ));
+            let (written, quantized) = rayon::join(
+                || -> Result<()> {
+                    section(&mut writer, target_kind.clone())?;
+                    for (e, names) in experts.iter().enumerate() {
+                        writer.begin_expert(layer as u32, e as u32)?;
+                        for name in names {
+                            let t = ckpt.f16(name)?;
+                            writer.write_tensor(
+                                name,
+                                DType::F16,
+                                &dims(&t.shape),
+                                bytemuck::cast_slice(&t.data),
+                            )?;
+                            progress.advance(t.data.len() as u64 * 2);
+                        }
+                        writer.end_expert()?;
                     }
-                    writer.end_expert()?;
+                    Ok(writer.end_section()?)
+                },
+                quantize,
+            );
+            written?;
+            quantized?
+        } else {
+            progress.stage(&format!(
+                "layer {layer}: {} experts, {draft_bits}-bit draft",
+                opts.target.name()
+            ));
+            let quantized = quantize()?;
+            section(&mut writer, target_kind)?;
+            for (e, copies) in quantized.iter().enumerate() {
+                writer.begin_expert(layer as u32, e as u32)?;
+                for copy in copies.iter().filter(|c| c.encoding.role == Role::Target) {
+                    copy.write(&mut writer, layer, e)?;
                 }
-                Ok(writer.end_section()?)
-            },
-            || -> Result<Vec<DraftExpert>> {
-                match &calibration {
-                    None => experts
-                        .par_iter()
-                        .enumerate()
-                        .map(|(e, names)| quantize_expert(&ckpt, &plan, layer, e, names))
-                        .collect(),
-                    Some(calib) => calibrate::gptq_layer(
-                        &ckpt,
-                        &plan,
-                        layer,
-                        experts,
-                        &calib.layers[moe_index],
-                        opts,
-                    ),
-                }
-            },
-        );
-        written?;
-        let drafts = drafts?;
-        writer.begin_section(
-            &format!("draft.{layer}"),
+                writer.end_expert()?;
+                progress.advance(plan.expert_source_bytes());
+            }
+            writer.end_section()?;
+            quantized
+        };
+        section(
+            &mut writer,
             SectionKind::Draft {
                 layer: layer as u32,
             },
         )?;
-        for (e, draft) in drafts.into_iter().enumerate() {
-            for (part, m) in [("gate_up", &draft.gate_up), ("down", &draft.down)] {
-                writer.write_tensor(
-                    &arch::draft_tensor_name(layer, e, part, "qweight"),
-                    DType::U32,
-                    &[(m.k / 16) as u64, (m.n * 16 / 8) as u64],
-                    bytemuck::cast_slice(&m.qweight),
-                )?;
-                writer.write_tensor(
-                    &arch::draft_tensor_name(layer, e, part, "scales"),
-                    DType::F16,
-                    &[(m.k / GROUP_SIZE) as u64, m.n as u64],
-                    bytemuck::cast_slice(&m.scales),
-                )?;
+        for (e, copies) in quantized.into_iter().enumerate() {
+            for copy in copies {
+                match copy.encoding.role {
+                    Role::Draft => {
+                        copy.write(&mut writer, layer, e)?;
+                        stats.extend(copy.stats);
+                    }
+                    Role::Target => target_stats.extend(copy.stats),
+                }
             }
-            stats.extend(draft.stats);
         }
         writer.end_section()?;
     }
@@ -321,45 +371,62 @@ fn convert_inner(
     let mean = |values: Vec<f64>| -> Option<f64> {
         (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
     };
-    let mean_rel_err = mean(
+    let errors = |stats: &[QuantStat]| {
+        let rtn = mean(stats.iter().map(|s| s.rel_err_rtn as f64).collect());
+        let gptq = mean(
+            stats
+                .iter()
+                .map(|s| s.rel_err_gptq as f64)
+                .filter(|v| v.is_finite())
+                .collect(),
+        );
+        (rtn, gptq)
+    };
+    let (mean_rel_err, mean_rel_err_gptq) = errors(&stats);
+    let mean_rel_err = mean_rel_err.unwrap_or(0.0);
+    let (target_rel_err, target_rel_err_gptq) = errors(&target_stats);
+    let count = |what: &str| {
         stats
             .iter()
-            .map(|s: &QuantStat| s.rel_err_rtn as f64)
-            .collect(),
-    )
-    .unwrap_or(0.0);
-    let mean_rel_err_gptq = mean(
-        stats
-            .iter()
-            .map(|s| s.rel_err_gptq as f64)
-            .filter(|v| v.is_finite())
-            .collect(),
-    );
-    let count = |what: &str| stats.iter().filter(|s| s.fallback == what).count();
+            .chain(&target_stats)
+            .filter(|s| s.fallback == what)
+            .count()
+    };
     let (pooled_fallbacks, rtn_fallbacks) = (count("pooled-hessian"), count("rtn"));
     let (calib_description, calib_tokens) =
         calibration.as_ref().map_or(("none".to_string(), 0), |c| {
             (c.description.clone(), c.tokens)
         });
     drop(calibration);
+    let quant_info = |bits: Bits, stats: Vec<QuantStat>| QuantInfo {
+        method: opts.quant.name().into(),
+        bits: bits.get(),
+        group_size: GROUP_SIZE as u32,
+        symmetric: true,
+        damp: match opts.quant {
+            QuantMethod::Rtn => 0.0,
+            QuantMethod::Gptq => opts.damp as f32,
+        },
+        act_order: opts.quant == QuantMethod::Gptq,
+        calibration: calib_description.clone(),
+        calib_tokens: calib_tokens as u64,
+        stats,
+    };
+    let precision = Precision {
+        target_bits: opts.target.bits(),
+        draft_bits: draft_bits.get(),
+        group_size: GROUP_SIZE as u32,
+        target_quant: match opts.target.quant_bits() {
+            None => QuantInfo::unquantized(),
+            Some(bits) => quant_info(bits, target_stats),
+        },
+    };
+    writer.set_precision(precision.clone());
     let provenance = Provenance {
         tool: "specter-pack".into(),
         tool_version: env!("CARGO_PKG_VERSION").into(),
         sources,
-        quant: QuantInfo {
-            method: opts.quant.name().into(),
-            bits: 4,
-            group_size: GROUP_SIZE as u32,
-            symmetric: true,
-            damp: match opts.quant {
-                QuantMethod::Rtn => 0.0,
-                QuantMethod::Gptq => opts.damp as f32,
-            },
-            act_order: opts.quant == QuantMethod::Gptq,
-            calibration: calib_description.clone(),
-            calib_tokens: calib_tokens as u64,
-            stats,
-        },
+        quant: quant_info(draft_bits, stats),
         notes: ignored
             .iter()
             .map(|n| {
@@ -383,8 +450,11 @@ fn convert_inner(
             .count(),
         moe_layers: plan.experts.len(),
         experts_per_layer: plan.experts.values().next().map_or(0, |v| v.len()),
+        precision,
         mean_rel_err,
         mean_rel_err_gptq,
+        target_rel_err,
+        target_rel_err_gptq,
         pooled_fallbacks,
         rtn_fallbacks,
         calibration: calib_description,
@@ -441,6 +511,11 @@ struct LayoutPlan {
 }
 
 impl LayoutPlan {
+    /// Bytes of one expert's FP16 source tensors.
+    fn expert_source_bytes(&self) -> u64 {
+        3 * (self.hidden * self.inter) as u64 * 2
+    }
+
     fn new(cfg: &ArchConfig, specs: &[TensorSpec]) -> Result<Self> {
         let mut experts: BTreeMap<usize, Vec<[Option<String>; 3]>> = BTreeMap::new();
         for spec in specs {
@@ -524,46 +599,42 @@ fn validate(ckpt: &Checkpoint, specs: &[TensorSpec]) -> Result<Vec<String>> {
     Ok(ignored)
 }
 
-struct DraftExpert {
-    gate_up: MarlinWeight,
-    down: MarlinWeight,
-    stats: Vec<QuantStat>,
+/// One expert's FP16 weights in f32, Hugging Face orientation: gate and up `[inter][hidden]`
+/// each, down `[hidden][inter]`.
+fn load_expert(ckpt: &Checkpoint, names: &[String; 3]) -> Result<[Vec<f32>; 3]> {
+    let load = |name: &str| -> Result<Vec<f32>> {
+        let t = ckpt.f16(name)?;
+        Ok(t.data.iter().map(|v| v.to_f32()).collect())
+    };
+    Ok([load(&names[0])?, load(&names[1])?, load(&names[2])?])
 }
 
+/// Round-to-nearest copies of one routed expert, one per encoding.
 fn quantize_expert(
     ckpt: &Checkpoint,
     plan: &LayoutPlan,
     layer: usize,
     expert: usize,
     names: &[String; 3],
-) -> Result<DraftExpert> {
+    encodings: &[Encoding],
+) -> Result<Vec<QuantExpert>> {
     let (h, i) = (plan.hidden, plan.inter);
-    let load = |name: &str| -> Result<Vec<f32>> {
-        let t = ckpt.f16(name)?;
-        Ok(t.data.iter().map(|v| v.to_f32()).collect())
-    };
-    let gate = load(&names[0])?;
-    let up = load(&names[1])?;
-    let down = load(&names[2])?;
-    let qg = quant::rtn(&names[0], &gate, i, h)?;
-    let qu = quant::rtn(&names[1], &up, i, h)?;
-    let qd = quant::rtn(&names[2], &down, h, i)?;
-    let stats = vec![
-        stat(
-            arch::draft_tensor_name(layer, expert, "gate_up", "qweight"),
-            &[(&gate, &qg), (&up, &qu)],
-        ),
-        stat(
-            arch::draft_tensor_name(layer, expert, "down", "qweight"),
-            &[(&down, &qd)],
-        ),
-    ];
-    let gate_up = QuantMatrix::concat_n(&qg, &qu)?;
-    Ok(DraftExpert {
-        gate_up: quant::marlin_pack(&gate_up)?,
-        down: quant::marlin_pack(&qd)?,
-        stats,
-    })
+    let [gate, up, down] = load_expert(ckpt, names)?;
+    encodings
+        .iter()
+        .map(|&encoding| {
+            let bits = encoding.bits;
+            let qg = quant::rtn(&names[0], &gate, i, h, bits)?;
+            let qu = quant::rtn(&names[1], &up, i, h, bits)?;
+            let qd = quant::rtn(&names[2], &down, h, i, bits)?;
+            let name = |part| encoding.role.tensor_name(layer, expert, part, "qweight");
+            let stats = vec![
+                stat(name("gate_up"), &[(&gate, &qg), (&up, &qu)]),
+                stat(name("down"), &[(&down, &qd)]),
+            ];
+            QuantExpert::new(encoding, &QuantMatrix::concat_n(&qg, &qu)?, &qd, stats)
+        })
+        .collect()
 }
 
 /// Relative Frobenius error of the dequantized weights: the expected relative output error for

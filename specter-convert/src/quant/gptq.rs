@@ -16,7 +16,7 @@ use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
 use rayon::prelude::*;
 
 use super::{
-    check_weight, code_value, group_scales, quantize_code, transpose, QuantMatrix, GROUP_SIZE,
+    check_weight, code_value, group_scales, quantize_code, transpose, Bits, QuantMatrix, GROUP_SIZE,
 };
 use crate::{Error, Result};
 
@@ -146,6 +146,8 @@ pub struct GptqConfig {
     pub block_size: usize,
     /// Process columns in descending `diag(H)` order (scales stay per original group).
     pub act_order: bool,
+    /// Width of the codes.
+    pub bits: Bits,
 }
 
 impl Default for GptqConfig {
@@ -154,6 +156,7 @@ impl Default for GptqConfig {
             damp: 0.01,
             block_size: 128,
             act_order: true,
+            bits: Bits::FOUR,
         }
     }
 }
@@ -311,7 +314,8 @@ pub fn gptq(
     }
 
     // Static groups: scales from the (dead-zeroed) weight in original column order.
-    let scales = group_scales(tensor, &w, n, k)?;
+    let bits = cfg.bits;
+    let scales = group_scales(tensor, &w, n, k, bits)?;
     let groups = k / GROUP_SIZE;
     // Per output row, its scales as f32 in group order ([n][groups]).
     let row_scales: Vec<f32> = (0..n)
@@ -368,9 +372,9 @@ pub fn gptq(
                     for p in j1..j2 {
                         let s = scales[group_of[p]];
                         let v = row[p];
-                        let code = quantize_code(v, s);
+                        let code = quantize_code(v, s, bits);
                         codes[p] = code;
-                        let e = (v - code_value(code) * s) / upper[p * k + p];
+                        let e = (v - code_value(code, bits) * s) / upper[p * k + p];
                         row_err[p - i1] = e;
                         let u = &upper[p * k + p + 1..p * k + j2];
                         for (x, &uv) in row[p + 1..j2].iter_mut().zip(u) {
@@ -413,6 +417,7 @@ pub fn gptq(
         q: QuantMatrix {
             k,
             n,
+            bits,
             q: transpose(&codes, n, k),
             scales,
         },
@@ -501,7 +506,8 @@ mod tests {
             h.merge(&h2);
             assert_eq!(h.rows(), 768);
 
-            let base = output_rel_error(&w, &rtn("w", &w, n, k).unwrap(), &held_out, 256);
+            let base =
+                output_rel_error(&w, &rtn("w", &w, n, k, Bits::FOUR).unwrap(), &held_out, 256);
             for act_order in [true, false] {
                 let cfg = GptqConfig {
                     act_order,
@@ -595,7 +601,7 @@ mod tests {
                 }
             }
         }
-        let scales = rtn("ref", w, n, k).unwrap().scales;
+        let scales = rtn("ref", w, n, k, Bits::FOUR).unwrap().scales;
         let mut wd: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
         let mut codes = vec![0u8; k * n];
         let mut remaining = vec![true; k];
@@ -603,9 +609,9 @@ mod tests {
             let d = inv[p][p];
             for c in 0..n {
                 let s = scales[(p / GROUP_SIZE) * n + c].to_f32();
-                let code = quantize_code(wd[c * k + p] as f32, s);
+                let code = quantize_code(wd[c * k + p] as f32, s, Bits::FOUR);
                 codes[p * n + c] = code;
-                let err = (wd[c * k + p] - f64::from(code_value(code) * s)) / d;
+                let err = (wd[c * k + p] - f64::from(code_value(code, Bits::FOUR) * s)) / d;
                 for j in 0..k {
                     if remaining[j] && j != p {
                         wd[c * k + j] -= err * inv[p][j];
@@ -727,7 +733,10 @@ mod tests {
         let back = marlin_unpack(k, n, &packed.qweight, &packed.scales).unwrap();
         assert_eq!(back, res.q);
         // Static groups: the scales are exactly round-to-nearest's.
-        assert_eq!(res.q.scales, rtn("gate_up", &w, n, k).unwrap().scales);
+        assert_eq!(
+            res.q.scales,
+            rtn("gate_up", &w, n, k, Bits::FOUR).unwrap().scales
+        );
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! INT4 quantization as conversion runs it: GPTQ (gptq.rs) and the output error that compares it
+//! Quantization as conversion runs it: GPTQ (gptq.rs) and the output error that compares it
 //! with round-to-nearest. The INT4 layout itself (codes, scales, Marlin tiles) and round-to-nearest
 //! belong to the runtime, which reads them, and are re-exported here: conversion names one module.
 
@@ -68,7 +68,7 @@ mod tests {
         let x: Vec<f32> = (0..rows * k)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
-        let q = rtn("w", &w, n, k).unwrap();
+        let q = rtn("w", &w, n, k, Bits::FOUR).unwrap();
         let deq = q.dequantize_out_in();
         let (mut num, mut den) = (0.0f64, 0.0f64);
         for r in 0..rows {

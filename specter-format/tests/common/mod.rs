@@ -195,7 +195,8 @@ pub fn write_fixture(path: &Path, seed: u64) -> Fixture {
                 &mut rng,
                 format!("{base}.gate_up.qweight"),
                 DType::U32,
-                vec![hidden / 8 + 1, 2 * inter],
+                // Marlin-tiled 4-bit codes of 128 inputs: [128 / 16, 2 * outputs].
+                vec![128 / 16, 2 * (2 * inter)],
             );
             write(&mut writer, t, &mut tensors);
             let t = random_tensor(
@@ -251,16 +252,21 @@ pub fn write_fixture(path: &Path, seed: u64) -> Fixture {
 /// Replaces a bundle's manifest with `manifest` (placed where the old one was) and writes a
 /// consistent header for it, so that only the checks on the manifest's contents can object.
 pub fn with_manifest(bundle_bytes: &[u8], manifest: &specter_format::Manifest) -> Vec<u8> {
+    let encoded = rkyv::to_bytes::<rkyv::rancor::Error>(manifest).unwrap();
+    with_manifest_bytes(bundle_bytes, &encoded)
+}
+
+/// As [`with_manifest`], with the manifest already encoded (for example a format 1.x one).
+pub fn with_manifest_bytes(bundle_bytes: &[u8], encoded: &[u8]) -> Vec<u8> {
     use sha2::{Digest, Sha256};
     let old = specter_format::Header::decode(bundle_bytes).unwrap();
-    let encoded = rkyv::to_bytes::<rkyv::rancor::Error>(manifest).unwrap();
     let mut bytes = bundle_bytes[..old.manifest_offset as usize].to_vec();
-    bytes.extend_from_slice(&encoded);
+    bytes.extend_from_slice(encoded);
     let header = specter_format::Header::new(
         bytes.len() as u64,
         old.manifest_offset,
         encoded.len() as u64,
-        Sha256::digest(&encoded).into(),
+        Sha256::digest(encoded).into(),
     );
     bytes[..specter_format::HEADER_LEN].copy_from_slice(&header.encode());
     bytes

@@ -4,8 +4,9 @@
 //! per-use conversion in inner loops), at twice the memory of the FP16 source. This backend is the
 //! exact reference that tests run on small models, so speed per call matters more than footprint.
 //!
-//! INT4 (draft) weights are held dequantized; products with them round their input rows to f16
-//! first, as the W4A16 kernels do (kernels/moe_int4.cu, "Numerics").
+//! Quantized weights (the draft's, a quantized target's) are held dequantized; products with them
+//! round their input rows to f16 first, as the W4A16 kernels do (kernels/moe_int4.cu,
+//! "Numerics").
 //!
 //! Every output element is computed by the same sequential code whatever the number of rows, and
 //! threads only split independent elements: results are bit-identical between batched and
@@ -273,6 +274,25 @@ impl Backend for Cpu {
         scales: &[f16],
     ) -> Result<CpuWeight> {
         let data = crate::quant::marlin_dequantize_out_in(k, n, qweight, scales)
+            .map_err(|e| Error::Model(format!("{name}: {e}")))?;
+        Ok(CpuWeight {
+            name: name.to_string(),
+            shape: vec![n, k],
+            data,
+            f16_input: true,
+        })
+    }
+
+    fn weight_rows(
+        &self,
+        name: &str,
+        bits: crate::quant::Bits,
+        k: usize,
+        n: usize,
+        qweight: &[u8],
+        scales: &[f16],
+    ) -> Result<CpuWeight> {
+        let data = crate::quant::rows_dequantize_out_in(k, n, bits, qweight, scales)
             .map_err(|e| Error::Model(format!("{name}: {e}")))?;
         Ok(CpuWeight {
             name: name.to_string(),

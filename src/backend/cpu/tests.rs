@@ -27,7 +27,7 @@ fn weight_int4(rng: &mut ChaCha8Rng, out: usize, inp: usize) -> CpuWeight {
     let w: Vec<f32> = (0..out * inp)
         .map(|_| rng.random_range(-0.5f32..0.5))
         .collect();
-    let q = crate::quant::rtn("w", &w, out, inp).unwrap();
+    let q = crate::quant::rtn("w", &w, out, inp, crate::quant::Bits::FOUR).unwrap();
     let m = crate::quant::marlin_pack(&q).unwrap();
     Cpu.weight_int4("w", inp, out, &m.qweight, &m.scales)
         .unwrap()

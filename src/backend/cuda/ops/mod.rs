@@ -164,6 +164,21 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn check_expert_widths(&self, widths: crate::weights::ExpertWidths) -> Result<()> {
+        // The expert kernels, the expert slots, the copy engine's sizes and the host path all
+        // serve FP16 targets with 4-bit drafts; other widths run on the CPU reference for now.
+        if widths != crate::weights::ExpertWidths::default() {
+            return Err(Error::Backend(format!(
+                "cuda: this bundle holds {} target experts with a {}-bit draft; the CUDA backend \
+                 runs FP16 targets with 4-bit drafts only in this version (use --backend cpu, or \
+                 convert with --target fp16 --draft-bits 4)",
+                widths.target_name(),
+                widths.draft
+            )));
+        }
+        Ok(())
+    }
+
     fn routed_expert(
         &self,
         layer: usize,
