@@ -63,6 +63,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure a bundle's quality against a reference bundle of the same model (normally its FP16
+    /// target): mean and tail KL divergence, top-1 agreement and perplexity of the target and of
+    /// the draft over a text, teacher-forced, and the draft's greedy acceptance and route recall
+    /// against its own target.
+    ///
+    /// Example: specter-run eval int4.specter --reference fp16.specter --text wiki.txt
+    Eval(tools::EvalArgs),
     /// Build a small random-weight model, convert, verify and generate with it: the whole product
     /// in one command, with no download and no GPU needed (on a GPU it runs there).
     ///
@@ -151,6 +158,7 @@ fn main() -> ExitCode {
             backend,
             json,
         ),
+        Command::Eval(args) => tools::eval(args),
         Command::Demo {
             arch,
             dir,

@@ -54,6 +54,80 @@ pub fn probe(
     Ok(())
 }
 
+/// What `eval` compares, on what.
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    pub bundle: PathBuf,
+    /// The bundle to compare with (the same model, same tokenizer).
+    #[arg(long)]
+    pub reference: PathBuf,
+    /// A file of text (tokenized with the bundle's tokenizer) or of token ids.
+    #[arg(long)]
+    pub text: PathBuf,
+    /// Most tokens read from --text.
+    #[arg(long, default_value_t = specter_run::eval::DEFAULT_TOKENS)]
+    pub tokens: usize,
+    /// Tokens per teacher-forced window.
+    #[arg(long, default_value_t = specter_run::eval::DEFAULT_CONTEXT)]
+    pub context: usize,
+    /// auto: CUDA when a usable GPU is found, else the CPU (stderr says which and why). Both
+    /// bundles are loaded at once.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    pub backend: BackendArg,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn eval(input: EvalArgs) -> Result<()> {
+    if input.tokens < 2 {
+        bail!("--tokens must be at least 2");
+    }
+    let mut opts = SessionOptions::new(crate::args::resolve_backend(input.backend));
+    opts.cuda = cuda_options_from_env()?;
+    let tested = Session::open_with(&input.bundle, &opts)?;
+    let reference = Session::open_with(&input.reference, &opts)?;
+    let differs = if tested.bundle.architecture() != reference.bundle.architecture()
+        || tested.bundle.hyperparameters_json() != reference.bundle.hyperparameters_json()
+    {
+        Some("models (architecture or shapes)")
+    } else if tested.bundle.tokenizer_bytes() != reference.bundle.tokenizer_bytes() {
+        Some("tokenizers")
+    } else {
+        None
+    };
+    if let Some(what) = differs {
+        bail!(
+            "{} and {} hold different {what}: eval compares two copies of one model",
+            input.bundle.display(),
+            input.reference.display()
+        );
+    }
+    let tokens = specter_convert::pack::read_calibration_tokens(
+        &input.text,
+        tested.tokenizer.as_ref(),
+        input.tokens,
+    )?;
+    let eval_opts = specter_run::eval::EvalOptions {
+        context: input.context,
+    };
+    let report = with_session_model!(tested, |t| with_session_model!(reference, |r| {
+        specter_run::eval::eval(t, r, &tokens, &eval_opts)
+    }))?;
+    if input.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!(
+            "{}",
+            specter_run::eval::render_text(
+                &report,
+                &input.bundle.display().to_string(),
+                &input.reference.display().to_string()
+            )
+        );
+    }
+    Ok(())
+}
+
 pub fn demo(
     arch: String,
     dir: Option<PathBuf>,
