@@ -125,10 +125,7 @@ fn bad_inputs_are_clear_errors() {
     std::fs::write(&text, "some text to score, long enough for a window or two").unwrap();
     let missing = dir.path().join("missing.txt");
 
-    assert_clean_failure(
-        &eval(&qwen, &mixtral, &text, &[]),
-        &["different models"],
-    );
+    assert_clean_failure(&eval(&qwen, &mixtral, &text, &[]), &["different models"]);
     assert_clean_failure(
         &eval(&qwen, &qwen, &text, &["--context", "1"]),
         &["--context 1", "2 to"],

@@ -29,10 +29,11 @@ pub(crate) const EXPERTS_ONE_MAX_HIDDEN: usize = 8192;
 
 /// Counter slots of `moe_f16_experts_1`, taken in turn by its launches. A launch takes its
 /// tickets before its wait for the kernels before and its last combine zeroes the slot, so a slot
-/// must not be taken again while its previous launch runs (see `experts_slot_reuse_distance`
-/// and its test): in a model's passes a slot's next launch comes 64 launches of that kernel
-/// later, with attention launches between, which let the next kernel start only once every
-/// kernel before them has finished. 133 KB a backend.
+/// must not be taken again while its previous launch runs. In a model's passes a slot's next
+/// launch comes 64 launches of that kernel later, with an attention launch between every two of
+/// them; attention never lets the kernel after it start early, and it starts its own work only
+/// once every kernel before it has finished, so by then the slot's previous launch has ended.
+/// (An argument, not a check: nothing at run time tests it.) 133 KB a backend.
 pub(crate) const EXPERTS_ONE_SLOTS: usize = 64;
 
 /// Words of one slot.
