@@ -113,6 +113,9 @@ impl Params for StreamArgs {
     fn push_ptx(out: &mut Vec<&'static str>) {
         out.extend([".u64", ".u32", ".u32", ".u64", ".u64", ".u32", ".u32"]);
     }
+    fn push_names(_field: &'static str, out: &mut Vec<&'static str>) {
+        out.extend(["w", "k", "n", "x", "y", "stages", "late"]);
+    }
 }
 
 impl KernelArgs for StreamArgs {

@@ -6,7 +6,8 @@
 //! NVRTC from pip and runs it that way (`scripts/kernel-check.sh test`), so there it cannot skip.
 
 use specter::backend::cuda::{
-    compile_source, kernel_signatures, nvrtc_library_present, KernelSource, KERNELS,
+    compile_source, kernel_param_names, kernel_signatures, nvrtc_library_present, KernelSource,
+    KERNELS,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -87,6 +88,113 @@ fn entry_params(ptx: &str) -> BTreeMap<String, Vec<String>> {
         out.insert(name, params);
     }
     out
+}
+
+/// Every `extern "C" __global__` kernel in kernels/ with its parameters' names, read from the
+/// sources as written: a kernel a macro stamps out (`name##SUFFIX(`) is keyed by its base name
+/// with `##`, and stands for the base name followed by nothing, `_1` or a number.
+fn c_signatures() -> Vec<(String, Vec<String>)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("kernels/").flatten() {
+        let path = entry.path();
+        if !path.extension().is_some_and(|e| e == "cu" || e == "cuh") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)
+            .expect("read a kernel file")
+            .replace("\\\n", "\n");
+        for piece in text.split("extern \"C\" __global__ void").skip(1) {
+            let mut rest = piece.trim_start();
+            if let Some(bounds) = rest.strip_prefix("__launch_bounds__(") {
+                rest = bounds.split_once(')').map_or("", |(_, r)| r).trim_start();
+            }
+            let Some((name, params)) = rest.split_once('(') else {
+                continue;
+            };
+            let name: String = name.split_whitespace().collect();
+            let (mut depth, mut end) = (1, 0);
+            for (i, c) in params.char_indices() {
+                depth += match c {
+                    '(' => 1,
+                    ')' => -1,
+                    _ => 0,
+                };
+                if depth == 0 {
+                    end = i;
+                    break;
+                }
+            }
+            let names = params[..end]
+                .split(',')
+                .filter_map(|p| {
+                    p.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                        .rfind(|w| !w.is_empty())
+                        .map(str::to_string)
+                })
+                .collect();
+            out.push((name, names));
+        }
+    }
+    out
+}
+
+/// Whether `kernel` is the kernel `key` (from [`c_signatures`]) names.
+fn is_kernel(key: &str, kernel: &str) -> bool {
+    match key.split_once("##") {
+        None => key == kernel,
+        Some((base, _)) => kernel.strip_prefix(base).is_some_and(|suffix| {
+            suffix.is_empty() || suffix == "_1" || suffix.chars().all(|c| c.is_ascii_digit())
+        }),
+    }
+}
+
+/// Where an argument struct's field is not its kernel's parameter name: `linear2_f16` takes its
+/// first product as `linear_f16` does (the nested `LinearArgs`), under names of its own.
+const RENAMED: &[(&str, &str, &str)] = &[
+    ("linear2_f16", "w", "wa"),
+    ("linear2_f16", "n", "na"),
+    ("linear2_f16", "bias", "ba"),
+    ("linear2_f16", "y", "ya"),
+];
+
+#[test]
+fn every_argument_struct_names_its_kernels_parameters_in_order() {
+    // NVRTC checks the types (every_kernel_compiles_for_each_architecture); the names catch two
+    // parameters of one type in the wrong order, which the types cannot.
+    let signatures = c_signatures();
+    assert!(signatures.len() > 40, "{} kernels read", signatures.len());
+    let mut checked = 0;
+    for (kernels, names) in kernel_param_names() {
+        for kernel in kernels {
+            // A kernel written out by name is that kernel, whatever a macro's name could stand for.
+            let exact: Vec<_> = signatures.iter().filter(|(key, _)| key == kernel).collect();
+            let c: Vec<&(String, Vec<String>)> = if exact.is_empty() {
+                signatures
+                    .iter()
+                    .filter(|(key, _)| is_kernel(key, kernel))
+                    .collect()
+            } else {
+                exact
+            };
+            assert_eq!(c.len(), 1, "{kernel}: {} C signatures match", c.len());
+            let expected: Vec<&str> = names
+                .iter()
+                .map(|&field| {
+                    RENAMED
+                        .iter()
+                        .find(|(k, rust, _)| kernel.starts_with(k) && *rust == field)
+                        .map_or(field, |&(_, _, c)| c)
+                })
+                .collect();
+            assert_eq!(
+                c[0].1, expected,
+                "{kernel}: the C parameters (left) are not its argument struct's fields (right)"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 40, "only {checked} kernels checked");
 }
 
 /// Whether NVRTC can be loaded; without it the tests say so and pass, unless

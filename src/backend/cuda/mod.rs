@@ -28,7 +28,7 @@ pub use options::CudaOptions;
 pub use options::{LaunchMatch, MeasureOptions, LAUNCH_LABELS};
 pub use runtime::act::{GpuAct, GpuWeight};
 pub use runtime::args;
-pub use runtime::args::kernel_signatures;
+pub use runtime::args::{kernel_param_names, kernel_signatures};
 pub use runtime::device::{driver_library_present, CudaDevice, NO_DRIVER_MESSAGE};
 pub use runtime::driver::launch_overlapping;
 pub use runtime::host::{PinnedBuffer, RegisteredHost};

@@ -19,6 +19,9 @@ pub trait Params: Copy {
     fn push_params(&mut self, out: &mut Vec<*mut c_void>);
     /// Appends each parameter's PTX type, in order.
     fn push_ptx(out: &mut Vec<&'static str>);
+    /// Appends each scalar parameter's name, in order: `field` for a scalar, the names of its
+    /// own fields for a struct.
+    fn push_names(field: &'static str, out: &mut Vec<&'static str>);
 }
 
 /// One scalar parameter of the PTX type `$ptx`.
@@ -31,6 +34,9 @@ macro_rules! scalar_param {
                 }
                 fn push_ptx(out: &mut Vec<&'static str>) {
                     out.push($ptx);
+                }
+                fn push_names(field: &'static str, out: &mut Vec<&'static str>) {
+                    out.push(field);
                 }
             }
         )*
@@ -57,6 +63,13 @@ pub trait KernelArgs: Params {
         Self::push_ptx(&mut out);
         out
     }
+
+    /// Each parameter's name, in order (a nested struct's fields by their own names).
+    fn names() -> Vec<&'static str> {
+        let mut out = Vec::new();
+        Self::push_names("", &mut out);
+        out
+    }
 }
 
 /// Declares parameter structs: each field a scalar or another parameter struct.
@@ -73,6 +86,9 @@ macro_rules! params {
                 }
                 fn push_ptx(out: &mut Vec<&'static str>) {
                     $( <$ty as Params>::push_ptx(out); )*
+                }
+                fn push_names(_field: &'static str, out: &mut Vec<&'static str>) {
+                    $( <$ty as Params>::push_names(stringify!($field), out); )*
                 }
             }
         )*
@@ -94,6 +110,12 @@ macro_rules! kernel_args {
         /// Every argument struct: its kernels and their parameters' PTX types.
         pub fn kernel_signatures() -> Vec<(&'static [&'static str], Vec<&'static str>)> {
             vec![$( (<$name as KernelArgs>::KERNELS, <$name as KernelArgs>::ptx()) ),*]
+        }
+
+        /// Every argument struct: its kernels and their parameters' names, which the kernels'
+        /// C signatures must repeat in the same order.
+        pub fn kernel_param_names() -> Vec<(&'static [&'static str], Vec<&'static str>)> {
+            vec![$( (<$name as KernelArgs>::KERNELS, <$name as KernelArgs>::names()) ),*]
         }
     };
 }
