@@ -98,6 +98,10 @@ def parse_args():
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu for smoke tests")
     p.add_argument("--experts-impl", default="auto", choices=["auto", "eager", "grouped_mm"],
                    help="transformers' routed-experts implementation for training; auto times both (default)")
+    p.add_argument("--q-lora-rank", type=int, default=0,
+                   help="MLA queries through a low-rank projection of this rank (0, the default: none, as "
+                        "DeepSeek-V2-Lite). llama.cpp reads a DeepSeek-V2 model without one only at 26 or 27 "
+                        "layers, so a few-layer model compared with llama.cpp needs one")
     p.add_argument("--tiny", action="store_true",
                    help="tiny widths for a CPU smoke test only; never for real runs (see the docstring)")
     args = p.parse_args()
@@ -244,7 +248,7 @@ def model_config(args, vocab):
         num_experts_per_tok=6,
         n_shared_experts=2,
         first_k_dense_replace=1,
-        q_lora_rank=None,
+        q_lora_rank=args.q_lora_rank or None,
         topk_method="greedy",
         n_group=1,
         topk_group=1,

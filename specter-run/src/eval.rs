@@ -21,15 +21,19 @@ pub const DEFAULT_TOKENS: usize = 4096;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EvalOptions {
-    /// Tokens per teacher-forced window; each window is scored from its first token on (the
-    /// prediction of its second).
+    /// Tokens per teacher-forced window.
     pub context: usize,
+    /// Positions of each window left unscored: 0 scores from its first token on (the prediction
+    /// of its second); llama.cpp's `perplexity` scores only a window's second half, which
+    /// `context / 2` reproduces.
+    pub score_from: usize,
 }
 
 impl Default for EvalOptions {
     fn default() -> Self {
         EvalOptions {
             context: DEFAULT_CONTEXT,
+            score_from: 0,
         }
     }
 }
@@ -54,6 +58,7 @@ pub struct Agreement {
 pub struct EvalReport {
     pub tokens: usize,
     pub context: usize,
+    pub score_from: usize,
     /// The reference's own perplexity on the text.
     pub reference_perplexity: f64,
     /// The bundle's target against the reference.
@@ -165,6 +170,16 @@ pub fn eval<T: LanguageModel, R: LanguageModel>(
             opts.context
         )));
     }
+    if opts.score_from + 1 >= opts.context {
+        return Err(Error::Request(format!(
+            "--score-from {}: a window of {} tokens scores its positions {} to {}; the first \
+             scored one must be below the last",
+            opts.score_from,
+            opts.context,
+            0,
+            opts.context - 2
+        )));
+    }
     let vocab = tested.info().vocab_size;
     if reference.info().vocab_size != vocab {
         return Err(Error::Request(format!(
@@ -175,11 +190,14 @@ pub fn eval<T: LanguageModel, R: LanguageModel>(
     }
     let (mut target, mut draft, mut reference_nll) = (Scores::default(), Scores::default(), 0.0);
     let (mut accepted, mut recall_sum, mut recall_positions) = (0usize, 0.0f64, 0usize);
-    for window in tokens.chunks(opts.context).filter(|w| w.len() >= 2) {
+    for window in tokens
+        .chunks(opts.context)
+        .filter(|w| w.len() >= opts.score_from + 2)
+    {
         let want = forward(reference, Variant::Target, window)?;
         let got = forward(tested, Variant::Target, window)?;
         let drafted = forward(tested, Variant::Draft, window)?;
-        for i in 0..window.len() - 1 {
+        for i in opts.score_from..window.len() - 1 {
             let next = window[i + 1] as usize;
             let row = |l: &[f32]| log_softmax(&l[i * vocab..(i + 1) * vocab]);
             let (r, t, d) = (row(&want), row(&got), row(&drafted));
@@ -196,11 +214,20 @@ pub fn eval<T: LanguageModel, R: LanguageModel>(
         recall_sum += routes.route_recall * window.len() as f64;
         recall_positions += window.len();
     }
+    if target.kl.is_empty() {
+        return Err(Error::Request(format!(
+            "{} tokens leave no window with a position to score (--context {}, --score-from {})",
+            tokens.len(),
+            opts.context,
+            opts.score_from
+        )));
+    }
     let target = target.finish();
     let positions = target.positions;
     Ok(EvalReport {
         tokens: tokens.len(),
         context: opts.context,
+        score_from: opts.score_from,
         reference_perplexity: (reference_nll / positions as f64).exp(),
         target,
         draft: draft.finish(),
@@ -221,8 +248,8 @@ pub fn render_text(r: &EvalReport, tested: &str, reference: &str) -> String {
         )
     };
     let mut out = format!(
-        "{tested} against {reference}: {} tokens in windows of {}\n\n",
-        r.tokens, r.context
+        "{tested} against {reference}: {} tokens in windows of {}, {} positions scored\n\n",
+        r.tokens, r.context, r.target.positions
     );
     out += &format!(
         "{:<8} {:>10} {:>10} {:>10} {:>10} {:>11}\n",

@@ -70,6 +70,10 @@ pub struct EvalArgs {
     /// Tokens per teacher-forced window.
     #[arg(long, default_value_t = specter_run::eval::DEFAULT_CONTEXT)]
     pub context: usize,
+    /// Leave each window's first N positions unscored (llama.cpp's `perplexity` scores only the
+    /// second half of each window: `--score-from` half of `--context` does the same).
+    #[arg(long, default_value_t = 0)]
+    pub score_from: usize,
     /// auto: CUDA when a usable GPU is found, else the CPU (stderr says which and why). Both
     /// bundles are loaded at once.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
@@ -109,6 +113,7 @@ pub fn eval(input: EvalArgs) -> Result<()> {
     )?;
     let eval_opts = specter_run::eval::EvalOptions {
         context: input.context,
+        score_from: input.score_from,
     };
     let report = with_session_model!(tested, |t| with_session_model!(reference, |r| {
         specter_run::eval::eval(t, r, &tokens, &eval_opts)

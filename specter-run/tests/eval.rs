@@ -102,6 +102,19 @@ fn quantized_targets_are_measured_against_the_fp16_bundle() {
         figure(&r4, &["target", "mean_kl"])
     );
 
+    // Scoring each window's second half, as llama.cpp does, scores fewer positions.
+    let half = report(&eval(
+        &int8,
+        &fp16,
+        &text,
+        &["--context", "128", "--score-from", "64", "--json"],
+    ));
+    let (all, second) = (
+        figure(&r8, &["target", "positions"]),
+        figure(&half, &["target", "positions"]),
+    );
+    assert!(second < all && second > 0.0, "{second} of {all}");
+
     // The text report names both bundles and every figure's row.
     let run = eval(&int8, &fp16, &text, &["--context", "128"]);
     assert!(run.ok(), "{run:?}");
@@ -138,5 +151,14 @@ fn bad_inputs_are_clear_errors() {
     assert_clean_failure(
         &eval(&qwen, &qwen, &text, &["--tokens", "1"]),
         &["--tokens", "at least 2"],
+    );
+    assert_clean_failure(
+        &eval(
+            &qwen,
+            &qwen,
+            &text,
+            &["--context", "8", "--score-from", "7"],
+        ),
+        &["--score-from 7"],
     );
 }
