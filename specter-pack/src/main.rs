@@ -623,6 +623,17 @@ fn inspect(path: PathBuf, json: bool, tensors: bool) -> Result<ExitCode> {
     }
     println!("bundle       {}", path.display());
     println!("architecture {}", manifest.architecture);
+    let header = bundle.header();
+    println!(
+        "format       {}.{}{}",
+        header.major,
+        header.minor,
+        if header.major < specter_format::FORMAT_MAJOR {
+            " (read as an FP16 target with a 4-bit draft, which it holds)"
+        } else {
+            ""
+        }
+    );
     println!(
         "file size    {} bytes ({:.3} GB)",
         bundle.file_len(),
