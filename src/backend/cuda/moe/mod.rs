@@ -147,11 +147,14 @@ impl CudaBackend {
         Ok(self.route_on_host(logits, spec, None, || Ok(()))?.0)
     }
 
-    /// The routing of `logits` computed on the host, with `input` read back in the same wait
+    /// The routing of `logits` brought to the host, with `input` read back in the same wait
     /// when given, and `meanwhile` issued on the device after the copies so that it runs while
-    /// the host routes and places. The routing decides which experts are copied, so the host
-    /// needs it anyway; computing it with the CPU reference's code keeps top-k ties and
-    /// SparseMixer identical.
+    /// the host places the experts. The routing decides which experts are copied, so the host
+    /// needs it. It is computed by the device's routing kernels wherever they take it, so that a
+    /// layer routed for the host (offloaded experts, route hooks) has the same experts and
+    /// weights, bit for bit, as one routed on the device alone (the CPU reference's softmax sums
+    /// in another order and its `exp` is not the device's); elsewhere (top-k past the kernels'
+    /// limit) by the CPU reference, as every placement then is.
     pub(in crate::backend::cuda) fn route_on_host<T>(
         &self,
         logits: &GpuAct,
@@ -160,9 +163,11 @@ impl CudaBackend {
         meanwhile: impl FnOnce() -> Result<T>,
     ) -> Result<(Routing, Option<Vec<f32>>, T)> {
         let waiting = std::time::Instant::now();
+        let routed = self.route_for_host(logits, spec)?;
+        let first = routed.as_ref().map_or(logits, |(act, _)| act);
         let (mut parts, issued) = match input {
-            Some(x) => self.read_back_then(&[logits, x], meanwhile)?,
-            None => self.read_back_then(&[logits], meanwhile)?,
+            Some(x) => self.read_back_then(&[first, x], meanwhile)?,
+            None => self.read_back_then(&[first], meanwhile)?,
         };
         let xh = input.and_then(|_| parts.pop());
         let data = parts.pop().unwrap_or_default();
@@ -170,15 +175,71 @@ impl CudaBackend {
             self.lock(o)?
                 .record_route_wait(waiting.elapsed().as_secs_f64());
         }
-        let routing = Cpu.route(
-            &Mat {
-                rows: logits.rows,
-                cols: logits.cols,
-                data,
-            },
-            spec,
-        )?;
+        let routing = match routed {
+            Some((_, top_k)) => routing_from_words(&data, top_k, logits.cols)?,
+            None => Cpu.route(
+                &Mat {
+                    rows: logits.rows,
+                    cols: logits.cols,
+                    data,
+                },
+                spec,
+            )?,
+        };
         Ok((routing, xh, issued))
+    }
+
+    /// Launches the device's routing of `logits` into a new `[2, rows * top_k]` activation
+    /// (the expert ids' bits, then the weights), the layout [`routing_from_words`] reads; `None`
+    /// where the kernels do not take this routing (or there is nothing to route).
+    fn route_for_host(&self, logits: &GpuAct, spec: RouteSpec) -> Result<Option<(GpuAct, usize)>> {
+        let (rows, experts) = (logits.rows, logits.cols);
+        let (top_k, least) = match spec {
+            RouteSpec::SoftmaxTopK { top_k, .. } => (top_k, 1),
+            RouteSpec::SparseMixer { .. } => (2, 2),
+        };
+        if rows == 0 || !(1..=MAX_TOP_K).contains(&top_k) || experts < top_k.max(least) {
+            return Ok(None);
+        }
+        let n = rows * top_k;
+        let out = self.alloc(2, n)?;
+        let s = &self.stream;
+        let ids = ptr(&out.buf, s);
+        let (ids, weights) = (DevPtr(ids), DevPtr(ids + 4 * n as u64));
+        let grid = (int(rows, "rows")? as u32, 1, 1);
+        match spec {
+            RouteSpec::SoftmaxTopK {
+                renormalize, scale, ..
+            } => self.launch(
+                &self.k.route_topk,
+                "route top-k",
+                grid,
+                32,
+                RouteTopkArgs {
+                    logits: dptr(&logits.buf, s),
+                    experts: int(experts, "experts")?,
+                    top_k: int(top_k, "top_k")?,
+                    renormalize: i32::from(renormalize),
+                    scale,
+                    ids,
+                    weights,
+                },
+            )?,
+            RouteSpec::SparseMixer { jitter_eps } => self.launch(
+                &self.k.route_sparse_mixer,
+                "route sparse mixer",
+                grid,
+                32,
+                RouteSparseMixerArgs {
+                    logits: dptr(&logits.buf, s),
+                    experts: int(experts, "experts")?,
+                    jitter_eps,
+                    ids,
+                    weights,
+                },
+            )?,
+        }
+        Ok(Some((out, top_k)))
     }
 
     /// Whether `experts` are offloaded and the host expert kernel may compute some of them.
@@ -739,6 +800,29 @@ impl CudaBackend {
         self.defer_free(d_groups);
         Ok(())
     }
+}
+
+/// The routing in `words` as [`CudaBackend::route_for_host`] lays it out: `rows * top_k` expert
+/// ids (their bits in f32 words), then as many weights.
+fn routing_from_words(words: &[f32], top_k: usize, experts: usize) -> Result<Routing> {
+    let n = words.len() / 2;
+    if words.len() != 2 * n || !n.is_multiple_of(top_k) {
+        return Err(Error::Backend(format!(
+            "device routing: {} words read back for top {top_k}",
+            words.len()
+        )));
+    }
+    let ids: Vec<u32> = words[..n].iter().map(|w| w.to_bits()).collect();
+    if let Some(bad) = ids.iter().find(|&&e| e as usize >= experts) {
+        return Err(Error::Backend(format!(
+            "device routing chose expert {bad} of {experts}"
+        )));
+    }
+    Ok(Routing {
+        top_k,
+        ids,
+        weights: words[n..].to_vec(),
+    })
 }
 
 /// The FP16 gate/up kernels' arguments for `l`.
