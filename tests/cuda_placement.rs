@@ -41,12 +41,21 @@ const NEW_TOKENS: usize = 64;
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_logits_do_not_depend_on_placement_on_any_fixture() {
     let device = Arc::new(common::gpu::device());
+    let mut failures = Vec::new();
     for name in FIXTURES {
         let fixture = Fixture::load(name);
         let (_dir, bundle) = fixture.bundle();
         let prompts: Vec<Vec<u32>> = fixture.prompts().into_iter().take(2).collect();
-        check_model(name, &device, Arc::new(bundle), &fixture.cfg, &prompts, 2);
+        failures.extend(check_model(
+            name,
+            &device,
+            Arc::new(bundle),
+            &fixture.cfg,
+            &prompts,
+            2,
+        ));
     }
+    assert_none(&failures);
 }
 
 #[test]
@@ -76,7 +85,14 @@ fn gpu_logits_do_not_depend_on_placement_at_deepseek_v2_lite_widths() {
                 .collect()
         })
         .collect();
-    check_model("deepseek-v2-lite x3", &device, bundle, &cfg, &prompts, 4);
+    assert_none(&check_model(
+        "deepseek-v2-lite x3",
+        &device,
+        bundle,
+        &cfg,
+        &prompts,
+        4,
+    ));
 }
 
 /// Where the experts are and how the backend runs, for one decode.
@@ -119,7 +135,7 @@ fn check_model(
     cfg: &ArchConfig,
     prompts: &[Vec<u32>],
     host_threads: usize,
-) {
+) -> Vec<String> {
     let experts = cfg.moe.num_experts;
     let half = (experts / 2).max(1);
     let host = |link: f64, split| HostExpertsConfig {
@@ -208,6 +224,8 @@ fn check_model(
         (Mode::Specter, 16),
         (Mode::SpecMoeOff, 3),
     ];
+    // Every difference found, so that one GPU run reports all of them, not only the first.
+    let mut failures: Vec<String> = Vec::new();
     for (p, prompt) in prompts.iter().enumerate() {
         let reference = reference_run(device, &bundle, cfg, prompt);
         // The draft's rows, call by call, of the first Specter run at each depth.
@@ -215,80 +233,95 @@ fn check_model(
         let mut compared = 0usize;
         for placement in &placements {
             let model = open(device, &bundle, cfg, placement);
+            // Experts the host computed (whole or split) over this placement's decodes.
+            let mut on_host = 0u64;
             for &(mode, depth) in &modes {
                 let what = format!(
                     "{name} prompt {p}, {} {mode:?} depth {depth}",
                     placement.label
                 );
                 let tap = Tap::new(&model, Some(&reference));
-                let tokens = decode(&tap, prompt, mode, depth);
+                let (tokens, host) = decode(&tap, prompt, mode, depth);
+                on_host += host;
                 let seen = tap.seen.into_inner();
-                assert_eq!(
-                    tokens,
-                    reference.tokens,
-                    "{what}: tokens differ from all-resident target-only (first at index {:?})",
-                    first_difference(&tokens, &reference.tokens)
-                );
+                if let Some(i) = first_difference(&tokens, &reference.tokens) {
+                    failures.push(format!(
+                        "{what}: tokens differ from all-resident target-only (first at index {i})"
+                    ));
+                }
                 if let Some((pos, rel)) = seen.mismatch {
-                    panic!(
+                    failures.push(format!(
                         "{what}: target logits at position {pos} differ from all-resident \
                          target-only's (max relative difference {rel:.3e})"
-                    );
+                    ));
                 }
                 let wanted: BTreeSet<usize> =
                     (prompt.len() - 1..prompt.len() - 1 + NEW_TOKENS).collect();
                 let missing: Vec<usize> = wanted.difference(&seen.checked).copied().collect();
-                assert!(
-                    missing.is_empty(),
-                    "{what}: no logits row of the reference's prefix at positions {missing:?}"
-                );
+                if !missing.is_empty() {
+                    failures.push(format!(
+                        "{what}: no logits row of the reference's prefix at positions {missing:?}"
+                    ));
+                }
                 compared += seen.checked.len();
                 if mode.is_speculative() {
                     let first = draft_calls
                         .entry((format!("{mode:?}"), depth))
                         .or_insert_with(|| seen.draft.clone());
-                    assert!(
-                        *first == seen.draft,
-                        "{what}: the draft's logits differ from the first placement's \
-                         (call {} of {} and {})",
-                        first_difference(first, &seen.draft).unwrap_or(0),
-                        first.len(),
-                        seen.draft.len()
-                    );
+                    if *first != seen.draft {
+                        failures.push(format!(
+                            "{what}: the draft's logits differ from the first placement's \
+                             (call {} of {} and {})",
+                            first_difference(first, &seen.draft).unwrap_or(0),
+                            first.len(),
+                            seen.draft.len()
+                        ));
+                    }
                 }
                 // The production path (greedy choices on the device, chained where possible,
                 // prefetch observers where experts are offloaded) gives the same tokens.
-                let plain = decode(&model, prompt, mode, depth);
-                assert_eq!(
-                    plain,
-                    reference.tokens,
-                    "{what}: tokens differ from all-resident target-only (first at index {:?})",
-                    first_difference(&plain, &reference.tokens)
-                );
+                let (plain, host) = decode(&model, prompt, mode, depth);
+                on_host += host;
+                if let Some(i) = first_difference(&plain, &reference.tokens) {
+                    failures.push(format!(
+                        "{what}, production path: tokens differ from all-resident target-only \
+                         (first at index {i})"
+                    ));
+                }
             }
             if placement.offload.is_some() && placement.options.graphs {
                 let graphs = model.backend().step_graph_stats().unwrap();
-                assert!(
-                    graphs.segment_replays > 0,
-                    "{name} ({}): no segment was replayed: {graphs:?}",
-                    placement.label
-                );
+                if graphs.segment_replays == 0 {
+                    failures.push(format!(
+                        "{name} ({}): no segment was replayed: {graphs:?}",
+                        placement.label
+                    ));
+                }
             }
-            if let Some((_, _, _, Some(_))) = placement.offload {
-                let stats = model.backend().offload_stats().unwrap().expect("offloaded");
-                assert!(
-                    stats.host_experts + stats.split_experts > 0,
+            if matches!(placement.offload, Some((_, _, _, Some(_)))) && on_host == 0 {
+                failures.push(format!(
                     "{name} ({}): no expert ran on the host",
                     placement.label
-                );
+                ));
             }
         }
         eprintln!(
-            "{name} prompt {p}: {} placements x {} modes, {compared} logits rows bitwise equal",
+            "{name} prompt {p}: {} placements x {} modes, {compared} logits rows compared",
             placements.len(),
             modes.len()
         );
     }
+    failures
+}
+
+/// Fails with every difference `failures` lists.
+fn assert_none(failures: &[String]) {
+    assert!(
+        failures.is_empty(),
+        "{} differences across placements:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// All-resident target-only decoding with default options: its tokens and the logits row at
@@ -313,7 +346,7 @@ fn reference_run(
         &Placement::resident("reference", CudaOptions::default()),
     );
     let tap = Tap::new(&model, None);
-    let tokens = decode(&tap, prompt, Mode::Target, 1);
+    let (tokens, _) = decode(&tap, prompt, Mode::Target, 1);
     let mut sequence = prompt.to_vec();
     sequence.extend(&tokens);
     let seen = tap.seen.into_inner();
@@ -356,13 +389,15 @@ fn open(
 }
 
 /// Greedy decoding of `prompt` as the product runs it: with offloaded experts the speculative
-/// modes prefetch what the draft forecasts (route-frequency Top-M for SpecMoEOff).
+/// modes prefetch what the draft forecasts (route-frequency Top-M for SpecMoEOff). Returns the
+/// tokens and how many experts the host computed (whole or split), read before the cache and
+/// its counters are reset for the next decode.
 fn decode<M: LanguageModel + Placed>(
     model: &M,
     prompt: &[u32],
     mode: Mode,
     depth: usize,
-) -> Vec<u32> {
+) -> (Vec<u32>, u64) {
     let opts = GenerateOptions {
         mode,
         max_new_tokens: NEW_TOKENS,
@@ -391,11 +426,14 @@ fn decode<M: LanguageModel + Placed>(
                 .tokens
         }
     };
+    let mut on_host = 0;
     if offloaded {
+        let stats = gpu.backend().offload_stats().unwrap().expect("offloaded");
+        on_host = stats.host_experts + stats.split_experts;
         // The next decode starts from an empty cache, as every placement's first one does.
         gpu.backend().reset_offload().unwrap();
     }
-    tokens
+    (tokens, on_host)
 }
 
 /// The GPU model under a decode, whether tapped or not.
