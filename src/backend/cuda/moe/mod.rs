@@ -959,4 +959,24 @@ mod tests {
         assert_eq!(plan.range(2), (4, 2));
         assert_eq!(plan.max_count(), 2);
     }
+
+    #[test]
+    fn device_routing_words_read_back_as_ids_then_weights() {
+        // 2 rows, top 2: the ids' bits, then the weights, as route_for_host lays them out.
+        let mut words: Vec<f32> = [3u32, 0, 5, 1].iter().map(|&i| f32::from_bits(i)).collect();
+        words.extend([0.75f32, 0.25, 0.5, 0.5]);
+        let routing = routing_from_words(&words, 2, 6).unwrap();
+        assert_eq!(routing.top_k, 2);
+        assert_eq!(routing.ids, vec![3, 0, 5, 1]);
+        assert_eq!(routing.weights, vec![0.75, 0.25, 0.5, 0.5]);
+        // An id past the experts, or words that are not two equal halves of whole rows, are
+        // errors naming what was read, not a routing.
+        let err = routing_from_words(&words, 2, 5).unwrap_err().to_string();
+        assert!(err.contains("expert 5 of 5"), "{err}");
+        let err = routing_from_words(&words[..6], 2, 6)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("6 words"), "{err}");
+        assert!(routing_from_words(&words[..7], 2, 6).is_err());
+    }
 }
