@@ -337,30 +337,12 @@ impl CudaBackend {
                         route_plan,
                     )?;
                 } else {
-                    self.launch(
-                        &self.k.route_topk,
-                        "route top-k",
-                        (rows as u32, 1, 1),
-                        32,
-                        route_args,
-                    )?;
+                    self.route_rows(logits, spec, top_k, ids_p, weights_p)?;
                     plan_separately(self)?;
                 }
             }
-            RouteSpec::SparseMixer { jitter_eps } => {
-                self.launch(
-                    &self.k.route_sparse_mixer,
-                    "route sparse mixer",
-                    (rows as u32, 1, 1),
-                    32,
-                    RouteSparseMixerArgs {
-                        logits: dptr(&logits.buf, s),
-                        experts: int(n_experts, "experts")?,
-                        jitter_eps,
-                        ids: dptr(&ids, s),
-                        weights: dptr(&weights, s),
-                    },
-                )?;
+            RouteSpec::SparseMixer { .. } => {
+                self.route_rows(logits, spec, top_k, ids_p, weights_p)?;
                 plan_separately(self)?;
             }
         }

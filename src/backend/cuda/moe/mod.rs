@@ -206,7 +206,24 @@ impl CudaBackend {
         let s = &self.stream;
         let ids = ptr(&out.buf, s);
         let (ids, weights) = (DevPtr(ids), DevPtr(ids + 4 * n as u64));
-        let grid = (int(rows, "rows")? as u32, 1, 1);
+        self.route_rows(logits, spec, top_k, ids, weights)?;
+        Ok(Some((out, top_k)))
+    }
+
+    /// Routes each row of `logits` on the device, one warp a row: ids and weights `[rows,
+    /// top_k]` (`top_k` is 2 for SparseMixer). The one per-row routing launch, shared by the
+    /// device's own MoE path and the routing read back to the host.
+    pub(in crate::backend::cuda) fn route_rows(
+        &self,
+        logits: &GpuAct,
+        spec: RouteSpec,
+        top_k: usize,
+        ids: DevPtr,
+        weights: DevPtr,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let grid = (int(logits.rows, "rows")? as u32, 1, 1);
+        let experts = int(logits.cols, "experts")?;
         match spec {
             RouteSpec::SoftmaxTopK {
                 renormalize, scale, ..
@@ -217,14 +234,14 @@ impl CudaBackend {
                 32,
                 RouteTopkArgs {
                     logits: dptr(&logits.buf, s),
-                    experts: int(experts, "experts")?,
+                    experts,
                     top_k: int(top_k, "top_k")?,
                     renormalize: i32::from(renormalize),
                     scale,
                     ids,
                     weights,
                 },
-            )?,
+            ),
             RouteSpec::SparseMixer { jitter_eps } => self.launch(
                 &self.k.route_sparse_mixer,
                 "route sparse mixer",
@@ -232,14 +249,13 @@ impl CudaBackend {
                 32,
                 RouteSparseMixerArgs {
                     logits: dptr(&logits.buf, s),
-                    experts: int(experts, "experts")?,
+                    experts,
                     jitter_eps,
                     ids,
                     weights,
                 },
-            )?,
+            ),
         }
-        Ok(Some((out, top_k)))
     }
 
     /// Whether `experts` are offloaded and the host expert kernel may compute some of them.
