@@ -9,7 +9,9 @@
 #             specter-run/tests/cuda_doctor.rs)
 #   ops       every CUDA op against the CPU reference on random inputs, one test per op family
 #             (tests/cuda_ops.rs, tests/cuda_ops_fused.rs)
-#   int4      the INT4 draft expert kernels against the CPU reference (tests/cuda_moe_int4.rs)
+#   int4      the quantized expert kernels against the CPU reference: INT4 (tests/cuda_moe_int4.rs),
+#             and the row layout at 8, 3 and 2 bits with its weight read rate
+#             (tests/cuda_moe_rows.rs)
 #   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; the same
 #             logits with the shared experts fused into the routed launches as without; and every
 #             load I/O method gives the per-tensor upload's weights (tests/cuda_load.rs)
@@ -23,6 +25,9 @@
 #             TPOT all resident, and offloaded with 16 of 64 experts per layer (lru, ondemand)
 #   compare   old against new binaries ($OLD_CARRY): TPOT all resident and lru16 on the bench model
 #             ($CMP_VARIANTS: "name|generate args" items separated by ';' instead)
+#   precision FP16, INT8 and INT4 targets of the bench model: target-only TPOT all resident, with
+#             1 expert slot and at two VRAM budgets, peak VRAM, tokens unchanged by residency
+#             (see precision() below)
 #   residency target-only greedy tokens equal to all-resident's at every residency, lru, ondemand,
 #             the host path, pinned staging (see residency() below)
 #   hostexp   the host expert kernel: same bits as the GPU kernel, and its bandwidth against the
@@ -95,6 +100,7 @@ build() {
     # By name across the workspace: most are the root crate's (tests/), cuda_doctor specter-run's.
     local tests=(cuda_device cuda_doctor cuda_ops cuda_ops_fused cuda_fixtures cuda_placement cuda_load cuda_host_experts cuda_pace)
     [ -f tests/cuda_moe_int4.rs ] && tests+=(cuda_moe_int4)
+    [ -f tests/cuda_moe_rows.rs ] && tests+=(cuda_moe_rows)
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
     # The `measure` feature: cuda_ops_fused checks which launches the fused ops make by leaving
@@ -775,6 +781,65 @@ ttft() {
     python3 "$ROOT/scripts/ttft_table.py" "$out/ttft.tsv" | tee "$out/ttft-table.txt"
 }
 
+# Target precision on the bench model: FP16, INT8 (4-bit draft) and INT4 (3-bit draft) bundles
+# converted from one checkpoint (round to nearest: speed does not depend on the quantizer);
+# target-only TPOT all resident, with 1 expert slot a layer (lru) and at each VRAM budget of
+# $PRECISION_BUDGETS (GB, default "12.9 17.7": about 12 and 16.5 GiB), $REPEATS runs (2), and
+# peak VRAM. Each bundle's tokens must not change with residency.
+precision() {
+    local dir=$1 out=$2 hf=${HF_DIR:-$1/hf}
+    KEEP_HF=1 bench_model "$dir" "$out"
+    local pack="${PACK:-$CARRY/specter-pack}" prompt=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
+    for t in int8 int4; do
+        if [ ! -f "$dir/dsv2-$t.specter" ]; then
+            [ -d "$hf" ] || { echo "precision: no checkpoint at $hf (KEEP_HF=1 when making the bench model)"; return 1; }
+            "$pack" convert "$hf" -o "$dir/dsv2-$t.specter" --target "$t" --quant rtn > "$out/convert-$t.txt" 2>&1 ||
+                { tail -3 "$out/convert-$t.txt"; return 1; }
+        fi
+    done
+    : > "$out/precision.tsv"
+    for rep in $(seq "${REPEATS:-2}"); do
+        for t in fp16 int8 int4; do
+            local bundle="$dir/dsv2-$t.specter"
+            [ "$t" = fp16 ] && bundle="$dir/dsv2.specter"
+            local variants=("resident|" "1 slot|--resident-experts 1")
+            for b in ${PRECISION_BUDGETS:-12.9 17.7}; do variants+=("${b} GB|--vram-budget $b"); done
+            for v in "${variants[@]}"; do
+                local name=${v%%|*} args=${v#*|} f="$out/prec-$t-${v%%|*}-$rep.json"
+                f=${f// /_}
+                # shellcheck disable=SC2086
+                "$CARRY/specter-run" generate "$bundle" --prompt-ids "$prompt" --max-new-tokens 128 \
+                    --ignore-eos --json --backend cuda --mode target $args > "$f" 2> "${f%.json}.err" ||
+                    { echo "precision $t $name: $(tail -1 "${f%.json}.err")"; continue; }
+                python3 - "$f" "$t" "$name" >> "$out/precision.tsv" <<'EOF2'
+import json, sys
+d = json.load(open(sys.argv[1]))
+g = d.get("gpu") or {}
+print("\t".join([sys.argv[2], sys.argv[3], str(d["stats"]["tpot_ms"]), str(g.get("vram_peak_bytes", 0)),
+                str(g.get("residency", "")), ",".join(map(str, d["tokens"]))]))
+EOF2
+            done
+        done
+    done
+    python3 - "$out/precision.tsv" <<'EOF2'
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
+print("| target | VRAM | TPOT ms (median; runs) | peak VRAM GiB | residency | tokens equal all resident |")
+print("|---|---|---|---|---|---|")
+status = 0
+for t in dict.fromkeys(r[0] for r in rows):
+    ref = {r[5] for r in rows if r[0] == t and r[1] == "resident"}
+    for name in dict.fromkeys(r[1] for r in rows if r[0] == t):
+        rs = [r for r in rows if r[0] == t and r[1] == name]
+        ts = [float(r[2]) for r in rs]
+        same = {r[5] for r in rs} == ref and len(ref) == 1
+        status |= not same
+        print(f"| {t} | {name} | {statistics.median(ts):.3f} ({', '.join(f'{x:.3f}' for x in ts)}) | "
+              f"{max(int(r[3]) for r in rs) / 2**30:.2f} | {rs[0][4]} | {same} |")
+sys.exit(status)
+EOF2
+}
+
 run() {
     cd "$ROOT"
     local dir="${BENCH_DIR:-/dev/shm/specter-gpu}" out="${OUT:-$(mktemp -d)}"
@@ -793,7 +858,8 @@ run() {
                 done ;;
             ops) run_test cuda_ops "$out/ops.log" || status=1
                 run_test cuda_ops_fused "$out/ops-fused.log" || status=1 ;;
-            int4) run_test cuda_moe_int4 "$out/int4.log" || status=1 ;;
+            int4) run_test cuda_moe_int4 "$out/int4.log" || status=1
+                run_test cuda_moe_rows "$out/rows.log" || status=1 ;;
             fixtures) run_test cuda_fixtures "$out/fixtures.log" gpu_target_tokens || status=1
                 run_test cuda_fixtures "$out/fused.log" gpu_logits || status=1
                 run_test cuda_load "$out/load.log" || status=1 ;;
@@ -804,6 +870,7 @@ run() {
             bench) bench "$dir" "$out" || status=1 ;;
             compare) compare "$dir" "$out" 2>&1 | tee "$out/compare.log" || status=1 ;;
             residency) residency "$dir" "$out" 2>&1 | tee "$out/residency.log" || status=1 ;;
+            precision) precision "$dir" "$out" 2>&1 | tee "$out/precision.log" || status=1 ;;
             hostexp) hostexp "$out" || status=1 ;;
             hybrid) SLOTS=${SLOTS:-1,16,32} hybrid "$dir" "$out" 2>&1 | tee -a "$out/hybrid.log" || status=1 ;;
             pace) run_test cuda_pace "$out/pace.log" || status=1 ;;
@@ -829,5 +896,5 @@ run() {
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build | run [ops|int4|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|incost|steps|peersteps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [ops|int4|precision|compare|hostexp|hybrid|fixtures|lossless|errors|bench|w4a16|kprofile|incost|steps|peersteps|cases|trained|ttft|peer|autoprofile]..." >&2; exit 2 ;;
 esac

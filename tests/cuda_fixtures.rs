@@ -23,6 +23,7 @@ use specter::decode::{
 };
 use specter::model::{KvCache, LanguageModel, NoHook, Variant};
 use specter::offload::Policy;
+use specter_convert::pack::{ConvertOptions, TargetPrecision};
 
 fn options(mode: Mode, max_new_tokens: usize, depth: usize) -> GenerateOptions {
     GenerateOptions {
@@ -49,23 +50,61 @@ fn greedy<M: LanguageModel>(model: &M, prompt: &[u32], mode: Mode, depth: usize)
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_target_tokens_equal_the_cpu_on_every_fixture() {
-    every_fixture_every_residency(false);
+    every_fixture_every_residency(false, None);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn gpu_speculative_decoding_is_lossless_on_every_fixture() {
-    every_fixture_every_residency(true);
+    every_fixture_every_residency(true, None);
+}
+
+/// Quantized targets with their drafts: an INT8 target (row-layout kernels) with a 4-bit draft
+/// (Marlin), and an INT4 target (Marlin) with 3- and 2-bit drafts (row layout).
+const PRECISIONS: [(TargetPrecision, u32); 3] = [
+    (TargetPrecision::Int8, 4),
+    (TargetPrecision::Int4, 3),
+    (TargetPrecision::Int4, 2),
+];
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn gpu_target_tokens_equal_the_cpu_at_every_target_precision() {
+    for precision in PRECISIONS {
+        every_fixture_every_residency(false, Some(precision));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn gpu_speculative_decoding_is_lossless_at_every_target_precision() {
+    for precision in PRECISIONS {
+        every_fixture_every_residency(true, Some(precision));
+    }
 }
 
 /// Target-only greedy tokens on the GPU equal the CPU's; with `speculative`, Specter mode on the
 /// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens, and so does SpecMoEOff
 /// mode (the draft with a KV cache of its own), with route-frequency prefetch when offloaded.
-fn every_fixture_every_residency(speculative: bool) {
+/// `precision`: the bundle's target precision and draft width (default: FP16 with a 4-bit
+/// draft); the host path computes FP16 targets only, so quantized ones skip its variants.
+fn every_fixture_every_residency(speculative: bool, precision: Option<(TargetPrecision, u32)>) {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
         let fixture = Fixture::load(name);
-        let (_dir, bundle) = fixture.bundle();
+        let opts = match precision {
+            Some((target, draft_bits)) => ConvertOptions {
+                target,
+                draft_bits: Some(draft_bits),
+                ..ConvertOptions::default()
+            },
+            None => ConvertOptions::default(),
+        };
+        let name = match precision {
+            Some((target, bits)) => format!("{name} ({} target, {bits}-bit draft)", target.name()),
+            None => name.to_string(),
+        };
+        let (_dir, bundle) = fixture.bundle_with(&opts);
         let bundle = Arc::new(bundle);
         let cpu = MoeModel::load(fixture.cfg.clone(), bundle.as_ref(), Cpu).unwrap();
         let experts = fixture.cfg.moe.num_experts;
@@ -98,6 +137,9 @@ fn every_fixture_every_residency(speculative: bool) {
             (Policy::Lru, 1, HostPath::Auto, Some(all)),
             (Policy::Lru, 2, HostPath::Auto, Some(split)),
         ] {
+            if precision.is_some() && host_experts.is_some() {
+                continue;
+            }
             let hybrid = match host_experts {
                 Some(h) if h.split == SplitExperts::Always => {
                     ", a miss a layer split with the host"

@@ -32,7 +32,7 @@ use specter::decode::{
 };
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
 use specter::offload::Policy;
-use specter_convert::pack::{convert, ConvertOptions, Silent};
+use specter_convert::pack::{convert, ConvertOptions, Silent, TargetPrecision};
 use specter_format::Bundle;
 
 const NEW_TOKENS: usize = 64;
@@ -93,6 +93,67 @@ fn gpu_logits_do_not_depend_on_placement_at_deepseek_v2_lite_widths() {
         &prompts,
         4,
     ));
+}
+
+/// Quantized targets: an INT8 target (row-layout kernels) with a 4-bit draft, and an INT4
+/// target (Marlin) with a 3-bit draft (row layout), on every fixture and on a 2-layer model of
+/// DeepSeek-V2-Lite's widths. The host path computes FP16 targets only, so its placements are
+/// left out.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn gpu_logits_do_not_depend_on_placement_at_every_target_precision() {
+    let device = Arc::new(common::gpu::device());
+    let mut failures = Vec::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = specter_convert::synth::preset_config_layers("deepseek-v2-lite", Some(2)).unwrap();
+    let cfg = ArchConfig::from_config_json(&config).unwrap();
+    let hf = dir.path().join("hf");
+    let tensors = specter::arch::expected_tensors(&cfg);
+    specter_convert::synth::write_checkpoint(&hf, &config, &tensors, 0, 4 << 30, 0.02).unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(59);
+    let prompts: Vec<Vec<u32>> = (0..1)
+        .map(|_| {
+            (0..16)
+                .map(|_| rng.random_range(3..cfg.vocab_size as u32))
+                .collect()
+        })
+        .collect();
+    for (target, draft_bits) in [(TargetPrecision::Int8, 4), (TargetPrecision::Int4, 3)] {
+        let opts = ConvertOptions {
+            target,
+            draft_bits: Some(draft_bits),
+            ..ConvertOptions::default()
+        };
+        let what =
+            |model: &str| format!("{model} ({} target, {draft_bits}-bit draft)", target.name());
+        for name in FIXTURES {
+            let fixture = Fixture::load(name);
+            let (_dir, bundle) = fixture.bundle_with(&opts);
+            let prompts: Vec<Vec<u32>> = fixture.prompts().into_iter().take(1).collect();
+            failures.extend(check_model(
+                &what(name),
+                &device,
+                Arc::new(bundle),
+                &fixture.cfg,
+                &prompts,
+                2,
+            ));
+        }
+        let path = dir
+            .path()
+            .join(format!("dsv2-2l-{}.specter", target.name()));
+        convert(&hf, &path, &opts, &Silent).expect("convert");
+        let bundle = Arc::new(Bundle::open(&path).expect("open bundle"));
+        failures.extend(check_model(
+            &what("deepseek-v2-lite x2"),
+            &device,
+            bundle,
+            &cfg,
+            &prompts,
+            4,
+        ));
+    }
+    assert_none(&failures);
 }
 
 /// Where the experts are and how the backend runs, for one decode.
@@ -218,6 +279,12 @@ fn check_model(
         },
     ];
 
+    // The host path computes FP16 targets only (a quantized target refuses it).
+    let quantized = bundle.manifest().precision.target_bits.to_native() != 16;
+    let placements: Vec<Placement> = placements
+        .into_iter()
+        .filter(|p| !(quantized && matches!(p.offload, Some((_, _, _, Some(_))))))
+        .collect();
     let modes = [
         (Mode::Target, 1),
         (Mode::Specter, 4),

@@ -265,7 +265,7 @@ fn every_kernel_compiles_for_each_architecture() {
             );
             // The weights' loads are non-coherent as shipped: SPX_READONLY does something (see
             // only_memory_no_kernel_writes_is_read_non_coherently).
-            if *arch == "sm_90" && ["gemv_f16", "moe_int4", "ops"].contains(&name) {
+            if *arch == "sm_90" && ["gemv_f16", "moe_int4", "moe_rows", "ops"].contains(&name) {
                 assert!(
                     non_coherent_loads(&ptx).values().sum::<usize>() > 0,
                     "kernels/{name}.cu reads its weights by no non-coherent load: is \

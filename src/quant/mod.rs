@@ -23,7 +23,7 @@ mod rows;
 mod rtn;
 
 pub use marlin::{marlin_dequantize_out_in, marlin_pack, marlin_unpack, MarlinWeight};
-pub use rows::{rows_dequantize_out_in, rows_pack, rows_unpack, RowsWeight};
+pub use rows::{row_bytes, rows_dequantize_out_in, rows_pack, rows_unpack, RowsWeight};
 pub use rtn::{check_weight, group_scales, quantize_code, rtn};
 
 use half::f16;

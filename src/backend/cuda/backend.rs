@@ -17,6 +17,7 @@ use half::f16;
 use crate::backend::cuda::graphs;
 use crate::backend::cuda::moe::experts::ExpertGroup;
 use crate::backend::cuda::moe::int4::MoeInt4Kernels;
+use crate::backend::cuda::moe::rows::MoeRowsKernels;
 use crate::backend::cuda::offload::slots::{ExpertOffload, HostExpertsConfig, OffloadConfig};
 use crate::backend::cuda::ops::rope::RopeTableGpu;
 use crate::backend::cuda::options::LaunchRule;
@@ -61,6 +62,8 @@ pub struct CudaBackend {
     pub(super) pool: MemPool,
     pub(super) k: Kernels,
     pub(super) int4: MoeInt4Kernels,
+    /// The row-layout expert kernels (8-, 3- and 2-bit).
+    pub(super) rows: MoeRowsKernels,
     pub(super) rope_table: Mutex<Option<RopeTableGpu>>,
     /// Per expert list (keyed by its address), the device table of its experts' weight pointers
     /// and the host copy it was built from (compared on every use, so a stale entry is rebuilt).
@@ -146,6 +149,7 @@ impl CudaBackend {
         let hopper = dev.compute_capability().0 >= 9;
         let launches = LaunchRule::new(hopper && !options.plain);
         let int4 = MoeInt4Kernels::new(&dev)?.launching(launches.clone());
+        let rows = MoeRowsKernels::new(&dev)?.launching(launches.clone());
         let clusters = hopper && !options.plain;
         let offload = offload
             .map(|cfg| ExpertOffload::new(&dev, cfg).map(Mutex::new))
@@ -176,6 +180,7 @@ impl CudaBackend {
             pool,
             k,
             int4,
+            rows,
             rope_table: Mutex::new(None),
             expert_tables: Mutex::new(std::collections::HashMap::new()),
             offload,
@@ -208,6 +213,7 @@ impl CudaBackend {
     pub fn measuring(mut self, measure: crate::backend::cuda::MeasureOptions) -> Self {
         self.launches = self.launches.clone().measuring(measure);
         self.int4.set_launches(self.launches.clone());
+        self.rows.set_launches(self.launches.clone());
         self
     }
 

@@ -22,6 +22,7 @@ pub use backend::{CudaBackend, HostTiming};
 pub use graphs::StepGraphStats;
 pub use moe::experts;
 pub use moe::int4::{check_int4_launch, MoeInt4Kernels};
+pub use moe::rows::{check_rows_launch, MoeRowsKernels};
 pub use offload::slots::{HostExpertsConfig, HostPath, OffloadConfig, SplitExperts};
 pub use options::CudaOptions;
 #[cfg(feature = "measure")]

@@ -43,9 +43,9 @@ mod measure;
 #[cfg(feature = "measure")]
 pub use measure::{LaunchMatch, MeasureOptions, LAUNCH_LABELS};
 
-/// How a launcher (the backend, the INT4 expert kernels) starts each launch: early where the
-/// device has programmatic dependent launch (and [`CudaOptions::plain`] is off); with the
-/// `measure` feature, not at all or late for the launches [`MeasureOptions`] names.
+/// How a launcher (the backend, the INT4 and row-layout expert kernels) starts each launch: early
+/// where the device has programmatic dependent launch (and [`CudaOptions::plain`] is off); with
+/// the `measure` feature, not at all or late for the launches [`MeasureOptions`] names.
 #[derive(Clone, Debug, Default)]
 pub(super) struct LaunchRule {
     overlap: bool,

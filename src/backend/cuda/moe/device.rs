@@ -5,6 +5,7 @@
 
 use crate::backend::cuda::backend::{CudaBackend, RouteCounts};
 use crate::backend::cuda::moe::expert_pointers;
+use crate::backend::cuda::moe::experts::ExpertKind;
 use crate::backend::cuda::moe::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
 use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
 use crate::backend::cuda::runtime::driver::guarded;
@@ -184,27 +185,21 @@ impl CudaBackend {
         let hidden = x.cols;
         let n_experts = experts.len();
         let mut templates = Vec::with_capacity(n_experts);
-        let int4 = matches!(experts[0].gate_up, GpuWeight::Int4 { .. });
+        let mut kind = None;
+        let mut inter = 0;
         for (e, mlp) in experts.iter().enumerate() {
-            let (t, q) = expert_pointers(mlp, e, s)?;
-            if q != int4 {
+            let (t, k, i) = expert_pointers(mlp, e, s)?;
+            if *kind.get_or_insert(k) != k {
                 return Err(shape_err(
                     "moe_experts",
-                    format!("expert {e} is not of the same kind (FP16 or INT4) as expert 0"),
+                    format!("expert {e} is not of the same kind as expert 0 ({k:?}, {kind:?})"),
                 ));
             }
+            inter = i;
             templates.push(t);
         }
-        let inter = match &experts[0].gate_up {
-            GpuWeight::F16 { shape, .. } => shape[0] / 2,
-            GpuWeight::Int4 { n, .. } => n / 2,
-            other => {
-                return Err(shape_err(
-                    "moe_experts",
-                    format!("{} is not an expert", other.describe()),
-                ))
-            }
-        };
+        let kind = kind.unwrap_or(ExpertKind::F16);
+        let int4 = kind == ExpertKind::Int4;
         let mut tables = self.lock(&self.expert_tables)?;
         let key = experts.as_ptr() as usize;
         let fresh = tables.get(&key).is_some_and(|(host, _)| *host == templates);
@@ -381,8 +376,8 @@ impl CudaBackend {
         });
         let shared_y = match (extra, &shared_h) {
             (Extra::Shared(sh, mlp), Some(hs)) => {
-                if int4 && rows != 1 {
-                    self.launch_moe(&launch, int4)?;
+                if kind != ExpertKind::F16 && (rows != 1 || !int4) {
+                    self.launch_moe(&launch, kind)?;
                     Some(self.linear(hs, &mlp.down, None)?)
                 } else {
                     let shared_out = self.alloc(rows, hidden)?;
@@ -393,7 +388,7 @@ impl CudaBackend {
                         down: sh.down,
                         y: ptr(&shared_out.buf, s),
                     };
-                    if !int4 && self.experts_fit_one_launch(&launch, &down) {
+                    if kind == ExpertKind::F16 && self.experts_fit_one_launch(&launch, &down) {
                         // The shared down, routed experts and combine in one launch.
                         let (items, out) = (ptr(&row_items, s), ptr(&y.buf, s));
                         self.launch_moe_f16_one(&launch, &down, items, top_k, out)?;
@@ -412,7 +407,7 @@ impl CudaBackend {
                 }
             }
             _ => {
-                self.launch_moe(&launch, int4)?;
+                self.launch_moe(&launch, kind)?;
                 None
             }
         };

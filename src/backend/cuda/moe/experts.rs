@@ -12,6 +12,8 @@
 //! own row and expert, never on how many rows the launch holds, so a batch is bit-identical to
 //! the same rows one at a time (the backend's exactness contract).
 
+use crate::quant::Bits;
+
 /// One expert's share of a grouped launch; mirrors `struct ExpertGroup` in kernels/common.cuh.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -68,4 +70,25 @@ pub(crate) struct SharedDown {
     pub(crate) inter: usize,
     pub(crate) down: u64,
     pub(crate) y: u64,
+}
+
+/// How a layer's routed experts are stored on the device, which decides their kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExpertKind {
+    F16,
+    /// Marlin-tiled INT4 (the default draft's, an INT4 target's).
+    Int4,
+    /// The row layout at 8, 3 or 2 bits (an INT8 target's, a 3- or 2-bit draft's).
+    Rows(Bits),
+}
+
+impl ExpertKind {
+    /// The kind of a target's routed experts stored at `target` bits (`None`: FP16).
+    pub(crate) fn of_target(target: Option<Bits>) -> ExpertKind {
+        match target {
+            None => ExpertKind::F16,
+            Some(Bits::FOUR) => ExpertKind::Int4,
+            Some(b) => ExpertKind::Rows(b),
+        }
+    }
 }

@@ -6,110 +6,56 @@
 pub(in crate::backend::cuda) mod device;
 pub mod experts;
 pub(in crate::backend::cuda) mod int4;
+mod plan;
+pub(in crate::backend::cuda) mod rows;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use crate::backend::cpu::{Cpu, Mat};
 use crate::backend::cuda::backend::CudaBackend;
-use crate::backend::cuda::moe::experts::{ExpertGroup, MoeLaunch, SharedDown};
-use crate::backend::cuda::offload::slots::{ExpertOffload, InPlaceExpert};
+use crate::backend::cuda::moe::experts::{ExpertGroup, ExpertKind, MoeLaunch, SharedDown};
+use crate::backend::cuda::offload::slots::{ExpertOffload, InPlaceExpert, SlotLayout};
 use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
 use crate::backend::cuda::runtime::kernels::*;
 use crate::backend::{Backend, GatedMlp, RouteSpec, Routing};
 use crate::host_experts::{ExpertJob, HostExperts, HostRun};
 use crate::offload::Elsewhere;
 use crate::{Error, Result};
+pub(crate) use plan::MoePlan;
 
-/// Which rows go to which expert in one MoE call: items are (row, slot) pairs grouped by
-/// ascending expert id.
-pub(crate) struct MoePlan {
-    /// Experts hit, ascending.
-    pub hit: Vec<u32>,
-    /// `hit[g]`'s items are `starts[g]..starts[g + 1]`.
-    pub starts: Vec<u32>,
-    pub item_row: Vec<u32>,
-    pub item_weight: Vec<f32>,
-    /// `[rows, top_k]`: each row's items in ascending expert id.
-    pub row_items: Vec<u32>,
-}
-
-impl MoePlan {
-    pub(crate) fn new(routing: &Routing, num_experts: usize) -> Self {
-        let k = routing.top_k;
-        let rows = routing.ids.len() / k;
-        let mut per_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); num_experts];
-        for (i, (&e, &w)) in routing.ids.iter().zip(&routing.weights).enumerate() {
-            per_expert[e as usize].push(((i / k) as u32, w));
-        }
-        let mut plan = MoePlan {
-            hit: Vec::new(),
-            starts: vec![0],
-            item_row: Vec::with_capacity(rows * k),
-            item_weight: Vec::with_capacity(rows * k),
-            row_items: Vec::with_capacity(rows * k),
-        };
-        let mut row_lists: Vec<Vec<u32>> = vec![Vec::with_capacity(k); rows];
-        for (e, list) in per_expert.iter().enumerate() {
-            if list.is_empty() {
-                continue;
-            }
-            plan.hit.push(e as u32);
-            for &(r, w) in list {
-                row_lists[r as usize].push(plan.item_row.len() as u32);
-                plan.item_row.push(r);
-                plan.item_weight.push(w);
-            }
-            plan.starts.push(plan.item_row.len() as u32);
-        }
-        for list in row_lists {
-            plan.row_items.extend(list);
-        }
-        plan
-    }
-
-    pub(crate) fn items(&self) -> usize {
-        self.item_row.len()
-    }
-
-    /// `(first, count)` of group `g`.
-    pub(crate) fn range(&self, g: usize) -> (u32, u32) {
-        (self.starts[g], self.starts[g + 1] - self.starts[g])
-    }
-
-    pub(crate) fn max_count(&self) -> usize {
-        (0..self.hit.len())
-            .map(|g| self.range(g).1 as usize)
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// `item_row` then the bits of `item_weight`, one upload.
-    pub(crate) fn item_words(&self) -> Vec<u32> {
-        let mut words = self.item_row.clone();
-        words.extend(self.item_weight.iter().map(|w| w.to_bits()));
-        words
-    }
-}
-
-/// The weight pointers of a resident expert (first/count left 0), and whether it is INT4.
+/// The weight pointers of a resident expert (first/count left 0), its kind and its inner width
+/// (`inter`).
 pub(in crate::backend::cuda) fn expert_pointers(
     mlp: &GatedMlp<CudaBackend>,
     e: usize,
     stream: &CudaStream,
-) -> Result<(ExpertGroup, bool)> {
+) -> Result<(ExpertGroup, ExpertKind, usize)> {
+    let quantized = |gq: u64, gs: u64, dq: u64, ds: u64| ExpertGroup {
+        gate_up: gq,
+        gate_up_scales: gs,
+        down: dq,
+        down_scales: ds,
+        ..Default::default()
+    };
     match (&mlp.gate_up, &mlp.down) {
-        (GpuWeight::F16 { buf: gu, .. }, GpuWeight::F16 { buf: dn, .. }) => Ok((
-            ExpertGroup {
-                gate_up: ptr(gu, stream),
-                down: ptr(dn, stream),
-                ..Default::default()
-            },
-            false,
-        )),
+        (GpuWeight::F16 { buf: gu, shape, .. }, GpuWeight::F16 { buf: dn, .. })
+            if shape.len() == 2 =>
+        {
+            Ok((
+                ExpertGroup {
+                    gate_up: ptr(gu, stream),
+                    down: ptr(dn, stream),
+                    ..Default::default()
+                },
+                ExpertKind::F16,
+                shape[0] / 2,
+            ))
+        }
         (
             GpuWeight::Int4 {
                 qweight: gq,
                 scales: gs,
+                n,
                 ..
             },
             GpuWeight::Int4 {
@@ -118,14 +64,38 @@ pub(in crate::backend::cuda) fn expert_pointers(
                 ..
             },
         ) => Ok((
-            ExpertGroup {
-                gate_up: ptr(gq, stream),
-                gate_up_scales: ptr(gs, stream),
-                down: ptr(dq, stream),
-                down_scales: ptr(ds, stream),
-                ..Default::default()
+            quantized(
+                ptr(gq, stream),
+                ptr(gs, stream),
+                ptr(dq, stream),
+                ptr(ds, stream),
+            ),
+            ExpertKind::Int4,
+            n / 2,
+        )),
+        (
+            GpuWeight::Rows {
+                qweight: gq,
+                scales: gs,
+                bits,
+                n,
+                ..
             },
-            true,
+            GpuWeight::Rows {
+                qweight: dq,
+                scales: ds,
+                bits: down_bits,
+                ..
+            },
+        ) if bits == down_bits => Ok((
+            quantized(
+                ptr(gq, stream),
+                ptr(gs, stream),
+                ptr(dq, stream),
+                ptr(ds, stream),
+            ),
+            ExpertKind::Rows(*bits),
+            n / 2,
         )),
         (a, b) => Err(shape_err(
             "moe_experts",
@@ -356,10 +326,8 @@ impl CudaBackend {
         }
         let plan = MoePlan::new(routing, experts.len());
         let first = &experts[plan.hit[0] as usize];
-        let inter = match (&first.gate_up, &first.down) {
-            (GpuWeight::F16 { shape, .. }, _) if shape.len() == 2 => shape[0] / 2,
-            (GpuWeight::Int4 { n, .. }, _) => n / 2,
-            (GpuWeight::Offloaded { layer, .. }, _) => match &self.offload {
+        let inter = match &first.gate_up {
+            GpuWeight::Offloaded { layer, .. } => match &self.offload {
                 Some(o) => self.lock(o)?.inter(*layer)?,
                 None => {
                     return Err(shape_err(
@@ -368,12 +336,7 @@ impl CudaBackend {
                     ))
                 }
             },
-            (other, _) => {
-                return Err(shape_err(
-                    "moe_experts",
-                    format!("{} is not an expert", other.describe()),
-                ))
-            }
+            _ => expert_pointers(first, plan.hit[0] as usize, &self.stream)?.2,
         };
         let h = self.alloc(plan.items(), inter)?;
         // An offloaded layer's host-computed items go up in one copy into a second half of
@@ -417,14 +380,14 @@ impl CudaBackend {
             }
             _ => {
                 let mut groups = Vec::with_capacity(plan.hit.len());
-                let int4 = matches!(first.gate_up, GpuWeight::Int4 { .. });
+                let mut kind = None;
                 for (g, &e) in plan.hit.iter().enumerate() {
-                    let (mut group, q) = expert_pointers(&experts[e as usize], e as usize, s)?;
-                    if q != int4 {
+                    let (mut group, k, _) = expert_pointers(&experts[e as usize], e as usize, s)?;
+                    if *kind.get_or_insert(k) != k {
                         return Err(shape_err(
                             "moe_experts",
                             format!(
-                                "expert {e} is not of the same kind (FP16 or INT4) as expert {}",
+                                "expert {e} is not of the same kind as expert {} ({k:?}, {kind:?})",
                                 plan.hit[0]
                             ),
                         ));
@@ -436,7 +399,7 @@ impl CudaBackend {
                 launch.groups = ptr(&d_groups, s);
                 launch.num_groups = groups.len();
                 launch.max_count = plan.max_count();
-                self.launch_moe(&launch, int4)?;
+                self.launch_moe(&launch, kind.unwrap_or(ExpertKind::F16))?;
                 // The uploaded group table must outlive the kernels that read it.
                 self.defer_free(d_groups);
             }
@@ -632,16 +595,13 @@ impl CudaBackend {
         drop(buf);
     }
 
-    pub(crate) fn launch_moe(&self, l: &MoeLaunch, int4: bool) -> Result<()> {
-        if int4 {
-            self.launch_moe_int4(l)
-        } else {
-            self.launch_moe_f16(l, None)
+    /// The grouped expert kernels of `kind` (gate/up then down) for one work list.
+    pub(crate) fn launch_moe(&self, l: &MoeLaunch, kind: ExpertKind) -> Result<()> {
+        match kind {
+            ExpertKind::F16 => self.launch_moe_f16(l, None),
+            ExpertKind::Int4 => self.int4.launch(&self.stream, l),
+            ExpertKind::Rows(bits) => self.rows.launch(&self.stream, l, bits),
         }
-    }
-
-    fn launch_moe_int4(&self, l: &MoeLaunch) -> Result<()> {
-        self.int4.launch(&self.stream, l)
     }
 
     /// Runs the routed experts of one offloaded layer as the cache policy decides: each round's
@@ -666,7 +626,7 @@ impl CudaBackend {
         let entered = std::time::Instant::now();
         let mut slots = self.lock(o)?;
         let stream = self.stream.clone();
-        let down_offset = 2 * slots.matrix_bytes() as u64;
+        let layout = slots.layout();
         let rows: Vec<u32> = (0..plan.hit.len()).map(|g| plan.range(g).1).collect();
         let rounds = slots.serve(layer, &plan.hit, &rows)?;
         let (elsewhere, split) = rounds
@@ -685,12 +645,12 @@ impl CudaBackend {
                 if !round.hits.is_empty() {
                     let ptrs = slots.hit_slots(layer, &round.hits, &stream)?;
                     let groups: Vec<usize> = round.hits.iter().map(|h| h.index).collect();
-                    self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+                    self.launch_slot_groups(plan, &groups, &ptrs, layout, launch)?;
                 }
                 if !round.loads.is_empty() {
                     let ptrs = slots.load_slots(layer, &round.loads, &stream)?;
                     let groups: Vec<usize> = round.loads.iter().map(|l| l.index).collect();
-                    self.launch_slot_groups(plan, &groups, &ptrs, down_offset, launch)?;
+                    self.launch_slot_groups(plan, &groups, &ptrs, layout, launch)?;
                 }
                 slots.release(&stream)?;
             }
@@ -783,14 +743,14 @@ impl CudaBackend {
         Ok(experts.iter().map(|(g, _)| *g).collect())
     }
 
-    /// Launches the FP16 expert kernels over work-list groups `groups` of `plan` whose weights
-    /// sit in expert slots at `slot_ptrs` (gate/up first, down at `down_offset`).
+    /// Launches the expert kernels over work-list groups `groups` of `plan` whose weights sit
+    /// in expert slots at `slot_ptrs`, laid out as `layout` says.
     fn launch_slot_groups(
         &self,
         plan: &MoePlan,
         groups: &[usize],
         slot_ptrs: &[u64],
-        down_offset: u64,
+        layout: SlotLayout,
         launch: &mut MoeLaunch,
     ) -> Result<()> {
         let list: Vec<ExpertGroup> = groups
@@ -798,21 +758,14 @@ impl CudaBackend {
             .zip(slot_ptrs)
             .map(|(&g, &base)| {
                 let (first, count) = plan.range(g);
-                ExpertGroup {
-                    gate_up: base,
-                    gate_up_scales: 0,
-                    down: base + down_offset,
-                    down_scales: 0,
-                    first,
-                    count,
-                }
+                layout.group(base, first, count)
             })
             .collect();
         let d_groups = self.upload_groups(&list)?;
         launch.groups = d_groups.device_ptr(&self.stream).0;
         launch.num_groups = list.len();
         launch.max_count = list.iter().map(|g| g.count as usize).max().unwrap_or(0);
-        self.launch_moe(launch, false)?;
+        self.launch_moe(launch, layout.kind)?;
         self.defer_free(d_groups);
         Ok(())
     }

@@ -20,20 +20,23 @@ use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use specter_format::Bundle;
 
 mod down_stage;
+mod layout;
 
 use crate::arch::{expert_tensor_name, ArchConfig, Proj};
+use crate::backend::cuda::moe::experts::ExpertKind;
 use crate::backend::cuda::offload::pace::LinkPace;
 use crate::backend::cuda::runtime::driver::guarded;
 use crate::backend::cuda::runtime::host::{PinnedBuffer, RegisteredHost};
 use crate::backend::cuda::CudaDevice;
-use crate::host_experts::{ExpertWeights, HostExperts};
+use crate::host_experts::HostExperts;
 use crate::offload::{
     ExpertCache, Hit, HostShare, HostSplit, InitialResidency, Load, OffloadStats, Policy,
     ResidencyConfig, Round,
 };
 use crate::{Error, Result};
 use down_stage::DownStage;
-use half::f16;
+use layout::{quantized_offsets, BlobLayout};
+pub(crate) use layout::{InPlaceExpert, SlotLayout};
 
 /// Where expert bytes are copied from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,46 +86,6 @@ pub enum SplitExperts {
     Always,
 }
 
-/// One expert's FP16 tensors where they lie in the bundle's mapping, for the host kernel.
-pub(crate) struct InPlaceExpert {
-    pub bundle: Arc<Bundle>,
-    pub gate: std::ops::Range<usize>,
-    pub up: std::ops::Range<usize>,
-    pub down: std::ops::Range<usize>,
-}
-
-impl InPlaceExpert {
-    /// The tensors as FP16 slices (`hidden`, `inter`: the expert's shape).
-    pub fn weights(&self, hidden: usize, inter: usize) -> Result<ExpertWeights<'_>> {
-        let bytes = self.bundle.as_bytes();
-        let half = |r: &std::ops::Range<usize>| -> Result<&[f16]> {
-            bytemuck::try_cast_slice(&bytes[r.clone()]).map_err(|e| {
-                Error::Model(format!(
-                    "host experts: expert bytes at {}..{} cannot be read in place as FP16 ({e})",
-                    r.start, r.end
-                ))
-            })
-        };
-        Ok(ExpertWeights {
-            gate: half(&self.gate)?,
-            up: half(&self.up)?,
-            down: half(&self.down)?,
-            hidden,
-            inter,
-        })
-    }
-}
-
-/// Where one expert's tensors sit inside its blob.
-#[derive(Clone, Copy, Debug)]
-struct BlobLayout {
-    /// Offset of the blob in the file.
-    file_offset: usize,
-    gate: usize,
-    up: usize,
-    down: usize,
-}
-
 /// One timed batch of copies on the copy stream.
 struct CopyBatch {
     start: CudaEvent,
@@ -161,9 +124,11 @@ pub struct ExpertOffload {
     host: Option<(Arc<HostExperts>, HostSplit)>,
     slots_per_layer: usize,
     inter: usize,
-    /// Bytes of one projection matrix (`inter * hidden` halves).
+    /// Bytes of one FP16 projection matrix (`inter * hidden` halves): the host path's unit.
     matrix_bytes: usize,
     slot_bytes: usize,
+    /// Where a slot holds its expert's tensors.
+    layout: SlotLayout,
     /// Indexed by model layer; `None` for dense layers.
     layers: Vec<Option<LayerSlots>>,
     copy_stream: Arc<CudaStream>,
@@ -216,7 +181,40 @@ impl ExpertOffload {
             ));
         }
         let matrix_bytes = 2 * hidden * inter;
-        let slot_bytes = 3 * matrix_bytes;
+        let widths = crate::weights::WeightStore::expert_widths(cfg.bundle.as_ref())?;
+        let kind = ExpertKind::of_target(widths.target);
+        let first_layer = arch.moe_layers().first().copied().unwrap_or(0);
+        let (slot_bytes, layout) = match kind {
+            ExpertKind::F16 => (
+                3 * matrix_bytes,
+                SlotLayout {
+                    kind,
+                    gate_up: 0,
+                    gate_up_scales: 0,
+                    down: 2 * matrix_bytes as u64,
+                    down_scales: 0,
+                },
+            ),
+            _ => {
+                let [gate_up, gate_up_scales, down, down_scales] =
+                    quantized_offsets(&cfg.bundle, first_layer, 0)?;
+                let len = cfg
+                    .bundle
+                    .expert_blob(first_layer as u32, 0)
+                    .map_err(|err| Error::Model(format!("offload: layer {first_layer}: {err}")))?
+                    .len();
+                (
+                    len,
+                    SlotLayout {
+                        kind,
+                        gate_up,
+                        gate_up_scales,
+                        down,
+                        down_scales,
+                    },
+                )
+            }
+        };
         let ctx = dev.context();
         let copy_stream = guarded("cannot create the expert copy stream", || ctx.new_stream())?;
         let event = |timing: bool| {
@@ -252,7 +250,7 @@ impl ExpertOffload {
                     .expert_blob(l as u32, e as u32)
                     .map_err(|err| Error::Model(format!("offload: layer {l} expert {e}: {err}")))?;
                 let start = blob.as_ptr() as usize;
-                let offset_of = |proj: Proj, shape: [usize; 2]| -> Result<usize> {
+                let fp16 = |proj: Proj, shape: [usize; 2]| -> Result<usize> {
                     let name = expert_tensor_name(arch, l, e, proj);
                     let view = cfg.bundle.tensor(&name)?;
                     let p = view.bytes.as_ptr() as usize;
@@ -265,17 +263,44 @@ impl ExpertOffload {
                     }
                     Ok(p - start)
                 };
-                blobs.push(BlobLayout {
-                    file_offset: start - base,
-                    gate: offset_of(Proj::Gate, [inter, hidden])?,
-                    up: offset_of(Proj::Up, [inter, hidden])?,
-                    down: offset_of(Proj::Down, [hidden, inter])?,
-                });
+                let layout = match kind {
+                    ExpertKind::F16 => BlobLayout {
+                        file_offset: start - base,
+                        gate: fp16(Proj::Gate, [inter, hidden])?,
+                        up: fp16(Proj::Up, [inter, hidden])?,
+                        down: fp16(Proj::Down, [hidden, inter])?,
+                        len: 3 * matrix_bytes,
+                    },
+                    _ => {
+                        // Copied whole: every blob of the layer must lay its tensors out alike.
+                        let want = [
+                            layout.gate_up,
+                            layout.gate_up_scales,
+                            layout.down,
+                            layout.down_scales,
+                        ];
+                        if quantized_offsets(&cfg.bundle, l, e)? != want || blob.len() > slot_bytes
+                        {
+                            return Err(Error::Model(format!(
+                                "offload: expert {e} of layer {l} does not lay out its quantized \
+                                 tensors as expert 0 does, in at most {slot_bytes} bytes"
+                            )));
+                        }
+                        BlobLayout {
+                            file_offset: start - base,
+                            gate: 0,
+                            up: 0,
+                            down: 0,
+                            len: blob.len(),
+                        }
+                    }
+                };
+                blobs.push(layout);
             }
             let lo = blobs.iter().map(|b| b.file_offset).min().unwrap_or(0);
             let hi = blobs
                 .iter()
-                .map(|b| b.file_offset + b.down + matrix_bytes)
+                .map(|b| b.file_offset + b.len.max(b.down + matrix_bytes))
                 .max()
                 .unwrap_or(0);
             sections.push((lo, hi));
@@ -374,6 +399,7 @@ impl ExpertOffload {
             inter,
             matrix_bytes,
             slot_bytes,
+            layout,
             layers,
             copy_stream,
             ready: event(false)?,
@@ -400,6 +426,13 @@ impl ExpertOffload {
     /// the counters stay: `auto`'s calibration measures one session with and without it.
     pub(crate) fn set_host(&mut self, host: Option<HostExpertsConfig>) -> Result<()> {
         self.host = match host {
+            Some(_) if self.layout.kind != ExpertKind::F16 => {
+                return Err(Error::Request(
+                    "--host-experts: the host path computes FP16 target experts only; this \
+                     bundle's target is quantized (use --host-experts off)"
+                        .into(),
+                ))
+            }
             Some(h) => {
                 self.check_in_place()?;
                 if self.down_stage.is_none() {
@@ -750,8 +783,9 @@ impl ExpertOffload {
     }
 
     /// Bytes of one projection matrix in a slot; the down projection starts at twice this.
-    pub(crate) fn matrix_bytes(&self) -> usize {
-        self.matrix_bytes
+    /// Where every slot holds its expert's tensors.
+    pub(crate) fn layout(&self) -> SlotLayout {
+        self.layout
     }
 
     /// Takes `experts` (ranked, most wanted first) as the plan of model layer `layer`: the cache
@@ -802,6 +836,9 @@ impl ExpertOffload {
     fn copy_expert(&mut self, layer: usize, expert: usize, slot: usize) -> Result<()> {
         let mb = self.matrix_bytes;
         let blob = self.layer_mut(layer)?.blobs[expert];
+        if self.layout.kind != ExpertKind::F16 {
+            return self.copy_run(layer, slot, blob.file_offset, 0, blob.len);
+        }
         let contiguous = blob.up == blob.gate + mb && blob.down == blob.up + mb;
         if contiguous {
             return self.copy_run(layer, slot, blob.file_offset + blob.gate, 0, 3 * mb);

@@ -6,6 +6,7 @@ pub(in crate::backend::cuda) mod attention;
 pub(in crate::backend::cuda) mod fused;
 pub(in crate::backend::cuda) mod rope;
 
+use cudarc::driver::CudaSlice;
 use half::f16;
 
 use crate::backend::cuda::backend::CudaBackend;
@@ -131,30 +132,7 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let deferred = match self.deferred_alloc(name, &[qweight])? {
-            Some(q) => match self.deferred_alloc(&format!("{name} scales"), &[scales])? {
-                Some(s) => Some((q, s)),
-                // A load that fails is dropped with its backend, so `q`'s queued copy never runs.
-                None => {
-                    return Err(Error::Backend(format!(
-                        "{name}: the weights and their scales do not come from the same file"
-                    )))
-                }
-            },
-            None => None,
-        };
-        let up = match deferred {
-            Some(up) => up,
-            None => guarded(
-                &format!("cuda: cannot upload {name} (out of VRAM?)"),
-                || {
-                    Ok((
-                        self.stream.clone_htod(qweight)?,
-                        self.stream.clone_htod(scales)?,
-                    ))
-                },
-            )?,
-        };
+        let up = self.upload_quantized(name, qweight, scales)?;
         Ok(GpuWeight::Int4 {
             name: name.to_string(),
             k,
@@ -164,19 +142,41 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn check_expert_widths(&self, widths: crate::weights::ExpertWidths) -> Result<()> {
-        // The expert kernels, the expert slots, the copy engine's sizes and the host path all
-        // serve FP16 targets with 4-bit drafts; other widths run on the CPU reference for now.
-        if widths != crate::weights::ExpertWidths::default() {
-            return Err(Error::Backend(format!(
-                "cuda: this bundle holds {} target experts with a {}-bit draft; the CUDA backend \
-                 runs FP16 targets with 4-bit drafts only in this version (use --backend cpu, or \
-                 convert with --target fp16 --draft-bits 4)",
-                widths.target_name(),
-                widths.draft
-            )));
+    fn weight_rows(
+        &self,
+        name: &str,
+        bits: crate::quant::Bits,
+        k: usize,
+        n: usize,
+        qweight: &[u8],
+        scales: &[f16],
+    ) -> Result<GpuWeight> {
+        if bits == crate::quant::Bits::FOUR || k == 0 || n == 0 || !k.is_multiple_of(128) {
+            return Err(shape_err(
+                "weight_rows",
+                format!("{name}: a {bits}-bit [{n}, {k}] matrix has no row layout"),
+            ));
         }
-        Ok(())
+        let row = crate::quant::row_bytes(k, bits);
+        if qweight.len() != n * row || scales.len() != n * (k / 128) {
+            return Err(shape_err(
+                "weight_rows",
+                format!(
+                    "{name}: {} code bytes and {} scales do not fit a {bits}-bit [{n}, {k}] matrix",
+                    qweight.len(),
+                    scales.len()
+                ),
+            ));
+        }
+        let (qweight, scales) = self.upload_quantized(name, qweight, scales)?;
+        Ok(GpuWeight::Rows {
+            name: name.to_string(),
+            bits,
+            k,
+            n,
+            qweight,
+            scales,
+        })
     }
 
     fn routed_expert(
@@ -826,5 +826,41 @@ impl Backend for CudaBackend {
 
     fn storage_id(&self, x: &GpuAct) -> u64 {
         ptr(&x.buf, &self.stream)
+    }
+}
+
+impl CudaBackend {
+    /// A quantized matrix's codes and scales on the device: queued with the load's file reads
+    /// when both lie in its file, otherwise copied now.
+    fn upload_quantized<T: cudarc::driver::DeviceRepr>(
+        &self,
+        name: &str,
+        qweight: &[T],
+        scales: &[f16],
+    ) -> Result<(CudaSlice<T>, CudaSlice<f16>)> {
+        let deferred = match self.deferred_alloc(name, &[qweight])? {
+            Some(q) => match self.deferred_alloc(&format!("{name} scales"), &[scales])? {
+                Some(s) => Some((q, s)),
+                // A load that fails is dropped with its backend, so `q`'s queued copy never runs.
+                None => {
+                    return Err(Error::Backend(format!(
+                        "{name}: the weights and their scales do not come from the same file"
+                    )))
+                }
+            },
+            None => None,
+        };
+        match deferred {
+            Some(up) => Ok(up),
+            None => guarded(
+                &format!("cuda: cannot upload {name} (out of VRAM?)"),
+                || {
+                    Ok((
+                        self.stream.clone_htod(qweight)?,
+                        self.stream.clone_htod(scales)?,
+                    ))
+                },
+            ),
+        }
     }
 }

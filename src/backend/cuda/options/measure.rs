@@ -13,7 +13,7 @@ pub struct MeasureOptions {
 }
 
 /// The labels of the kernel launches [`MeasureOptions`] can name: the names the backend gives its
-/// launches in errors, and those of the INT4 expert kernels' launches.
+/// launches in errors, and those of the INT4 and row-layout expert kernels' launches.
 pub const LAUNCH_LABELS: &[&str] = &[
     "add",
     "add_rms_norm",
@@ -41,6 +41,8 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "moe int4 down + combine",
     "moe int4 gate/up",
     "moe plan",
+    "moe rows down",
+    "moe rows gate/up",
     "rms_norm",
     "rope",
     "route + plan",
@@ -149,6 +151,7 @@ mod tests {
             include_str!("../moe/mod.rs"),
             include_str!("../moe/device.rs"),
             include_str!("../moe/int4.rs"),
+            include_str!("../moe/rows.rs"),
             include_str!("../ops/mod.rs"),
         ];
         let mut found = std::collections::BTreeSet::new();

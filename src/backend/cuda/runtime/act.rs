@@ -1,5 +1,5 @@
 //! Device tensors: activations ([`GpuAct`], f32 rows in pooled buffers) and weights
-//! ([`GpuWeight`]: FP16, INT4 with scales, or a routed expert kept in the bundle for the slots).
+//! ([`GpuWeight`]: FP16, INT4 or row-layout codes with scales, or a routed expert kept in the bundle for the slots).
 
 use std::sync::Arc;
 
@@ -7,6 +7,7 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 
 use crate::backend::cuda::runtime::pool::PooledBuf;
+use crate::quant::Bits;
 
 /// A row-major `[rows, cols]` f32 activation in device memory.
 ///
@@ -45,6 +46,16 @@ pub enum GpuWeight {
         qweight: CudaSlice<u32>,
         scales: CudaSlice<f16>,
     },
+    /// An 8-, 3- or 2-bit `[n outputs, k inputs]` matrix in the row layout (src/quant/rows.rs)
+    /// with its `[n][k / 128]` group scales: routed experts of INT8 targets and 3- and 2-bit drafts.
+    Rows {
+        name: String,
+        bits: Bits,
+        k: usize,
+        n: usize,
+        qweight: CudaSlice<u8>,
+        scales: CudaSlice<f16>,
+    },
     /// Part of routed expert `expert` of model layer `layer`, copied in by the expert cache.
     Offloaded { layer: usize, expert: usize },
 }
@@ -54,6 +65,9 @@ impl GpuWeight {
         match self {
             GpuWeight::F16 { name, shape, .. } => format!("{name} {shape:?}"),
             GpuWeight::Int4 { name, k, n, .. } => format!("{name} (INT4, k {k}, n {n})"),
+            GpuWeight::Rows {
+                name, bits, k, n, ..
+            } => format!("{name} ({bits}-bit rows, k {k}, n {n})"),
             GpuWeight::Offloaded { layer, expert } => {
                 format!("offloaded expert {expert} of layer {layer}")
             }

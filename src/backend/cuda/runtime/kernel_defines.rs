@@ -87,6 +87,18 @@ kernel_defines! {
     MOE_INT4_V1_STAGED: bool = true => "moe_int4.cu" "MOE_INT4_V1_STAGED";
     MOE_INT4_V1_RING: usize = 8 => "moe_int4.cu" "MOE_INT4_V1_RING";
     MOE_INT4_V1_PAIRED: bool = false => "moe_int4.cu" "MOE_INT4_V1_PAIRED";
+    /// Warps per block of the row-layout expert kernels (kernels/moe_rows.cu).
+    MOE_ROWS_WARPS: usize = 8 => "moe_rows.cu" "ROWS_WARPS";
+    /// Most items a block of the row-layout expert kernels takes at a time (its staged
+    /// activation rows; larger groups run in several chunks).
+    MOE_ROWS_ITEMS: usize = 8 => "moe_rows.cu" "ROWS_ITEMS";
+    /// Floats of padding after each staged chunk of activations (16 or 32 floats), which puts a
+    /// warp's float4 reads of its lanes' chunks in distinct banks.
+    MOE_ROWS_PAD: usize = 4 => "moe_rows.cu" "ROWS_PAD";
+    /// Pairs of rows one warp of the row-layout expert kernels streams: gate/up, that many
+    /// features (each its gate row and its up row); down, that many pairs of adjacent output
+    /// rows.
+    MOE_ROWS_WARP_PAIRS: usize = 2 => "moe_rows.cu" "ROWS_WARP_PAIRS";
 }
 
 /// The `#define` lines of the constants whose home is one of `files` (a kernel file and the

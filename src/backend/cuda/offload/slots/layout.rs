@@ -1,0 +1,117 @@
+//! Where an expert's tensors lie: in its blob of the bundle (FP16 tensors read in place by the
+//! host kernel, or a quantized blob copied whole) and in an expert slot (the kernels' pointers).
+
+use std::sync::Arc;
+
+use half::f16;
+use specter_format::Bundle;
+
+use crate::arch::target_tensor_name;
+use crate::backend::cuda::moe::experts::{ExpertGroup, ExpertKind};
+use crate::host_experts::ExpertWeights;
+use crate::{Error, Result};
+
+/// One expert's FP16 tensors where they lie in the bundle's mapping, for the host kernel.
+pub(crate) struct InPlaceExpert {
+    pub bundle: Arc<Bundle>,
+    pub gate: std::ops::Range<usize>,
+    pub up: std::ops::Range<usize>,
+    pub down: std::ops::Range<usize>,
+}
+
+impl InPlaceExpert {
+    /// The tensors as FP16 slices (`hidden`, `inter`: the expert's shape).
+    pub fn weights(&self, hidden: usize, inter: usize) -> Result<ExpertWeights<'_>> {
+        let bytes = self.bundle.as_bytes();
+        let half = |r: &std::ops::Range<usize>| -> Result<&[f16]> {
+            bytemuck::try_cast_slice(&bytes[r.clone()]).map_err(|e| {
+                Error::Model(format!(
+                    "host experts: expert bytes at {}..{} cannot be read in place as FP16 ({e})",
+                    r.start, r.end
+                ))
+            })
+        };
+        Ok(ExpertWeights {
+            gate: half(&self.gate)?,
+            up: half(&self.up)?,
+            down: half(&self.down)?,
+            hidden,
+            inter,
+        })
+    }
+}
+
+/// Where one expert's tensors sit inside its blob (FP16: gate, up and down; quantized: the
+/// blob is copied whole and only its start is read).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BlobLayout {
+    /// Offset of the blob in the file.
+    pub(super) file_offset: usize,
+    pub(super) gate: usize,
+    pub(super) up: usize,
+    pub(super) down: usize,
+    /// The blob's length.
+    pub(super) len: usize,
+}
+
+/// Where a slot holds an expert's tensors, the same for every slot: byte offsets from the
+/// slot's start of the gate/up matrix, the down matrix and (quantized) their scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SlotLayout {
+    pub(crate) kind: ExpertKind,
+    pub(crate) gate_up: u64,
+    pub(crate) gate_up_scales: u64,
+    pub(crate) down: u64,
+    pub(crate) down_scales: u64,
+}
+
+impl SlotLayout {
+    /// The kernels' pointers of the expert in the slot at `base`.
+    pub(crate) fn group(&self, base: u64, first: u32, count: u32) -> ExpertGroup {
+        let scales = |off: u64| {
+            if self.kind == ExpertKind::F16 {
+                0
+            } else {
+                base + off
+            }
+        };
+        ExpertGroup {
+            gate_up: base + self.gate_up,
+            gate_up_scales: scales(self.gate_up_scales),
+            down: base + self.down,
+            down_scales: scales(self.down_scales),
+            first,
+            count,
+        }
+    }
+}
+
+/// Byte offsets inside expert `e`'s blob of model layer `l` of its quantized target tensors:
+/// gate/up codes, gate/up scales, down codes, down scales.
+pub(super) fn quantized_offsets(bundle: &Bundle, l: usize, e: usize) -> Result<[u64; 4]> {
+    let blob = bundle
+        .expert_blob(l as u32, e as u32)
+        .map_err(|err| Error::Model(format!("offload: layer {l} expert {e}: {err}")))?;
+    let start = blob.as_ptr() as usize;
+    let mut offsets = [0u64; 4];
+    let parts = [
+        ("gate_up", "qweight"),
+        ("gate_up", "scales"),
+        ("down", "qweight"),
+        ("down", "scales"),
+    ];
+    for (o, (part, kind)) in offsets.iter_mut().zip(parts) {
+        let name = target_tensor_name(l, e, part, kind);
+        let view = bundle.tensor(&name)?;
+        let p = view.bytes.as_ptr() as usize;
+        // The kernels read codes and scales with 16-byte loads.
+        if p < start || p + view.bytes.len() > start + blob.len() || !(p - start).is_multiple_of(16)
+        {
+            return Err(Error::Model(format!(
+                "offload: {name} does not lie 16-byte aligned inside its expert blob"
+            )));
+        }
+        *o = (p - start) as u64;
+    }
+    Ok(offsets)
+}
