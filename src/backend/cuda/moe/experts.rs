@@ -55,6 +55,66 @@ pub struct MoeLaunch {
     pub out: u64,
 }
 
+/// The largest grid y extent the driver accepts (a launch's groups).
+pub(crate) const MAX_GRID_Y: usize = 65_535;
+
+impl MoeLaunch {
+    /// What every grouped expert kernel needs of a launch beyond its weights' shapes: sizes that
+    /// fit the kernels' 32-bit indices and the grid, a consistent `max_count`, no null pointer
+    /// where there is work, and activation rows (`x`, `h`) aligned to `align` bytes for the
+    /// kernels' vector reads. The error says which.
+    pub(crate) fn check_sizes(&self, align: u64) -> std::result::Result<(), String> {
+        if u32::try_from(2 * self.inter).is_err() || u32::try_from(self.hidden).is_err() {
+            return Err(format!(
+                "hidden={} inter={} exceed the kernels' 32-bit sizes",
+                self.hidden, self.inter
+            ));
+        }
+        if self.num_groups > MAX_GRID_Y {
+            return Err(format!(
+                "{} groups exceed the grid limit of {MAX_GRID_Y}",
+                self.num_groups
+            ));
+        }
+        if u32::try_from(self.items).is_err() {
+            return Err(format!(
+                "{} items exceed the kernels' 32-bit item index",
+                self.items
+            ));
+        }
+        if self.items > 0 && self.max_count == 0 {
+            return Err(format!("{} items but max_count is 0", self.items));
+        }
+        if self.max_count > self.items {
+            return Err(format!(
+                "max_count={} exceeds the {} items of the launch",
+                self.max_count, self.items
+            ));
+        }
+        if self.num_groups > 0 && self.items > 0 {
+            let pointers = [
+                ("x", self.x),
+                ("groups", self.groups),
+                ("item_row", self.item_row),
+                ("item_weight", self.item_weight),
+                ("h", self.h),
+                ("out", self.out),
+            ];
+            if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
+                return Err(format!("device pointer {name} is null"));
+            }
+            for (name, p) in [("x", self.x), ("h", self.h)] {
+                if !p.is_multiple_of(align) {
+                    return Err(format!(
+                        "device pointer {name}={p:#x} is not {align}-byte aligned"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A one-row MoE layer's combine inside its down launch (thread block clusters, sm_90 and newer):
 /// `y[hidden]` = the row's `top_k` item outputs (ascending item, each group one item) plus the
 /// shared experts' output, with `moe_combine`'s arithmetic.

@@ -12,40 +12,29 @@
 //! function's dynamic shared memory limit to what the device allows, and a launch that would need
 //! more is refused with [`Error::Backend`].
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-
-use crate::backend::cuda::moe::experts::{CombineInDown, ExpertGroup, MoeLaunch, SharedDown};
+use crate::backend::cuda::moe::experts::{
+    CombineInDown, ExpertGroup, MoeLaunch, SharedDown, MAX_GRID_Y,
+};
+use crate::backend::cuda::moe::kernel::Kernel;
 use crate::backend::cuda::options::LaunchRule;
 use crate::backend::cuda::runtime::args::{
     DevPtr, Int4DownArgs, Int4DownCombineArgs, Int4GateUpArgs, KernelArgs,
 };
-use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::driver::{launch_kernel, LaunchMode, NO_CLUSTER};
 use crate::backend::cuda::runtime::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
     MOE_INT4_PAIRED as PAIRED, MOE_INT4_RED_STRIDE as RED_STRIDE, MOE_INT4_RING as RING,
     MOE_INT4_STAGED as STAGED, MOE_INT4_THREADS as THREADS, MOE_INT4_VARIANTS as VARIANTS,
     MOE_INT4_WARPS as WARPS,
 };
-use crate::backend::cuda::{CudaDevice, CudaFunction, CudaStream};
+use crate::backend::cuda::{CudaDevice, CudaStream};
 use crate::{Error, Result};
-use std::marker::PhantomData;
 
 /// The kernel file (`kernels/moe_int4.cu`).
 const MODULE: &str = "moe_int4";
 
-/// The largest grid y extent the driver accepts.
-const MAX_GRID_Y: usize = 65_535;
-
 // The kernels read the groups as a 40-byte struct (kernels/common.cuh asserts the same size).
 const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
-
-/// One kernel function, typed by its arguments, and the most dynamic shared memory a launch of
-/// it may ask for.
-struct Kernel<A> {
-    func: CudaFunction,
-    max_dynamic_shared: usize,
-    args: PhantomData<fn(A)>,
-}
 
 /// The gate/up and down kernels of every variant, loaded from one device.
 pub struct MoeInt4Kernels {
@@ -98,55 +87,7 @@ pub fn check_int4_launch(l: &MoeLaunch) -> Result<()> {
             2 * l.inter
         ));
     }
-    if u32::try_from(2 * l.inter).is_err() || u32::try_from(l.hidden).is_err() {
-        return bad(format!(
-            "hidden={} inter={} exceed the kernels' 32-bit sizes",
-            l.hidden, l.inter
-        ));
-    }
-    if l.num_groups > MAX_GRID_Y {
-        return bad(format!(
-            "{} groups exceed the grid limit of {MAX_GRID_Y}",
-            l.num_groups
-        ));
-    }
-    if u32::try_from(l.items).is_err() {
-        return bad(format!(
-            "{} items exceed the kernels' 32-bit item index",
-            l.items
-        ));
-    }
-    if l.items > 0 && l.max_count == 0 {
-        return bad(format!("{} items but max_count is 0", l.items));
-    }
-    if l.max_count > l.items {
-        return bad(format!(
-            "max_count={} exceeds the {} items of the launch",
-            l.max_count, l.items
-        ));
-    }
-    if l.num_groups > 0 && l.items > 0 {
-        let pointers = [
-            ("x", l.x),
-            ("groups", l.groups),
-            ("item_row", l.item_row),
-            ("item_weight", l.item_weight),
-            ("h", l.h),
-            ("out", l.out),
-        ];
-        if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
-            return bad(format!("device pointer {name} is null"));
-        }
-        // The kernels read activation rows (of x and h) as float2.
-        for (name, p) in [("x", l.x), ("h", l.h)] {
-            if !p.is_multiple_of(8) {
-                return bad(format!(
-                    "device pointer {name}={p:#x} is not 8-byte aligned"
-                ));
-            }
-        }
-    }
-    Ok(())
+    l.check_sizes(8).or_else(bad)
 }
 
 /// The variant (index into [`VARIANTS`]) for a launch whose largest group has `max_count` items.
@@ -179,39 +120,6 @@ fn dynamic_shared_bytes(variant: usize, k: usize) -> usize {
 }
 
 impl<A: KernelArgs> Kernel<A> {
-    /// Loads `name` (one of the kernels `A` is for) and allows it all the dynamic shared memory
-    /// the device offers a block beside the function's static shared memory (every variant keeps
-    /// its warps' rings there).
-    fn load(device: &CudaDevice, name: &str) -> Result<Self> {
-        if !A::KERNELS.contains(&name) {
-            return Err(Error::Backend(format!(
-                "cuda: kernel {name} does not take the arguments of {:?}",
-                A::KERNELS
-            )));
-        }
-        let func = device.function(MODULE, name)?;
-        let optin = device
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let fixed = guarded(&format!("static shared memory of {name}"), || {
-            func.shared_size_bytes()
-        })?;
-        let max = optin.saturating_sub(fixed).max(0);
-        guarded(
-            &format!("allowing {max} bytes of dynamic shared memory to {name}"),
-            || {
-                func.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max,
-                )
-            },
-        )?;
-        Ok(Kernel {
-            func,
-            max_dynamic_shared: usize::try_from(max).unwrap_or(0),
-            args: PhantomData,
-        })
-    }
-
     /// The dynamic shared memory of a launch of variant `variant` with K = `k`, checked against
     /// what this function was allowed.
     fn dynamic_shared(&self, variant: usize, k: usize, stage: &str) -> Result<u32> {
@@ -232,13 +140,19 @@ impl MoeInt4Kernels {
     /// Loads (compiling on first use) the kernels from `device`.
     pub fn new(device: &CudaDevice) -> Result<Self> {
         fn load<A: KernelArgs>(device: &CudaDevice, stage: &str) -> Result<[Kernel<A>; 2]> {
-            let f = |v: usize| Kernel::load(device, &format!("moe_int4_{stage}_{}", VARIANTS[v]));
+            let f = |v: usize| {
+                Kernel::load(device, MODULE, &format!("moe_int4_{stage}_{}", VARIANTS[v]))
+            };
             Ok([f(0)?, f(1)?])
         }
         Ok(MoeInt4Kernels {
             gate_up: load(device, "gate_up")?,
             down: load(device, "down")?,
-            down_combine: Kernel::load(device, &format!("moe_int4_down_combine_{}", VARIANTS[0]))?,
+            down_combine: Kernel::load(
+                device,
+                MODULE,
+                &format!("moe_int4_down_combine_{}", VARIANTS[0]),
+            )?,
             launches: LaunchRule::default(),
         })
     }

@@ -6,6 +6,7 @@
 pub(in crate::backend::cuda) mod device;
 pub mod experts;
 pub(in crate::backend::cuda) mod int4;
+mod kernel;
 mod plan;
 pub(in crate::backend::cuda) mod rows;
 

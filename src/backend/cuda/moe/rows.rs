@@ -15,18 +15,15 @@
 //! for that case alone: more blocks an SM), any other the general ones with as many items a chunk
 //! as the largest group has (at most eight) and the device's shared memory allows.
 
-use std::marker::PhantomData;
-
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-
 use crate::backend::cuda::moe::experts::{ExpertGroup, MoeLaunch};
+use crate::backend::cuda::moe::kernel::Kernel;
 use crate::backend::cuda::options::LaunchRule;
 use crate::backend::cuda::runtime::args::{DevPtr, KernelArgs, RowsDownArgs, RowsGateUpArgs};
-use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::driver::{launch_kernel, LaunchMode, NO_CLUSTER};
 use crate::backend::cuda::runtime::launch_constants::{
     MOE_ROWS_ITEMS, MOE_ROWS_PAD as PAD, MOE_ROWS_WARPS as WARPS, MOE_ROWS_WARP_PAIRS as WARP_PAIRS,
 };
-use crate::backend::cuda::{CudaDevice, CudaFunction, CudaStream};
+use crate::backend::cuda::{CudaDevice, CudaStream};
 use crate::quant::{Bits, GROUP_SIZE};
 use crate::{Error, Result};
 
@@ -35,9 +32,6 @@ const MODULE: &str = "moe_rows";
 
 /// Threads per block.
 const THREADS: u32 = 32 * WARPS as u32;
-
-/// The largest grid y extent the driver accepts (one grid row per group).
-const MAX_GRID_Y: usize = 65_535;
 
 /// The widths the kernels come in, in the order of [`MoeRowsKernels`]' arrays.
 const WIDTHS: [u32; 3] = [8, 3, 2];
@@ -87,55 +81,7 @@ pub fn check_rows_launch(l: &MoeLaunch, bits: Bits) -> Result<()> {
             ));
         }
     }
-    if u32::try_from(2 * l.inter).is_err() || u32::try_from(l.hidden).is_err() {
-        return bad(format!(
-            "hidden={} inter={} exceed the kernels' 32-bit sizes",
-            l.hidden, l.inter
-        ));
-    }
-    if l.num_groups > MAX_GRID_Y {
-        return bad(format!(
-            "{} groups exceed the grid limit of {MAX_GRID_Y}",
-            l.num_groups
-        ));
-    }
-    if u32::try_from(l.items).is_err() {
-        return bad(format!(
-            "{} items exceed the kernels' 32-bit item index",
-            l.items
-        ));
-    }
-    if l.items > 0 && l.max_count == 0 {
-        return bad(format!("{} items but max_count is 0", l.items));
-    }
-    if l.max_count > l.items {
-        return bad(format!(
-            "max_count={} exceeds the {} items of the launch",
-            l.max_count, l.items
-        ));
-    }
-    if l.num_groups > 0 && l.items > 0 {
-        let pointers = [
-            ("x", l.x),
-            ("groups", l.groups),
-            ("item_row", l.item_row),
-            ("item_weight", l.item_weight),
-            ("h", l.h),
-            ("out", l.out),
-        ];
-        if let Some((name, _)) = pointers.iter().find(|(_, p)| *p == 0) {
-            return bad(format!("device pointer {name} is null"));
-        }
-        // The kernels stage activation rows (of x and h) by float4.
-        for (name, p) in [("x", l.x), ("h", l.h)] {
-            if !p.is_multiple_of(16) {
-                return bad(format!(
-                    "device pointer {name}={p:#x} is not 16-byte aligned"
-                ));
-            }
-        }
-    }
-    Ok(())
+    l.check_sizes(16).or_else(bad)
 }
 
 /// Items a block stages at a time for a launch whose largest group has `max_count` items, with
@@ -148,48 +94,6 @@ fn chunk_items_for(max_count: usize, row_bytes: usize, max_shared: usize) -> Opt
     (items > 0).then_some(items)
 }
 
-/// One kernel function, typed by its arguments, and the most dynamic shared memory a launch of
-/// it may ask for.
-struct Kernel<A> {
-    func: CudaFunction,
-    max_dynamic_shared: usize,
-    args: PhantomData<fn(A)>,
-}
-
-impl<A: KernelArgs> Kernel<A> {
-    /// Loads `name` (one of the kernels `A` is for) and allows it all the dynamic shared memory
-    /// the device offers a block beside the function's static shared memory.
-    fn load(device: &CudaDevice, name: &str) -> Result<Self> {
-        if !A::KERNELS.contains(&name) {
-            return Err(Error::Backend(format!(
-                "cuda: kernel {name} does not take the arguments of {:?}",
-                A::KERNELS
-            )));
-        }
-        let func = device.function(MODULE, name)?;
-        let optin = device
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let fixed = guarded(&format!("static shared memory of {name}"), || {
-            func.shared_size_bytes()
-        })?;
-        let max = optin.saturating_sub(fixed).max(0);
-        guarded(
-            &format!("allowing {max} bytes of dynamic shared memory to {name}"),
-            || {
-                func.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max,
-                )
-            },
-        )?;
-        Ok(Kernel {
-            func,
-            max_dynamic_shared: usize::try_from(max).unwrap_or(0),
-            args: PhantomData,
-        })
-    }
-}
-
 /// A stage's kernels of one width: the general one and the one-item one (`_1`).
 struct Stage<A> {
     general: Kernel<A>,
@@ -199,8 +103,8 @@ struct Stage<A> {
 impl<A: KernelArgs> Stage<A> {
     fn load(device: &CudaDevice, stage: &str, bits: u32) -> Result<Self> {
         Ok(Stage {
-            general: Kernel::load(device, &format!("moe_rows_{stage}_{bits}"))?,
-            one: Kernel::load(device, &format!("moe_rows_{stage}_{bits}_1"))?,
+            general: Kernel::load(device, MODULE, &format!("moe_rows_{stage}_{bits}"))?,
+            one: Kernel::load(device, MODULE, &format!("moe_rows_{stage}_{bits}_1"))?,
         })
     }
 
