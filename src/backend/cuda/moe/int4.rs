@@ -20,7 +20,7 @@ use crate::backend::cuda::options::LaunchRule;
 use crate::backend::cuda::runtime::args::{
     DevPtr, Int4DownArgs, Int4DownCombineArgs, Int4GateUpArgs, KernelArgs,
 };
-use crate::backend::cuda::runtime::driver::{launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::driver::NO_CLUSTER;
 use crate::backend::cuda::runtime::launch_constants::{
     GEMV_FEATURES, GEMV_WARPS, MOE_INT4_COLS_PER_BLOCK as COLS_PER_BLOCK, MOE_INT4_GROUP as GROUP,
     MOE_INT4_PAIRED as PAIRED, MOE_INT4_RED_STRIDE as RED_STRIDE, MOE_INT4_RING as RING,
@@ -193,23 +193,20 @@ impl MoeInt4Kernels {
         kernel: &Kernel<A>,
         grids: ((u32, u32, u32), (u32, u32, u32)),
         shared_bytes: u32,
-        mut args: A,
+        args: A,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        let (grid, cluster) = grids;
-        let Some(overlap) = self.launches.overlap_for(what, grid.0) else {
-            return Ok(());
-        };
         // SAFETY: `args` are the arguments of `kernel`'s signature (its type says so), with the
         // dynamic shared memory the function was allowed; the kernel waits (SPX_PROLOGUE, or
         // linear_block's wait for the shared experts' blocks) before it touches anything an
         // earlier kernel writes.
         unsafe {
-            launch_kernel(
+            kernel.issue(
                 stream,
-                &kernel.func,
-                (grid, THREADS, shared_bytes),
-                &mut args.params(),
-                LaunchMode { overlap, cluster },
+                &self.launches,
+                what,
+                (grids.0, THREADS, shared_bytes),
+                grids.1,
+                args,
             )
         }
     }

@@ -6,9 +6,10 @@ use std::marker::PhantomData;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
+use crate::backend::cuda::options::LaunchRule;
 use crate::backend::cuda::runtime::args::KernelArgs;
-use crate::backend::cuda::runtime::driver::guarded;
-use crate::backend::cuda::{CudaDevice, CudaFunction};
+use crate::backend::cuda::runtime::driver::{guarded, launch_kernel, LaunchMode};
+use crate::backend::cuda::{CudaDevice, CudaFunction, CudaStream};
 use crate::{Error, Result};
 
 /// One kernel function, typed by its arguments, and the most dynamic shared memory a launch of
@@ -50,5 +51,38 @@ impl<A: KernelArgs> Kernel<A> {
             max_dynamic_shared: usize::try_from(max).unwrap_or(0),
             args: PhantomData,
         })
+    }
+
+    /// Launches this kernel on `stream` as `rule` says for launches labelled `what` (overlapped
+    /// with the one before, started late, or left out): `dims` is (grid, threads a block, bytes of
+    /// dynamic shared memory), in thread block clusters of `cluster` blocks.
+    ///
+    /// # Safety
+    /// `args` must hold valid device buffers of the sizes the kernel reads and writes,
+    /// the shared memory bytes must be within [`Self::max_dynamic_shared`], and, where `rule` may overlap
+    /// launches, the kernel must wait before it touches anything an earlier kernel writes.
+    pub(super) unsafe fn issue(
+        &self,
+        stream: &CudaStream,
+        rule: &LaunchRule,
+        what: &str,
+        dims: ((u32, u32, u32), u32, u32),
+        cluster: (u32, u32, u32),
+        mut args: A,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        let Some(overlap) = rule.overlap_for(what, dims.0 .0) else {
+            return Ok(());
+        };
+        // SAFETY: the caller's promise above; `args` are this kernel's parameters in order (its
+        // type says so).
+        unsafe {
+            launch_kernel(
+                stream,
+                &self.func,
+                dims,
+                &mut args.params(),
+                LaunchMode { overlap, cluster },
+            )
+        }
     }
 }

@@ -19,7 +19,7 @@ use crate::backend::cuda::moe::experts::{ExpertGroup, MoeLaunch};
 use crate::backend::cuda::moe::kernel::Kernel;
 use crate::backend::cuda::options::LaunchRule;
 use crate::backend::cuda::runtime::args::{DevPtr, KernelArgs, RowsDownArgs, RowsGateUpArgs};
-use crate::backend::cuda::runtime::driver::{launch_kernel, LaunchMode, NO_CLUSTER};
+use crate::backend::cuda::runtime::driver::NO_CLUSTER;
 use crate::backend::cuda::runtime::launch_constants::{
     MOE_ROWS_ITEMS, MOE_ROWS_PAD as PAD, MOE_ROWS_WARPS as WARPS, MOE_ROWS_WARP_PAIRS as WARP_PAIRS,
 };
@@ -190,25 +190,20 @@ impl MoeRowsKernels {
         kernel: &Kernel<A>,
         grid: (u32, u32, u32),
         shared_bytes: u32,
-        mut args: A,
+        args: A,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        let Some(overlap) = self.launches.overlap_for(what, grid.0) else {
-            return Ok(());
-        };
         // SAFETY: `args` are the arguments of `kernel`'s signature (its type says so), with no
         // more dynamic shared memory than the function was allowed at load; the kernels wait
         // (spx_grid_wait) before they touch anything an earlier kernel writes, reading only
         // weights and (the down kernels, after a gate/up launch) the work list's group before.
         unsafe {
-            launch_kernel(
+            kernel.issue(
                 stream,
-                &kernel.func,
+                &self.launches,
+                what,
                 (grid, THREADS, shared_bytes),
-                &mut args.params(),
-                LaunchMode {
-                    overlap,
-                    cluster: NO_CLUSTER,
-                },
+                NO_CLUSTER,
+                args,
             )
         }
     }
