@@ -269,7 +269,7 @@ impl ExpertOffload {
                         gate: fp16(Proj::Gate, [inter, hidden])?,
                         up: fp16(Proj::Up, [inter, hidden])?,
                         down: fp16(Proj::Down, [hidden, inter])?,
-                        len: 3 * matrix_bytes,
+                        len: blob.len(),
                     },
                     _ => {
                         // Copied whole: every blob of the layer must lay its tensors out alike.
@@ -300,7 +300,7 @@ impl ExpertOffload {
             let lo = blobs.iter().map(|b| b.file_offset).min().unwrap_or(0);
             let hi = blobs
                 .iter()
-                .map(|b| b.file_offset + b.len.max(b.down + matrix_bytes))
+                .map(|b| b.file_offset + b.len)
                 .max()
                 .unwrap_or(0);
             sections.push((lo, hi));

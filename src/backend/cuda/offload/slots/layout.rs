@@ -50,7 +50,7 @@ pub(super) struct BlobLayout {
     pub(super) gate: usize,
     pub(super) up: usize,
     pub(super) down: usize,
-    /// The blob's length.
+    /// The blob's length (it ends with its last tensor's last byte).
     pub(super) len: usize,
 }
 
