@@ -63,12 +63,14 @@ fn main() -> anyhow::Result<()> {
                 .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
                 .collect();
             let weights = vec![0.5f32; rows];
-            let expert = |e: usize| ExpertWeights {
-                gate: &gate_up[e][..INTER * HIDDEN],
-                up: &gate_up[e][INTER * HIDDEN..],
-                down: &down[e],
-                hidden: HIDDEN,
-                inter: INTER,
+            let expert = |e: usize| {
+                ExpertWeights::f16(
+                    &gate_up[e][..INTER * HIDDEN],
+                    &gate_up[e][INTER * HIDDEN..],
+                    &down[e],
+                    HIDDEN,
+                    INTER,
+                )
             };
             for per_call in [1, BATCH] {
                 let mut outs = vec![vec![0.0f32; rows * HIDDEN]; per_call];

@@ -87,7 +87,8 @@ fn gpu_speculative_decoding_is_lossless_at_every_target_precision() {
 /// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens, and so does SpecMoEOff
 /// mode (the draft with a KV cache of its own), with route-frequency prefetch when offloaded.
 /// `precision`: the bundle's target precision and draft width (default: FP16 with a 4-bit
-/// draft); the host path computes FP16 targets only, so quantized ones skip its variants.
+/// draft); the host path computes FP16 and INT8 targets (splitting FP16 experts only), so INT4
+/// targets skip its variants and INT8 ones the forced split.
 fn every_fixture_every_residency(speculative: bool, precision: Option<(TargetPrecision, u32)>) {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
@@ -137,7 +138,13 @@ fn every_fixture_every_residency(speculative: bool, precision: Option<(TargetPre
             (Policy::Lru, 1, HostPath::Auto, Some(all)),
             (Policy::Lru, 2, HostPath::Auto, Some(split)),
         ] {
-            if precision.is_some() && host_experts.is_some() {
+            // The host path computes FP16 and INT8 targets, and splits FP16 experts only.
+            let host_ok = match (precision, host_experts) {
+                (_, None) | (None, _) => true,
+                (Some((TargetPrecision::Int8, _)), Some(h)) => h.split != SplitExperts::Always,
+                (Some(_), Some(_)) => false,
+            };
+            if !host_ok {
                 continue;
             }
             let hybrid = match host_experts {

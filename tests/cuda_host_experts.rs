@@ -1,14 +1,16 @@
 //! The host expert kernel against the GPU's routed-expert kernels: the same bits for every
-//! architecture's expert shapes and 1 to 32 rows, so an expert computed on the host in place of
-//! the GPU changes no token.
+//! architecture's expert shapes and 1 to 32 rows, FP16 and 8-bit, so an expert computed on the
+//! host in place of the GPU changes no token.
 
 mod common;
 
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use specter::backend::cuda::CudaBackend;
 use specter::backend::{Backend, GatedMlp, Routing};
 use specter::host_experts::{ExpertWeights, HostExperts};
+use specter::quant::Bits;
 
 /// (hidden, inter) of each architecture's routed experts: DeepSeek-V2-Lite and Qwen1.5-MoE,
 /// OLMoE, Qwen3-MoE, Mixtral, Phi-3.5-MoE, and the fixtures' small ones.
@@ -23,13 +25,94 @@ const SHAPES: [(usize, usize); 8] = [
     (100, 52),
 ];
 
+/// An expert's f64 output for one input row and its combine weight.
+type RowValue<'a> = dyn Fn(&[f32], f32) -> Vec<f64> + 'a;
+
+/// The host kernel's output against the GPU's for `expert` (`w` on the host) at 1 to 32 rows of
+/// random inputs: every output's bits. `value`, when given, is the f64 value of one row (input,
+/// combine weight), checked against the GPU's first row of each call. Returns what differed.
+fn compare_with_gpu(
+    gpu: &CudaBackend,
+    host: &HostExperts,
+    expert: &GatedMlp<CudaBackend>,
+    w: &ExpertWeights<'_>,
+    rng: &mut ChaCha8Rng,
+    value: Option<&RowValue>,
+) -> Vec<String> {
+    let (hidden, inter) = (w.hidden, w.inter);
+    let (mut failures, mut worst) = (Vec::new(), 0.0f64);
+    for rows in 1..=32usize {
+        let x: Vec<f32> = (0..rows * hidden)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let weights: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05..1.0)).collect();
+        let routing = Routing {
+            top_k: 1,
+            ids: vec![0; rows],
+            weights: weights.clone(),
+        };
+        let xg = gpu.upload(rows, hidden, &x).expect("upload");
+        let y = gpu
+            .moe_experts(&xg, &routing, std::slice::from_ref(expert))
+            .and_then(|y| gpu.to_host(&y))
+            .expect("gpu experts");
+        let mut out = vec![f32::NAN; rows * hidden];
+        host.expert(w, &x, &weights, &mut out).expect("host expert");
+        // The GPU's combine adds the one item to 0.0.
+        let differ = out
+            .iter()
+            .zip(&y)
+            .filter(|(h, g)| (0.0f32 + **h).to_bits() != g.to_bits())
+            .count();
+        if differ > 0 {
+            failures.push(format!(
+                "{hidden}x{inter}, {rows} rows: {differ} of {} outputs differ (relative error {:.2e})",
+                out.len(),
+                relative_error(&out, y.iter().map(|&g| g as f64))
+            ));
+        }
+        // The value, on each call's first row (an f64 reference is slow at full width).
+        if let Some(value) = value {
+            worst = worst.max(relative_error(
+                &y[..hidden],
+                value(&x[..hidden], weights[0]),
+            ));
+        }
+    }
+    if value.is_some() {
+        eprintln!("{hidden}x{inter}: GPU against f64, worst relative error {worst:.2e}");
+        if worst > 1e-4 {
+            failures.push(format!(
+                "{hidden}x{inter}: GPU relative error {worst:.2e} against f64"
+            ));
+        }
+    }
+    eprintln!("{hidden}x{inter}: rows 1..=32 checked");
+    failures
+}
+
+/// `||got - want|| / ||want||`.
+fn relative_error(got: &[f32], want: impl IntoIterator<Item = f64>) -> f64 {
+    let (mut err, mut norm) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(want) {
+        err += (*g as f64 - w).powi(2);
+        norm += w * w;
+    }
+    (err / norm).sqrt()
+}
+
+fn host_kernel() -> HostExperts {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let host = HostExperts::new(threads, None).expect("host kernel");
+    eprintln!("host path: {}, {threads} threads", host.path().name());
+    host
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn host_expert_kernel_has_the_gpu_kernels_bits() {
     let gpu = common::gpu::backend();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let host = HostExperts::new(threads, None).expect("host kernel");
-    eprintln!("host path: {}, {threads} threads", host.path().name());
+    let host = host_kernel();
     let mut rng = ChaCha8Rng::seed_from_u64(61);
     let mut failures = Vec::new();
     for (hidden, inter) in SHAPES {
@@ -47,55 +130,58 @@ fn host_expert_kernel_has_the_gpu_kernels_bits() {
                 .weight_f16("down", &[hidden, inter], &down)
                 .expect("upload"),
         };
-        let w = ExpertWeights {
-            gate: &gate_up[..inter * hidden],
-            up: &gate_up[inter * hidden..],
-            down: &down,
-            hidden,
-            inter,
-        };
-        for rows in 1..=32usize {
-            let x: Vec<f32> = (0..rows * hidden)
-                .map(|_| rng.random_range(-3.0..3.0))
-                .collect();
-            let weights: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05..1.0)).collect();
-            let routing = Routing {
-                top_k: 1,
-                ids: vec![0; rows],
-                weights: weights.clone(),
-            };
-            let xg = gpu.upload(rows, hidden, &x).expect("upload");
-            let y = gpu
-                .moe_experts(&xg, &routing, std::slice::from_ref(&expert))
-                .and_then(|y| gpu.to_host(&y))
-                .expect("gpu experts");
-            let mut out = vec![f32::NAN; rows * hidden];
-            host.expert(&w, &x, &weights, &mut out)
-                .expect("host expert");
-            // The GPU's combine adds the one item to 0.0.
-            let differ = out
-                .iter()
-                .zip(&y)
-                .filter(|(h, g)| (0.0f32 + **h).to_bits() != g.to_bits())
-                .count();
-            if differ > 0 {
-                let (mut err, mut norm) = (0.0f64, 0.0f64);
-                for (h, g) in out.iter().zip(&y) {
-                    err += (*h as f64 - *g as f64).powi(2);
-                    norm += (*g as f64).powi(2);
-                }
-                failures.push(format!(
-                    "{hidden}x{inter}, {rows} rows: {differ} of {} outputs differ (relative error {:.2e})",
-                    out.len(),
-                    (err / norm).sqrt()
-                ));
-            }
-        }
-        eprintln!("{hidden}x{inter}: rows 1..=32 checked");
+        let (gate, up) = gate_up.split_at(inter * hidden);
+        let w = ExpertWeights::f16(gate, up, &down, hidden, inter);
+        failures.extend(compare_with_gpu(&gpu, &host, &expert, &w, &mut rng, None));
     }
     assert!(
         failures.is_empty(),
         "host and GPU experts differ:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// (hidden, inter) of 8-bit experts (multiples of 128): the same architectures' shapes.
+const INT8_SHAPES: [(usize, usize); 6] = [
+    (2048, 1408),
+    (2048, 1024),
+    (2048, 768),
+    (4096, 6400),
+    (128, 128),
+    (256, 384),
+];
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn host_int8_expert_kernel_has_the_gpu_row_kernels_bits() {
+    let gpu = common::gpu::backend();
+    let host = host_kernel();
+    let mut rng = ChaCha8Rng::seed_from_u64(67);
+    let mut failures = Vec::new();
+    for (hidden, inter) in INT8_SHAPES {
+        let e = common::rows8::Int8Expert::random(&mut rng, hidden, inter);
+        let (gu, gus, d, ds) = (&e.gate_up, &e.gate_up_scales, &e.down, &e.down_scales);
+        let expert = GatedMlp {
+            gate_up: gpu
+                .weight_rows("gate_up", Bits::EIGHT, hidden, 2 * inter, gu, gus)
+                .expect("upload"),
+            down: gpu
+                .weight_rows("down", Bits::EIGHT, inter, hidden, d, ds)
+                .expect("upload"),
+        };
+        let value = |x: &[f32], weight: f32| e.reference(x, weight);
+        failures.extend(compare_with_gpu(
+            &gpu,
+            &host,
+            &expert,
+            &e.weights(),
+            &mut rng,
+            Some(&value),
+        ));
+    }
+    assert!(
+        failures.is_empty(),
+        "host and GPU 8-bit experts differ:\n{}",
         failures.join("\n")
     );
 }

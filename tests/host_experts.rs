@@ -1,7 +1,11 @@
 //! The host expert kernel: the same bits on the AVX2 and the portable path, for every
 //! architecture's routed-expert shapes (fixture and full size) and 1 to 32 rows, and the value of
-//! the expert FFN (checked in f64). Bit equality with the GPU kernel is in tests/cuda_ops.rs.
+//! the expert FFN (checked in f64), for FP16 and 8-bit experts. Bit equality with the GPU's
+//! kernels is in tests/cuda_host_experts.rs.
 
+mod common;
+
+use common::rows8::Int8Expert;
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -47,13 +51,13 @@ fn avx2_and_portable_paths_give_the_same_bits() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     for (hidden, inter) in SHAPES {
         let (gate_up, down) = random_expert(&mut rng, hidden, inter);
-        let w = ExpertWeights {
-            gate: &gate_up[..inter * hidden],
-            up: &gate_up[inter * hidden..],
-            down: &down,
+        let w = ExpertWeights::f16(
+            &gate_up[..inter * hidden],
+            &gate_up[inter * hidden..],
+            &down,
             hidden,
             inter,
-        };
+        );
         // Big shapes at a few row counts (the portable path is slow), small ones at all.
         let row_counts: Vec<usize> = if hidden * inter > 1 << 20 {
             vec![1, 3, 9]
@@ -86,13 +90,13 @@ fn the_expert_ffn_matches_an_f64_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     for (hidden, inter) in [(128, 48), (256, 104), (100, 52)] {
         let (gate_up, down) = random_expert(&mut rng, hidden, inter);
-        let w = ExpertWeights {
-            gate: &gate_up[..inter * hidden],
-            up: &gate_up[inter * hidden..],
-            down: &down,
+        let w = ExpertWeights::f16(
+            &gate_up[..inter * hidden],
+            &gate_up[inter * hidden..],
+            &down,
             hidden,
             inter,
-        };
+        );
         let rows = 5;
         let x: Vec<f32> = (0..rows * hidden)
             .map(|_| rng.random_range(-3.0..3.0))
@@ -140,19 +144,10 @@ fn bad_settings_and_shapes_are_refused() {
     let kernel = HostExperts::new(1, None).expect("kernel");
     let gate_up = vec![f16::ZERO; 2 * 8 * 16];
     let down = vec![f16::ZERO; 16 * 8];
-    let w = ExpertWeights {
-        gate: &gate_up[1..128],
-        up: &gate_up[128..],
-        down: &down,
-        hidden: 16,
-        inter: 8,
-    };
+    let w = ExpertWeights::f16(&gate_up[1..128], &gate_up[128..], &down, 16, 8);
     let mut out = vec![0.0; 16];
     assert!(kernel.expert(&w, &[0.0; 16], &[1.0], &mut out).is_err());
-    let w = ExpertWeights {
-        gate: &gate_up[..128],
-        ..w
-    };
+    let w = ExpertWeights::f16(&gate_up[..128], &gate_up[128..], &down, 16, 8);
     assert!(kernel.expert(&w, &[0.0; 15], &[1.0], &mut out).is_err());
     assert!(kernel.expert(&w, &[0.5; 16], &[1.0], &mut out).is_ok());
 }
@@ -195,13 +190,13 @@ impl Batch {
 
     fn weights(&self, e: usize) -> ExpertWeights<'_> {
         let (hidden, inter) = (self.hidden, self.inter);
-        ExpertWeights {
-            gate: &self.experts[e].0[..inter * hidden],
-            up: &self.experts[e].0[inter * hidden..],
-            down: &self.experts[e].1,
+        ExpertWeights::f16(
+            &self.experts[e].0[..inter * hidden],
+            &self.experts[e].0[inter * hidden..],
+            &self.experts[e].1,
             hidden,
             inter,
-        }
+        )
     }
 
     fn job(&self, e: usize) -> ExpertJob<'_> {
@@ -283,17 +278,19 @@ fn split_experts_get_the_activations_the_whole_kernel_reduces() {
         for (e, h) in [(1, &h1), (2, &h2)] {
             let w = weights(e);
             let whole = run(&kernel, &w, &xs[e], &ws[e]);
+            let (gate_up, down) = &batch.experts[e];
+            let (gate, up) = gate_up.split_at(inter * hidden);
             for r in 0..rows[e] {
                 let x = &xs[e][r * hidden..(r + 1) * hidden];
                 let hr = &h[r * inter..(r + 1) * inter];
                 for (j, h_j) in hr.iter().enumerate() {
-                    let g = lanes::dot(&w.gate[j * hidden..(j + 1) * hidden], x);
-                    let u = lanes::dot(&w.up[j * hidden..(j + 1) * hidden], x);
+                    let g = lanes::dot(&gate[j * hidden..(j + 1) * hidden], x);
+                    let u = lanes::dot(&up[j * hidden..(j + 1) * hidden], x);
                     let want = activation::silu(g) * u;
                     assert_eq!(h_j.to_bits(), want.to_bits(), "expert {e} row {r} h[{j}]");
                 }
                 for c in 0..hidden {
-                    let v = ws[e][r] * lanes::dot(&w.down[c * inter..(c + 1) * inter], hr);
+                    let v = ws[e][r] * lanes::dot(&down[c * inter..(c + 1) * inter], hr);
                     assert_eq!(
                         v.to_bits(),
                         whole[r * hidden + c].to_bits(),
@@ -308,4 +305,84 @@ fn split_experts_get_the_activations_the_whole_kernel_reduces() {
             .experts_and_gate_ups(&[], &mut [], &[job(1)], &mut [short.as_mut_slice()])
             .is_err());
     }
+}
+
+/// (hidden, inter) of 8-bit experts: both multiples of 128 (the row layout's groups).
+const INT8_SHAPES: [(usize, usize); 4] = [(128, 128), (256, 384), (2048, 1408), (2048, 768)];
+
+#[test]
+fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
+    let mut rng = ChaCha8Rng::seed_from_u64(83);
+    let portable = HostExperts::new(2, Some(KernelPath::Portable)).expect("portable");
+    let fast = (KernelPath::detect() == KernelPath::Avx2)
+        .then(|| HostExperts::new(2, Some(KernelPath::Avx2)).expect("avx2"));
+    if fast.is_none() {
+        eprintln!("no AVX2/FMA/F16C here: only the portable path is checked");
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (hidden, inter) in INT8_SHAPES {
+        let e = Int8Expert::random(&mut rng, hidden, inter);
+        let w = e.weights();
+        let rows = 3;
+        let x: Vec<f32> = (0..rows * hidden)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let ws: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05..1.0)).collect();
+        let out = run(&portable, &w, &x, &ws);
+        if let Some(fast) = &fast {
+            let f = run(fast, &w, &x, &ws);
+            assert_eq!(
+                bits(&f),
+                bits(&out),
+                "({hidden}, {inter}): AVX2 and portable differ"
+            );
+        }
+        // A row's bits do not depend on the rows beside it.
+        let alone = run(&portable, &w, &x[hidden..2 * hidden], &ws[1..2]);
+        assert_eq!(
+            bits(&alone),
+            bits(&out[hidden..2 * hidden]),
+            "({hidden}, {inter}): row 1 alone differs from row 1 of 3"
+        );
+        for r in 0..rows {
+            let want = e.reference(&x[r * hidden..(r + 1) * hidden], ws[r]);
+            let got = &out[r * hidden..(r + 1) * hidden];
+            let err: f64 = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (*g as f64 - w).powi(2))
+                .sum();
+            let norm: f64 = want.iter().map(|w| w * w).sum();
+            let rel = (err / norm).sqrt();
+            assert!(
+                rel < 1e-4,
+                "({hidden}, {inter}) row {r}: relative error {rel:.2e}"
+            );
+            if r == 0 {
+                eprintln!("({hidden}, {inter}): relative error against f64 {rel:.2e}");
+            }
+        }
+    }
+    // Shapes off the 128-input groups, and tensors of the wrong length, are refused.
+    let e = Int8Expert::random(&mut rng, 128, 128);
+    let bad = ExpertWeights::int8(
+        (&e.gate_up[..2 * 64 * 128], &e.gate_up_scales[..2 * 64]),
+        (&e.down[..64 * 128], &e.down_scales[..64]),
+        128,
+        64,
+    );
+    let mut out = vec![0.0; 128];
+    let err = portable
+        .expert(&bad, &[0.5; 128], &[1.0], &mut out)
+        .unwrap_err();
+    assert!(err.to_string().contains("multiples of 128"), "{err}");
+    let short = ExpertWeights::int8(
+        (&e.gate_up[1..], &e.gate_up_scales),
+        (&e.down, &e.down_scales),
+        128,
+        128,
+    );
+    assert!(portable
+        .expert(&short, &[0.5; 128], &[1.0], &mut out)
+        .is_err());
 }

@@ -115,7 +115,7 @@ unsafe fn lane_groups<const F: usize, const R: usize, const G: usize>(
 /// Asks the cache for the lines of `w` ahead of their use.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-pub fn prefetch(w: &[f16]) {
+pub fn prefetch<T>(w: &[T]) {
     let bytes = std::mem::size_of_val(w);
     let p = w.as_ptr() as *const i8;
     for off in (0..bytes).step_by(64) {

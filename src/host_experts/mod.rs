@@ -1,12 +1,13 @@
-//! The FP16 routed-expert FFN on host threads: a second path for cold experts, reading the
-//! bundle's FP16 expert tensors where they lie (in the mapping, no copy).
+//! The routed-expert FFN on host threads: a second path for cold experts, reading the bundle's
+//! expert tensors where they lie (in the mapping, no copy), FP16 or 8-bit.
 //!
-//! Its output has the bits of the GPU's routed-expert kernels (`moe_f16_gate_up` and
-//! `moe_f16_down` in kernels/gemv_f16.cu) for the same inputs: each dot product in the GPU's lane
-//! order ([`lanes`]), the same SiLU ([`activation`]), and the same final products. So an expert
-//! may run on either side without changing a token. With AVX2, FMA and F16C a lane's eight
-//! partials are one vector fed by plain loads (`avx2.rs`); elsewhere a portable path gives the
-//! same bits. A layer's host experts run as one call ([`HostExperts::experts`]) on the kernel's
+//! Its output has the bits of the GPU's routed-expert kernels for the same inputs: FP16 experts
+//! those of `moe_f16_gate_up` and `moe_f16_down` (kernels/gemv_f16.cu), each dot product in the
+//! GPU's lane order ([`lanes`]); 8-bit experts those of `moe_rows_gate_up_8` and
+//! `moe_rows_down_8` (kernels/moe_rows.cu), by its numerics contract ([`rows8`]); both with the
+//! same SiLU ([`activation`]) and final products. So an expert may run on either side without
+//! changing a token. With AVX2, FMA and F16C the lanes' work is vectors (`avx2.rs`, [`rows8`]);
+//! elsewhere a portable path gives the same bits. A layer's host experts run as one call ([`HostExperts::experts`]) on the kernel's
 //! own team of threads, which stay awake between a decode step's layers (`team.rs`).
 
 pub mod activation;
@@ -14,6 +15,7 @@ pub mod activation;
 mod avx2;
 pub mod bandwidth;
 pub mod lanes;
+pub mod rows8;
 mod team;
 
 use half::f16;
@@ -52,33 +54,106 @@ pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
 }
 
-/// One routed expert's FP16 weights: `gate` and `up` are `[inter, hidden]`, `down` is
-/// `[hidden, inter]` (row-major, as in the bundle).
+/// One routed expert's tensors, as the bundle holds them.
+#[derive(Clone, Copy, Debug)]
+pub enum ExpertTensors<'a> {
+    /// FP16: `gate` and `up` are `[inter, hidden]`, `down` is `[hidden, inter]` (row-major).
+    F16 {
+        gate: &'a [f16],
+        up: &'a [f16],
+        down: &'a [f16],
+    },
+    /// 8-bit codes in the row layout: `gate_up` is `[2 inter][hidden]` (gate rows, then up
+    /// rows) with `[2 inter][hidden / 128]` scales, `down` is `[hidden][inter]` with
+    /// `[hidden][inter / 128]` scales.
+    Int8 {
+        gate_up: &'a [u8],
+        gate_up_scales: &'a [f16],
+        down: &'a [u8],
+        down_scales: &'a [f16],
+    },
+}
+
+/// One routed expert: its tensors and shape.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights<'a> {
-    pub gate: &'a [f16],
-    pub up: &'a [f16],
-    pub down: &'a [f16],
+    pub tensors: ExpertTensors<'a>,
     pub hidden: usize,
     pub inter: usize,
 }
 
-impl ExpertWeights<'_> {
+impl<'a> ExpertWeights<'a> {
+    /// An FP16 expert (see [`ExpertTensors::F16`]).
+    pub fn f16(
+        gate: &'a [f16],
+        up: &'a [f16],
+        down: &'a [f16],
+        hidden: usize,
+        inter: usize,
+    ) -> Self {
+        ExpertWeights {
+            tensors: ExpertTensors::F16 { gate, up, down },
+            hidden,
+            inter,
+        }
+    }
+
+    /// An 8-bit expert in the row layout (see [`ExpertTensors::Int8`]).
+    pub fn int8(
+        gate_up: (&'a [u8], &'a [f16]),
+        down: (&'a [u8], &'a [f16]),
+        hidden: usize,
+        inter: usize,
+    ) -> Self {
+        ExpertWeights {
+            tensors: ExpertTensors::Int8 {
+                gate_up: gate_up.0,
+                gate_up_scales: gate_up.1,
+                down: down.0,
+                down_scales: down.1,
+            },
+            hidden,
+            inter,
+        }
+    }
+
     fn check(&self) -> Result<()> {
-        if self.gate.len() != self.inter * self.hidden
-            || self.up.len() != self.inter * self.hidden
-            || self.down.len() != self.hidden * self.inter
-            || self.hidden == 0
-            || self.inter == 0
-        {
+        let (h, i) = (self.hidden, self.inter);
+        let (lens, want): (Vec<usize>, Vec<usize>) = match self.tensors {
+            ExpertTensors::F16 { gate, up, down } => {
+                (vec![gate.len(), up.len(), down.len()], vec![i * h; 3])
+            }
+            ExpertTensors::Int8 {
+                gate_up,
+                gate_up_scales,
+                down,
+                down_scales,
+            } => {
+                if !h.is_multiple_of(rows8::GROUP) || !i.is_multiple_of(rows8::GROUP) {
+                    return Err(Error::Request(format!(
+                        "host expert: 8-bit experts need hidden and inter in multiples of {}, got {h} and {i}",
+                        rows8::GROUP
+                    )));
+                }
+                (
+                    vec![
+                        gate_up.len(),
+                        gate_up_scales.len(),
+                        down.len(),
+                        down_scales.len(),
+                    ],
+                    vec![
+                        2 * i * h,
+                        2 * i * h / rows8::GROUP,
+                        h * i,
+                        h * i / rows8::GROUP,
+                    ],
+                )
+            }
+        };
+        if lens != want || h == 0 || i == 0 {
             return Err(Error::Request(format!(
-                "host expert: gate, up and down have {}, {} and {} halves, expected {} each for hidden {} and inter {}",
-                self.gate.len(),
-                self.up.len(),
-                self.down.len(),
-                self.hidden * self.inter,
-                self.hidden,
-                self.inter
+                "host expert: tensors of {lens:?} values, expected {want:?} for hidden {h} and inter {i}"
             )));
         }
         Ok(())
@@ -253,25 +328,61 @@ impl HostExperts {
         let outs: Vec<Disjoint> = outs.iter_mut().map(|o| Disjoint::new(o)).collect();
         let gate_up_tasks = feature_tasks(&all, |w| w.inter);
         let down_tasks = feature_tasks(&all[..whole], |w| w.hidden);
+        // 8-bit experts read their inputs staged (rounded to f16, in the lanes' order).
+        let staged: Vec<Vec<f32>> = all
+            .iter()
+            .map(|j| match j.weights.tensors {
+                ExpertTensors::Int8 { .. } => stage_rows(j.x, j.weights.hidden),
+                ExpertTensors::F16 { .. } => Vec::new(),
+            })
+            .collect();
         // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
         let gate_up = |&(job, lo, hi): &(usize, usize, usize)| {
             let w = &all[job].weights;
             let xs = &inputs[job];
             let rows = xs.len();
-            let hidden = w.hidden;
+            let (hidden, inter) = (w.hidden, w.inter);
             // Gate's products for every row, then up's.
             let mut gate_up = vec![0.0; 2 * rows];
             for j in lo..hi {
-                let wg = &w.gate[j * hidden..(j + 1) * hidden];
-                let wu = &w.up[j * hidden..(j + 1) * hidden];
-                if j + 1 < hi {
-                    prefetch(path, &w.gate[(j + 1) * hidden..(j + 2) * hidden]);
-                    prefetch(path, &w.up[(j + 1) * hidden..(j + 2) * hidden]);
+                match w.tensors {
+                    ExpertTensors::F16 { gate, up, .. } => {
+                        let wg = &gate[j * hidden..(j + 1) * hidden];
+                        let wu = &up[j * hidden..(j + 1) * hidden];
+                        if j + 1 < hi {
+                            prefetch(path, &gate[(j + 1) * hidden..(j + 2) * hidden]);
+                            prefetch(path, &up[(j + 1) * hidden..(j + 2) * hidden]);
+                        }
+                        dots(path, &[wg, wu], xs, &mut gate_up);
+                    }
+                    ExpertTensors::Int8 {
+                        gate_up: codes,
+                        gate_up_scales: scales,
+                        ..
+                    } => {
+                        let g = hidden / rows8::GROUP;
+                        let row = |f: usize| &codes[f * hidden..(f + 1) * hidden];
+                        let scale = |f: usize| &scales[f * g..(f + 1) * g];
+                        if j + 1 < hi {
+                            prefetch(path, row(j + 1));
+                            prefetch(path, row(inter + j + 1));
+                        }
+                        for (r, x) in staged[job].chunks_exact(hidden).enumerate() {
+                            let mut two = [0.0; 2];
+                            rows8::dots(
+                                path,
+                                &[row(j), row(inter + j)],
+                                &[scale(j), scale(inter + j)],
+                                x,
+                                &mut two,
+                            );
+                            (gate_up[r], gate_up[rows + r]) = (two[0], two[1]);
+                        }
+                    }
                 }
-                dots(path, &[wg, wu], xs, &mut gate_up);
                 let (gate, up) = gate_up.split_at(rows);
                 for (r, (&g, &u)) in gate.iter().zip(up).enumerate() {
-                    hs[job].set(r * w.inter + j, activation::silu(g) * u);
+                    hs[job].set(r * inter + j, activation::silu(g) * u);
                 }
             }
         };
@@ -284,22 +395,46 @@ impl HostExperts {
             let h = unsafe { hs[job].values() };
             let hr: Vec<&[f32]> = h.chunks_exact(inter).collect();
             let rows = hr.len();
+            let h_staged = match w.tensors {
+                ExpertTensors::Int8 { .. } => stage_rows(h, inter),
+                ExpertTensors::F16 { .. } => Vec::new(),
+            };
             let mut s = vec![0.0; 2 * rows];
-            let row = |c: usize| &w.down[c * inter..(c + 1) * inter];
             // Features in pairs (one activation load serves both), the odd one alone.
             for c in (lo..hi).step_by(2) {
-                let pair = c + 1 < hi;
-                if c + 2 < hi {
-                    prefetch(path, &w.down[(c + 2) * inter..(c + 4).min(hi) * inter]);
+                let n = if c + 1 < hi { 2 } else { 1 };
+                match w.tensors {
+                    ExpertTensors::F16 { down, .. } => {
+                        let row = |c: usize| &down[c * inter..(c + 1) * inter];
+                        if c + 2 < hi {
+                            prefetch(path, &down[(c + 2) * inter..(c + 4).min(hi) * inter]);
+                        }
+                        let features = [row(c), row(c + n - 1)];
+                        dots(path, &features[..n], &hr, &mut s[..n * rows]);
+                    }
+                    ExpertTensors::Int8 {
+                        down: codes,
+                        down_scales: scales,
+                        ..
+                    } => {
+                        let g = inter / rows8::GROUP;
+                        if c + 2 < hi {
+                            prefetch(path, &codes[(c + 2) * inter..(c + 4).min(hi) * inter]);
+                        }
+                        let row = |f: usize| &codes[f * inter..(f + 1) * inter];
+                        let scale = |f: usize| &scales[f * g..(f + 1) * g];
+                        let features = [row(c), row(c + n - 1)];
+                        let sc = [scale(c), scale(c + n - 1)];
+                        for (r, x) in h_staged.chunks_exact(inter).enumerate() {
+                            let mut two = [0.0; 2];
+                            rows8::dots(path, &features[..n], &sc[..n], x, &mut two[..n]);
+                            for (f, v) in two[..n].iter().enumerate() {
+                                s[f * rows + r] = *v;
+                            }
+                        }
+                    }
                 }
-                let n = if pair {
-                    dots(path, &[row(c), row(c + 1)], &hr, &mut s);
-                    2 * rows
-                } else {
-                    dots(path, &[row(c)], &hr, &mut s[..rows]);
-                    rows
-                };
-                for (i, &v) in s[..n].iter().enumerate() {
+                for (i, &v) in s[..n * rows].iter().enumerate() {
                     let (f, r) = (c + i / rows, i % rows);
                     outs[job].set(r * w.hidden + f, all[job].row_weights[r] * v);
                 }
@@ -377,6 +512,15 @@ impl Disjoint {
     }
 }
 
+/// `x` (`rows x width`) staged row by row for the 8-bit kernel ([`rows8::stage`]).
+fn stage_rows(x: &[f32], width: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for (xr, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        rows8::stage(xr, o);
+    }
+    out
+}
+
 /// `(job, first feature, end)` for every job with rows, `FEATURES_PER_TASK` features each.
 fn feature_tasks(
     jobs: &[ExpertJob<'_>],
@@ -398,7 +542,7 @@ fn feature_tasks(
 /// Asks the cache for the next weight row while this one is computed (the AVX2 path's passes
 /// over a row leave the hardware prefetcher an irregular stream).
 #[inline]
-fn prefetch(path: KernelPath, w: &[f16]) {
+fn prefetch<T>(path: KernelPath, w: &[T]) {
     #[cfg(target_arch = "x86_64")]
     if path == KernelPath::Avx2 {
         avx2::prefetch(w);

@@ -1,9 +1,10 @@
 //! Shared helpers of the golden tests: fixture loading and comparison; `gpu`: how the GPU tests
-//! open the GPU; `ops`: the GPU op tests' harness.
+//! open the GPU; `ops`: the GPU op tests' harness; `rows8`: random 8-bit experts.
 #![allow(dead_code)]
 
 pub mod gpu;
 pub mod ops;
+pub mod rows8;
 
 use std::path::{Path, PathBuf};
 

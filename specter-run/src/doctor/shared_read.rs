@@ -94,13 +94,7 @@ fn job<'a>(weights: &'a [f16], e: usize, x: &'a [f32]) -> ExpertJob<'a> {
     let (gate_up, down) = w.split_at(2 * INTER * HIDDEN);
     let (gate, up) = gate_up.split_at(INTER * HIDDEN);
     ExpertJob {
-        weights: ExpertWeights {
-            gate,
-            up,
-            down,
-            hidden: HIDDEN,
-            inter: INTER,
-        },
+        weights: ExpertWeights::f16(gate, up, down, HIDDEN, INTER),
         x,
         row_weights: &[0.5],
     }

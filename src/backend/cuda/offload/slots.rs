@@ -33,9 +33,10 @@ use crate::offload::{
     ExpertCache, Hit, HostShare, HostSplit, InitialResidency, Load, OffloadStats, Policy,
     ResidencyConfig, Round,
 };
+use crate::quant::Bits;
 use crate::{Error, Result};
 use down_stage::DownStage;
-use layout::{quantized_offsets, BlobLayout};
+use layout::{quantized_offsets, BlobLayout, InPlaceTensors};
 pub(crate) use layout::{InPlaceExpert, SlotLayout};
 
 /// Where expert bytes are copied from.
@@ -426,16 +427,30 @@ impl ExpertOffload {
     /// the counters stay: `auto`'s calibration measures one session with and without it.
     pub(crate) fn set_host(&mut self, host: Option<HostExpertsConfig>) -> Result<()> {
         self.host = match host {
-            Some(_) if self.layout.kind != ExpertKind::F16 => {
+            Some(_)
+                if !matches!(
+                    self.layout.kind,
+                    ExpertKind::F16 | ExpertKind::Rows(Bits::EIGHT)
+                ) =>
+            {
                 return Err(Error::Request(
-                    "--host-experts: the host path computes FP16 target experts only; this \
-                     bundle's target is quantized (use --host-experts off)"
+                    "--host-experts: the host path computes FP16 and INT8 target experts; this \
+                     bundle's target is INT4, whose GPU kernel sums in an order the host cannot \
+                     follow bit for bit (use --host-experts off)"
+                        .into(),
+                ))
+            }
+            Some(h) if self.layout.kind != ExpertKind::F16 && h.split == SplitExperts::Always => {
+                return Err(Error::Request(
+                    "host experts: splitting an expert between the host and the GPU is for FP16 \
+                     targets; a quantized target's host path takes whole experts"
                         .into(),
                 ))
             }
             Some(h) => {
                 self.check_in_place()?;
-                if self.down_stage.is_none() {
+                // A quantized target's host path takes whole experts: no split, no down stage.
+                if self.down_stage.is_none() && self.layout.kind == ExpertKind::F16 {
                     let ctx = self.copy_stream.context().clone();
                     let event = || guarded("cuEventCreate", || ctx.new_event(None));
                     let buf = guarded("cannot allocate the split expert's down matrix", || {
@@ -639,17 +654,41 @@ impl ExpertOffload {
     /// Expert `expert` of model layer `layer` where it lies in the bundle, for the host kernel.
     pub(crate) fn in_place(&mut self, layer: usize, expert: u32) -> Result<InPlaceExpert> {
         let mb = self.matrix_bytes;
+        let (inter, layout) = (self.inter, self.layout);
         let blob = *self
             .layer_mut(layer)?
             .blobs
             .get(expert as usize)
             .ok_or_else(|| Error::Model(format!("offload: no expert {expert} in layer {layer}")))?;
-        let at = |off: usize| blob.file_offset + off..blob.file_offset + off + mb;
+        let at = |off: u64, len: usize| {
+            let start = blob.file_offset + off as usize;
+            start..start + len
+        };
+        let tensors = match layout.kind {
+            ExpertKind::F16 => InPlaceTensors::F16 {
+                gate: at(blob.gate as u64, mb),
+                up: at(blob.up as u64, mb),
+                down: at(blob.down as u64, mb),
+            },
+            ExpertKind::Rows(Bits::EIGHT) => {
+                // An 8-bit matrix is half an FP16 one; a scale (2 bytes) serves 128 codes.
+                let (codes, scales) = (mb / 2, mb / 2 / 64);
+                InPlaceTensors::Int8 {
+                    gate_up: at(layout.gate_up, 2 * codes),
+                    gate_up_scales: at(layout.gate_up_scales, 2 * scales),
+                    down: at(layout.down, codes),
+                    down_scales: at(layout.down_scales, scales),
+                }
+            }
+            other => {
+                return Err(Error::Backend(format!(
+                    "host experts: no host kernel for {other:?} experts (inter {inter})"
+                )))
+            }
+        };
         Ok(InPlaceExpert {
             bundle: self.bundle.clone(),
-            gate: at(blob.gate),
-            up: at(blob.up),
-            down: at(blob.down),
+            tensors,
         })
     }
 

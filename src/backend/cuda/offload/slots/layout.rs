@@ -1,6 +1,7 @@
 //! Where an expert's tensors lie: in its blob of the bundle (FP16 tensors read in place by the
 //! host kernel, or a quantized blob copied whole) and in an expert slot (the kernels' pointers).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use half::f16;
@@ -11,19 +12,32 @@ use crate::backend::cuda::moe::experts::{ExpertGroup, ExpertKind};
 use crate::host_experts::ExpertWeights;
 use crate::{Error, Result};
 
-/// One expert's FP16 tensors where they lie in the bundle's mapping, for the host kernel.
+/// One expert's tensors where they lie in the bundle's mapping, for the host kernel.
 pub(crate) struct InPlaceExpert {
     pub bundle: Arc<Bundle>,
-    pub gate: std::ops::Range<usize>,
-    pub up: std::ops::Range<usize>,
-    pub down: std::ops::Range<usize>,
+    pub tensors: InPlaceTensors,
+}
+
+/// File byte ranges of an expert's tensors (see `host_experts::ExpertTensors`).
+pub(crate) enum InPlaceTensors {
+    F16 {
+        gate: Range<usize>,
+        up: Range<usize>,
+        down: Range<usize>,
+    },
+    Int8 {
+        gate_up: Range<usize>,
+        gate_up_scales: Range<usize>,
+        down: Range<usize>,
+        down_scales: Range<usize>,
+    },
 }
 
 impl InPlaceExpert {
-    /// The tensors as FP16 slices (`hidden`, `inter`: the expert's shape).
+    /// The tensors as slices of the mapping (`hidden`, `inter`: the expert's shape).
     pub fn weights(&self, hidden: usize, inter: usize) -> Result<ExpertWeights<'_>> {
         let bytes = self.bundle.as_bytes();
-        let half = |r: &std::ops::Range<usize>| -> Result<&[f16]> {
+        let half = |r: &Range<usize>| -> Result<&[f16]> {
             bytemuck::try_cast_slice(&bytes[r.clone()]).map_err(|e| {
                 Error::Model(format!(
                     "host experts: expert bytes at {}..{} cannot be read in place as FP16 ({e})",
@@ -31,12 +45,21 @@ impl InPlaceExpert {
                 ))
             })
         };
-        Ok(ExpertWeights {
-            gate: half(&self.gate)?,
-            up: half(&self.up)?,
-            down: half(&self.down)?,
-            hidden,
-            inter,
+        Ok(match &self.tensors {
+            InPlaceTensors::F16 { gate, up, down } => {
+                ExpertWeights::f16(half(gate)?, half(up)?, half(down)?, hidden, inter)
+            }
+            InPlaceTensors::Int8 {
+                gate_up,
+                gate_up_scales,
+                down,
+                down_scales,
+            } => ExpertWeights::int8(
+                (&bytes[gate_up.clone()], half(gate_up_scales)?),
+                (&bytes[down.clone()], half(down_scales)?),
+                hidden,
+                inter,
+            ),
         })
     }
 }

@@ -1,0 +1,277 @@
+//! One dot product of an 8-bit weight row in the row layout (docs/FORMAT.md, "Expert
+//! encodings"; `crate::quant::rows`) with an activation row, with the bits of the GPU's row
+//! kernels (kernels/moe_rows.cu, its numerics contract):
+//!
+//! - the activation is rounded to f16 and back ([`stage`] does it once per activation row);
+//! - 32 lanes; lane `l` takes the 16-input chunks `l, l + 32, ...` in ascending order; per chunk
+//!   `p = 0`, then `p = fma(q_i - 128, x_i, p)` over its inputs in ascending order, then
+//!   `acc = fma(p, scale, acc)` with the chunk's group scale;
+//! - the lanes' sum by the warp's xor butterfly ([`butterfly`]).
+//!
+//! Eight consecutive chunks make one group of 128 inputs and belong to the eight lanes of octet
+//! `group % 4`. The staged activation row keeps, per group and per input `t` of a chunk, the eight
+//! lanes' activations side by side in [`LANE_ORDER`]: the order in which the AVX2 path's byte
+//! transpose leaves an octet's codes, so one vector load feeds a fused multiply-add for eight
+//! lanes. This file's portable path is the definition; `dots_avx2` follows it with vectors.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use super::lanes::LANES;
+use super::KernelPath;
+
+/// Inputs per scale, and per octet of lanes.
+pub const GROUP: usize = 128;
+/// Inputs per chunk (one lane's run of one fused multiply-add chain).
+const CHUNK: usize = 16;
+/// Lanes per octet: the chunks of one group.
+const OCTET: usize = GROUP / CHUNK;
+/// The code that stands for 0.
+const ZERO_CODE: f32 = 128.0;
+/// Which lane of its octet each of a staged vector's eight places holds.
+pub const LANE_ORDER: [usize; OCTET] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+/// The staged form of activation row `x` (its length a multiple of [`GROUP`]) into `out` (as
+/// long): each value rounded to f16 and back, placed as the module documentation says.
+pub fn stage(x: &[f32], out: &mut [f32]) {
+    debug_assert!(x.len() == out.len() && x.len().is_multiple_of(GROUP));
+    for (xg, og) in x.chunks_exact(GROUP).zip(out.chunks_exact_mut(GROUP)) {
+        for t in 0..CHUNK {
+            for (v, &j) in LANE_ORDER.iter().enumerate() {
+                og[OCTET * t + v] = f16::from_f32(xg[CHUNK * j + t]).to_f32();
+            }
+        }
+    }
+}
+
+/// The sum of the 32 lanes' values as the warp's xor butterfly forms it (offsets 16, 8, 4, 2,
+/// 1): lane 0's grouping, which every lane's result equals bit for bit (`a + b` is `b + a`).
+pub fn butterfly(mut v: [f32; LANES]) -> f32 {
+    let mut offset = LANES / 2;
+    while offset > 0 {
+        for l in 0..offset {
+            v[l] += v[l + offset];
+        }
+        offset /= 2;
+    }
+    v[0]
+}
+
+/// `codes[f] · x` for each weight row `f` (one or two, each `k` codes with `k / 128` scales) into
+/// `out[f]`, `staged` being `x` as [`stage`] leaves it.
+pub fn dots(path: KernelPath, codes: &[&[u8]], scales: &[&[f16]], staged: &[f32], out: &mut [f32]) {
+    debug_assert!(codes.len() == scales.len() && codes.len() == out.len());
+    debug_assert!(codes.iter().all(|c| c.len() == staged.len()));
+    debug_assert!(scales.iter().all(|s| s.len() == staged.len() / GROUP));
+    #[cfg(target_arch = "x86_64")]
+    if path == KernelPath::Avx2 {
+        // SAFETY: the Avx2 path is chosen only where the processor has AVX2 and FMA
+        // (`HostExperts::new`); every row and the staged activations have `k` values, a multiple
+        // of 128, and `k / 128` scales (the callers check the expert's shapes).
+        unsafe {
+            match codes {
+                [a] => out[0] = dots_avx2::<1>([a], [scales[0]], staged)[0],
+                [a, b] => {
+                    let [x, y] = dots_avx2::<2>([a, b], [scales[0], scales[1]], staged);
+                    out[0] = x;
+                    out[1] = y;
+                }
+                _ => unreachable!("one or two rows at a time"),
+            }
+        }
+        return;
+    }
+    let _ = path;
+    for ((c, s), o) in codes.iter().zip(scales).zip(out.iter_mut()) {
+        *o = dot(c, s, staged);
+    }
+}
+
+/// One row's dot product, portable path (the definition).
+pub fn dot(codes: &[u8], scales: &[f16], staged: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, (cg, xg)) in codes
+        .chunks_exact(GROUP)
+        .zip(staged.chunks_exact(GROUP))
+        .enumerate()
+    {
+        let scale = scales[b].to_f32();
+        let octet = b % (LANES / OCTET);
+        for (v, &j) in LANE_ORDER.iter().enumerate() {
+            let mut p = 0.0f32;
+            for t in 0..CHUNK {
+                let q = cg[CHUNK * j + t] as f32 - ZERO_CODE;
+                p = q.mul_add(xg[OCTET * t + v], p);
+            }
+            let lane = OCTET * octet + j;
+            acc[lane] = p.mul_add(scale, acc[lane]);
+        }
+    }
+    butterfly(acc)
+}
+
+/// [`dot`] for `F` rows at once with AVX2 and FMA. A group's 128 codes of a row (four 32-byte
+/// loads, two chunks each) are transposed by byte and word unpacks so that each of four
+/// registers holds four inputs `t` of all eight chunks, one byte per lane in [`LANE_ORDER`];
+/// a byte shuffle then widens input `t` of the eight lanes to 32-bit fields, and or-ing the
+/// exponent of 2^23 then subtracting 2^23 + 128 makes them `q - 128` exactly.
+///
+/// # Safety
+/// The processor must have AVX2 and FMA; every row of `codes` and `staged` must hold the same
+/// multiple of 128 values, and every row of `scales` a value per 128 of them.
+#[cfg(target_arch = "x86_64")]
+// Group `b` indexes the codes, the scales and the staged row alike.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2<const F: usize>(
+    codes: [&[u8]; F],
+    scales: [&[f16]; F],
+    staged: &[f32],
+) -> [f32; F] {
+    let groups = staged.len() / GROUP;
+    let exponent = _mm256_set1_epi32(0x4B00_0000);
+    let bias = _mm256_set1_ps(8_388_736.0); // 2^23 + 128
+                                            // Shuffle `s`: field d of each half takes byte 4s + d of that half; the rest are zeros.
+    let widen: [__m256i; 4] = std::array::from_fn(|s| {
+        let mut m = [-128i8; 32];
+        for half in 0..2 {
+            for d in 0..4 {
+                m[16 * half + 4 * d] = (4 * s + d) as i8;
+            }
+        }
+        // SAFETY: `m` is 32 bytes.
+        unsafe { _mm256_loadu_si256(m.as_ptr() as *const __m256i) }
+    });
+    let mut acc = [[_mm256_setzero_ps(); LANES / OCTET]; F];
+    for b in 0..groups {
+        // SAFETY: b < groups, so floats GROUP b .. GROUP (b + 1) lie in `staged`.
+        let xs = unsafe { staged.as_ptr().add(GROUP * b) };
+        let planes: [[__m256i; 4]; F] = std::array::from_fn(|f| {
+            // SAFETY: bytes GROUP b .. GROUP (b + 1) lie in every row (same length as `staged`).
+            let r: [__m256i; 4] = std::array::from_fn(|i| unsafe {
+                _mm256_loadu_si256(codes[f].as_ptr().add(GROUP * b + 32 * i) as *const __m256i)
+            });
+            let lo01 = _mm256_unpacklo_epi8(r[0], r[1]);
+            let hi01 = _mm256_unpackhi_epi8(r[0], r[1]);
+            let lo23 = _mm256_unpacklo_epi8(r[2], r[3]);
+            let hi23 = _mm256_unpackhi_epi8(r[2], r[3]);
+            [
+                _mm256_unpacklo_epi16(lo01, lo23),
+                _mm256_unpackhi_epi16(lo01, lo23),
+                _mm256_unpacklo_epi16(hi01, hi23),
+                _mm256_unpackhi_epi16(hi01, hi23),
+            ]
+        });
+        let mut p = [_mm256_setzero_ps(); F];
+        for t in 0..CHUNK {
+            // SAFETY: OCTET t + 8 <= GROUP floats from `xs`.
+            let x = unsafe { _mm256_loadu_ps(xs.add(OCTET * t)) };
+            for f in 0..F {
+                let q = _mm256_shuffle_epi8(planes[f][t / 4], widen[t % 4]);
+                let q = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(q, exponent)), bias);
+                p[f] = _mm256_fmadd_ps(q, x, p[f]);
+            }
+        }
+        let octet = b % (LANES / OCTET);
+        for f in 0..F {
+            let scale = _mm256_set1_ps(scales[f][b].to_f32());
+            acc[f][octet] = _mm256_fmadd_ps(p[f], scale, acc[f][octet]);
+        }
+    }
+    std::array::from_fn(|f| {
+        let mut lanes = [0.0f32; LANES];
+        for (o, v) in acc[f].iter().enumerate() {
+            let mut vals = [0.0f32; OCTET];
+            // SAFETY: `vals` is 8 floats.
+            unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), *v) };
+            for (val, &j) in vals.iter().zip(&LANE_ORDER) {
+                lanes[OCTET * o + j] = *val;
+            }
+        }
+        butterfly(lanes)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The contract as kernels/moe_rows.cu states it, with no staging: lane by lane, chunk by
+    /// chunk, straight from the unrounded activations.
+    fn contract_dot(codes: &[u8], scales: &[f16], x: &[f32]) -> f32 {
+        let chunks = x.len() / CHUNK;
+        let mut acc = [0.0f32; LANES];
+        for (lane, a) in acc.iter_mut().enumerate() {
+            for c in (lane..chunks).step_by(LANES) {
+                let mut p = 0.0f32;
+                for i in CHUNK * c..CHUNK * (c + 1) {
+                    let xr = f16::from_f32(x[i]).to_f32();
+                    p = (codes[i] as f32 - 128.0).mul_add(xr, p);
+                }
+                *a = p.mul_add(scales[CHUNK * c / GROUP].to_f32(), *a);
+            }
+        }
+        // The warp: every lane adds its partner's value at each offset.
+        for offset in [16, 8, 4, 2, 1] {
+            acc = std::array::from_fn(|l| acc[l] + acc[l ^ offset]);
+        }
+        acc[0]
+    }
+
+    fn lcg(state: &mut u64) -> u32 {
+        *state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*state >> 33) as u32
+    }
+
+    #[test]
+    fn every_path_follows_the_contract() {
+        let mut s = 7u64;
+        for k in [128usize, 256, 384, 512, 1408, 2048] {
+            let codes: Vec<u8> = (0..2 * k).map(|_| lcg(&mut s) as u8).collect();
+            let scales: Vec<f16> = (0..2 * k / GROUP)
+                .map(|_| f16::from_f32((lcg(&mut s) % 1000) as f32 / 2e4 + 1e-3))
+                .collect();
+            let x: Vec<f32> = (0..k)
+                .map(|_| (lcg(&mut s) as f32 / u32::MAX as f32 - 0.5) * 6.0)
+                .collect();
+            let mut staged = vec![0.0; k];
+            stage(&x, &mut staged);
+            let rows = [&codes[..k], &codes[k..]];
+            let sc = [&scales[..k / GROUP], &scales[k / GROUP..]];
+            let want = [
+                contract_dot(rows[0], sc[0], &x),
+                contract_dot(rows[1], sc[1], &x),
+            ];
+            let mut paths = vec![KernelPath::Portable];
+            if KernelPath::detect() == KernelPath::Avx2 {
+                paths.push(KernelPath::Avx2);
+            }
+            for path in paths {
+                let mut two = [f32::NAN; 2];
+                dots(path, &rows, &sc, &staged, &mut two);
+                let mut one = [f32::NAN];
+                dots(path, &rows[1..], &sc[1..], &staged, &mut one);
+                for (got, w) in two.iter().chain(&one).zip(want.iter().chain(&want[1..])) {
+                    assert_eq!(got.to_bits(), w.to_bits(), "{path:?} k={k}: {got} vs {w}");
+                }
+            }
+            // And the value: the dequantized row times the rounded activations, in f64.
+            let exact: f64 = (0..k)
+                .map(|i| {
+                    let q = codes[i] as f64 - 128.0;
+                    q * scales[i / GROUP].to_f64() * f16::from_f32(x[i]).to_f64()
+                })
+                .sum();
+            let norm: f64 = (0..k)
+                .map(|i| {
+                    ((codes[i] as f64 - 128.0) * scales[i / GROUP].to_f64() * x[i] as f64).abs()
+                })
+                .sum();
+            assert!((want[0] as f64 - exact).abs() <= 1e-6 * norm, "k={k}");
+        }
+    }
+}
