@@ -47,6 +47,13 @@
 #   SPECTER_HIGH, SPECTER_LOW  generate arguments of Specter's best mode at each budget (default:
 #       target-only lru at the case's matched residency, the mode `bench --modes auto` chose on
 #       these weights in every earlier run)
+#   PEER_TARGET [fp16]  the precision compared: fp16 (llama.cpp's F16 GGUF against Specter's FP16
+#       target), int8 (llama-quantize's Q8_0 against `convert --target int8`) or int4 (Q4_K_M
+#       against `--target int4`). Under int8 and int4 Specter's defaults change: the smallest
+#       residency is 1 slot a layer (with the host path for int8, which it computes; the INT4
+#       target has none), and the high and low budgets are --vram-budget 17.7 and 12.9 GB (about
+#       16.5 and 12 GiB, the host path on for int8) instead of a slot count. The checkpoint is
+#       converted with RTN (speed does not depend on the quantizer).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -149,7 +156,7 @@ build_llama() {
         -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_OPENSSL=OFF
-    cmake --build "$build" -j "$(nproc)" --target llama-bench llama-completion
+    cmake --build "$build" -j "$(nproc)" --target llama-bench llama-completion llama-quantize
 }
 
 run() {
@@ -161,6 +168,13 @@ run() {
         *) die "unknown preset $preset (deepseek-v2-lite or qwen1.5-moe-a2.7b)" ;;
     esac
     : "${PEER_TIME_S:=540}" "${PEER_THREADS:=16}" "${PEER_NEW_TOKENS:=128}" "${PEER_BENCH_REPS:=2}"
+    local target=${PEER_TARGET:-fp16} ltype
+    case "$target" in
+        fp16) ltype=F16 ;;
+        int8) ltype=Q8_0 ;;
+        int4) ltype=Q4_K_M ;;
+        *) die "PEER_TARGET=$target: expected fp16, int8 or int4" ;;
+    esac
     local work=${PEER_WORK:-/dev/shm/specter-peer} disk=${PEER_DISK:-}
     local lsrc=${LLAMA_DIR:-/tmp/specter-peer-llama.cpp}
     local pack_bin="$HERE/specter-pack" run_bin="$HERE/specter-run"
@@ -203,6 +217,7 @@ run() {
 
     {
         printf 'preset\t%s\nlayers\t%s\nnew_tokens\t%s\nthreads\t%s\n' "$preset" "$layers" "$PEER_NEW_TOKENS" "$PEER_THREADS"
+        printf 'specter_target\t%s\nllama_type\t%s\n' "$target" "$ltype"
         printf 'llama_source_sha256\t%s\n' "$(sha256sum "$tarball" | cut -d' ' -f1)"
         printf 'gpu\t%s\n' "$(head -1 "$LOG/gpu.txt")"
     } > "$LOG/meta.tsv"
@@ -229,7 +244,8 @@ run() {
     echo "prompt '$prompt_text' = ids $prompt"
     step gguf 420 python3 "$HERE/peer_llamacpp_convert.py" "$lsrc" "$work/hf" "$work/model.gguf" &
     local gguf_pid=$!
-    step convert 420 "$pack_bin" convert "$work/hf" -o "$disk/model.specter" || die "specter-pack convert failed"
+    step convert 420 "$pack_bin" convert "$work/hf" -o "$disk/model.specter" --target "$target" ||
+        die "specter-pack convert failed"
     wait "$gguf_pid" || die "GGUF conversion failed (see gguf.err in the logs)"
     rm -rf "$work/hf"
     du -b "$work/model.gguf" "$disk/model.specter" | tee -a "$LOG/files.txt"
@@ -239,11 +255,19 @@ run() {
     # otherwise idle machine and the table takes those.
     local gen=(generate "$disk/model.specter" --backend cuda --prompt-ids "$prompt"
         --max-new-tokens "$PEER_NEW_TOKENS" --ignore-eos --json)
+    local wait="--policy lru --wait-registration" host=""
+    [ "$target" = int8 ] && host=" --host-experts auto"
+    local d_min="--mode target --resident-experts 1 $wait$host"
+    local d_high="--mode target --resident-experts $high $wait" d_low="--mode target --resident-experts $low $wait"
+    if [ "$target" != fp16 ]; then
+        d_high="--mode target --vram-budget 17.7 $wait$host"
+        d_low="--mode target --vram-budget 12.9 $wait$host"
+    fi
     local -A s_args=(
         [resident]="--mode target"
-        [min]="${SPECTER_MIN:---mode target --resident-experts 1 --policy lru --wait-registration}"
-        [high]="${SPECTER_HIGH:---mode target --resident-experts $high --policy lru --wait-registration}"
-        [low]="${SPECTER_LOW:---mode target --resident-experts $low --policy lru --wait-registration}"
+        [min]="${SPECTER_MIN:-$d_min}"
+        [high]="${SPECTER_HIGH:-$d_high}"
+        [low]="${SPECTER_LOW:-$d_low}"
     )
     local -A s_label=(
         [resident]="all resident, target-only"
@@ -286,11 +310,22 @@ run() {
     printf 'ggml_version\t%s\n' "${ggml_version:-unknown}" >> "$LOG/meta.tsv"
     local lbench="$lsrc/build/bin/llama-bench" lcomp="$lsrc/build/bin/llama-completion"
     local gguf="$work/model.gguf"
+    if [ "$ltype" != F16 ]; then
+        # llama.cpp's own quantizer, from the F16 GGUF its converter wrote.
+        step llama-quantize 240 "$lsrc/build/bin/llama-quantize" "$gguf" "$work/model-$ltype.gguf" \
+            "$ltype" "$PEER_THREADS" || die "llama-quantize $ltype failed"
+        rm -f "$gguf"
+        gguf="$work/model-$ltype.gguf"
+        du -b "$gguf" | tee -a "$LOG/files.txt"
+    fi
     local lb=(-m "$gguf" -p 0 -n "$PEER_NEW_TOKENS" -r "$PEER_BENCH_REPS" -t "$PEER_THREADS" -o json)
 
     # Greedy tokens, all on the GPU. The session file keeps every token llama.cpp evaluated (the
     # prompt as it tokenized it, then what it generated); one extra token makes that 128 new ones.
-    if step llama-completion 180 "$lcomp" -m "$gguf" -ngl 99 -t "$PEER_THREADS" -c 512 \
+    # Quantized, the two engines' weights differ (each its own quantizer): no check.
+    if [ "$ltype" != F16 ]; then
+        note "No greedy agreement check: llama.cpp's $ltype and Specter's $target weights come from different quantizers."
+    elif step llama-completion 180 "$lcomp" -m "$gguf" -ngl 99 -t "$PEER_THREADS" -c 512 \
         -n $((PEER_NEW_TOKENS + 1)) --temp 0 --top-k 1 --ignore-eos -no-cnv --verbose-prompt \
         --prompt-cache "$LOG/llama-session.bin" --prompt-cache-all -p "$prompt_text" < /dev/null; then
         agreement "$prompt" "$disk/model.specter" "$run_bin"
@@ -376,7 +411,7 @@ run() {
         printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$l_args" "$([ -s "$LOG/$l_step.out" ] && echo "$l_step.out")" \
             "$l_step" "${s_label[$key]}" "${s_run:+$s_run.json}" "$s_run" >> "$LOG/rows.tsv"
     done
-    note "llama.cpp: llama-bench tg$PEER_NEW_TOKENS (no prompt), $PEER_BENCH_REPS repeats after its warm-up, -t $PEER_THREADS, on the F16 GGUF from llama.cpp's converter. Specter: one \`specter-run generate\` of $PEER_NEW_TOKENS greedy tokens on prompt ids $prompt; TPOT excludes the first token."
+    note "llama.cpp: llama-bench tg$PEER_NEW_TOKENS (no prompt), $PEER_BENCH_REPS repeats after its warm-up, -t $PEER_THREADS, on the $ltype GGUF from llama.cpp's converter (and llama-quantize unless F16). Specter ($target target): one \`specter-run generate\` of $PEER_NEW_TOKENS greedy tokens on prompt ids $prompt; TPOT excludes the first token."
     [ "$FAILED" = 0 ] || die "some measurements failed (see above and the logs)"
 }
 
