@@ -617,7 +617,19 @@ pub fn slots_for_budget(path: &Path, gb: f64, with_draft: bool) -> Result<usize>
         }
     }
     let info = cfg.model_info();
-    let per_slot = (info.moe_layers.len() * info.expert_bytes) as u64;
+    // A slot holds one expert as the bundle stores the target's: FP16 matrices, or a quantized
+    // expert's blob (codes and scales) whole.
+    let expert_bytes = match bundle.manifest().precision.target_bits.to_native() {
+        16 => info.expert_bytes,
+        _ => {
+            let layer = info.moe_layers.first().copied().unwrap_or(0) as u32;
+            bundle
+                .expert_blob(layer, 0)
+                .map_err(|e| Error::Model(format!("{}: {e}", path.display())))?
+                .len()
+        }
+    };
+    let per_slot = (info.moe_layers.len() * expert_bytes) as u64;
     let budget = (gb * 1e9) as u64;
     if budget < fixed + per_slot {
         return Err(Error::Request(format!(

@@ -215,3 +215,42 @@ fn a_format_1_bundle_still_runs() {
         assert_eq!(out.tokens, [249, 173, 50, 61, 95, 62, 244, 230], "{mode:?}");
     }
 }
+
+#[test]
+fn a_vram_budget_counts_the_stored_expert() {
+    // The same budget holds about twice the INT8 experts it holds FP16 ones: a slot is the
+    // stored expert's size, not the FP16 matrices'.
+    let fixture = Fixture::load("deepseek_v2");
+    let bundle = |target| {
+        let (dir, _) = fixture.bundle_with(&ConvertOptions {
+            target,
+            ..ConvertOptions::default()
+        });
+        dir
+    };
+    let (fp16, int8) = (bundle(TargetPrecision::Fp16), bundle(TargetPrecision::Int8));
+    let slots = |dir: &tempfile::TempDir, gb: f64| {
+        specter::generate::slots_for_budget(&dir.path().join("model.specter"), gb, false).ok()
+    };
+    let experts = fixture.cfg.moe.num_experts;
+    let mut compared = 0;
+    for step in 0..4000 {
+        let gb = 1.07 + step as f64 * 2e-5;
+        let (Some(a), Some(b)) = (slots(&fp16, gb), slots(&int8, gb)) else {
+            continue;
+        };
+        assert!(b >= a, "{gb} GB: {b} INT8 slots, fewer than {a} FP16 ones");
+        if (2..experts / 2).contains(&a) {
+            assert!(
+                b + 1 >= 2 * a - 1,
+                "{gb} GB: {b} INT8 slots for {a} FP16 ones"
+            );
+            compared += 1;
+        }
+    }
+    assert!(
+        compared > 0,
+        "no budget between 2 and {} FP16 slots",
+        experts / 2
+    );
+}
