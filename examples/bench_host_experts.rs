@@ -1,12 +1,13 @@
 //! Host expert kernel bandwidth against the host's read bandwidth, on DeepSeek-V2-Lite's routed
 //! expert shape (hidden 2048, inter 1408: 17.3 MB of FP16 weights per expert).
 //!
-//!     cargo run --release --example bench_host_experts -- [THREADS,...] [ROWS,...]
+//!     cargo run --release --example bench_host_experts -- [THREADS,...] [ROWS,...] [f16,int8]
 //!
 //! Cycles through 64 experts (1.1 GB, past the last-level cache), so each call reads its weights
 //! from memory; reports the median of 7 timed passes over the 64 experts, as GB/s of weights read
 //! and as a share of `doctor`'s host read bandwidth with the same threads. Two ways: one call per
-//! expert, and one call per 6 experts (a layer's host share, as the runtime batches them).
+//! expert, and one call per 6 experts (a layer's host share, as the runtime batches them). The
+//! same for 8-bit experts in the row layout (8.7 MB each, an INT8 target's).
 
 use std::time::Instant;
 
@@ -30,6 +31,10 @@ fn main() -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = list(args.next(), &[cores]);
     let rows_list = list(args.next(), &[1, 4, 16]);
+    let precisions: Vec<String> = args.next().map_or_else(
+        || vec!["f16".into(), "int8".into()],
+        |a| a.split(',').map(String::from).collect(),
+    );
     let mut seed = 0x1234_5678_u64;
     let mut next = || {
         seed ^= seed << 13;
@@ -47,23 +52,51 @@ fn main() -> anyhow::Result<()> {
     let down: Vec<Vec<f16>> = (0..EXPERTS)
         .map(|_| (0..HIDDEN * INTER).map(|_| f16::from_f32(next())).collect())
         .collect();
-    let expert_bytes = 3 * INTER * HIDDEN * 2;
+    let mut byte = || (next() * 5120.0) as i32 as u8;
+    let codes: Vec<(Vec<u8>, Vec<u8>)> = (0..EXPERTS)
+        .map(|_| {
+            (
+                (0..2 * INTER * HIDDEN).map(|_| byte()).collect(),
+                (0..HIDDEN * INTER).map(|_| byte()).collect(),
+            )
+        })
+        .collect();
+    let (gate_up_scales, down_scales) = (
+        vec![f16::from_f32(1e-3); 2 * INTER * HIDDEN / 128],
+        vec![f16::from_f32(1e-3); HIDDEN * INTER / 128],
+    );
     println!(
-        "host expert kernel, {HIDDEN}x{INTER} experts ({:.1} MB), path {}",
-        expert_bytes as f64 / 1e6,
+        "host expert kernel, {HIDDEN}x{INTER} experts, path {}",
         KernelPath::detect().name()
     );
-    println!("| threads | rows | experts per call | host read GB/s | kernel GB/s | share | ms per expert |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| precision | threads | rows | experts per call | host read GB/s | kernel GB/s | share | ms per expert |");
+    println!("|---|---|---|---|---|---|---|---|");
     for &t in &threads {
         let read = bandwidth::measure(t, 2 << 30, 5);
         let kernel = HostExperts::new(t, None)?;
-        for &rows in &rows_list {
+        for (precision, &rows) in precisions
+            .iter()
+            .flat_map(|p| rows_list.iter().map(move |r| (p.as_str(), r)))
+        {
+            let int8 = precision == "int8";
+            let expert_bytes = if int8 {
+                3 * INTER * HIDDEN + gate_up_scales.len() * 2 + down_scales.len() * 2
+            } else {
+                3 * INTER * HIDDEN * 2
+            };
             let x: Vec<f32> = (0..rows * HIDDEN)
                 .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
                 .collect();
             let weights = vec![0.5f32; rows];
             let expert = |e: usize| {
+                if int8 {
+                    return ExpertWeights::int8(
+                        (&codes[e].0, &gate_up_scales),
+                        (&codes[e].1, &down_scales),
+                        HIDDEN,
+                        INTER,
+                    );
+                }
                 ExpertWeights::f16(
                     &gate_up[e][..INTER * HIDDEN],
                     &gate_up[e][INTER * HIDDEN..],
@@ -99,7 +132,7 @@ fn main() -> anyhow::Result<()> {
                 let median = times[times.len() / 2];
                 let gbps = (EXPERTS * expert_bytes) as f64 / median / 1e9;
                 println!(
-                    "| {t} | {rows} | {per_call} | {:.1} | {gbps:.1} | {:.0}% | {:.3} |",
+                    "| {precision} | {t} | {rows} | {per_call} | {:.1} | {gbps:.1} | {:.0}% | {:.3} |",
                     read.bytes_per_s / 1e9,
                     100.0 * gbps * 1e9 / read.bytes_per_s,
                     median * 1e3 / EXPERTS as f64

@@ -116,14 +116,13 @@ pub fn dot(codes: &[u8], scales: &[f16], staged: &[f32]) -> f32 {
 /// loads, two chunks each) are transposed by byte and word unpacks so that each of four
 /// registers holds four inputs `t` of all eight chunks, one byte per lane in [`LANE_ORDER`];
 /// a byte shuffle then widens input `t` of the eight lanes to 32-bit fields, and or-ing the
-/// exponent of 2^23 then subtracting 2^23 + 128 makes them `q - 128` exactly.
+/// exponent of 2^23 then subtracting 2^23 + 128 makes them `q - 128` exactly. Two groups are
+/// taken at a time, so that `2 F` chains of fused multiply-adds hide each other's latency.
 ///
 /// # Safety
 /// The processor must have AVX2 and FMA; every row of `codes` and `staged` must hold the same
 /// multiple of 128 values, and every row of `scales` a value per 128 of them.
 #[cfg(target_arch = "x86_64")]
-// Group `b` indexes the codes, the scales and the staged row alike.
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dots_avx2<const F: usize>(
     codes: [&[u8]; F],
@@ -131,67 +130,116 @@ unsafe fn dots_avx2<const F: usize>(
     staged: &[f32],
 ) -> [f32; F] {
     let groups = staged.len() / GROUP;
-    let exponent = _mm256_set1_epi32(0x4B00_0000);
-    let bias = _mm256_set1_ps(8_388_736.0); // 2^23 + 128
-                                            // Shuffle `s`: field d of each half takes byte 4s + d of that half; the rest are zeros.
-    let widen: [__m256i; 4] = std::array::from_fn(|s| {
-        let mut m = [-128i8; 32];
-        for half in 0..2 {
-            for d in 0..4 {
-                m[16 * half + 4 * d] = (4 * s + d) as i8;
-            }
-        }
-        // SAFETY: `m` is 32 bytes.
-        unsafe { _mm256_loadu_si256(m.as_ptr() as *const __m256i) }
-    });
     let mut acc = [[_mm256_setzero_ps(); LANES / OCTET]; F];
-    for b in 0..groups {
-        // SAFETY: b < groups, so floats GROUP b .. GROUP (b + 1) lie in `staged`.
-        let xs = unsafe { staged.as_ptr().add(GROUP * b) };
-        let planes: [[__m256i; 4]; F] = std::array::from_fn(|f| {
-            // SAFETY: bytes GROUP b .. GROUP (b + 1) lie in every row (same length as `staged`).
-            let r: [__m256i; 4] = std::array::from_fn(|i| unsafe {
-                _mm256_loadu_si256(codes[f].as_ptr().add(GROUP * b + 32 * i) as *const __m256i)
-            });
-            let lo01 = _mm256_unpacklo_epi8(r[0], r[1]);
-            let hi01 = _mm256_unpackhi_epi8(r[0], r[1]);
-            let lo23 = _mm256_unpacklo_epi8(r[2], r[3]);
-            let hi23 = _mm256_unpackhi_epi8(r[2], r[3]);
-            [
-                _mm256_unpacklo_epi16(lo01, lo23),
-                _mm256_unpackhi_epi16(lo01, lo23),
-                _mm256_unpacklo_epi16(hi01, hi23),
-                _mm256_unpackhi_epi16(hi01, hi23),
-            ]
-        });
-        let mut p = [_mm256_setzero_ps(); F];
-        for t in 0..CHUNK {
-            // SAFETY: OCTET t + 8 <= GROUP floats from `xs`.
-            let x = unsafe { _mm256_loadu_ps(xs.add(OCTET * t)) };
-            for f in 0..F {
-                let q = _mm256_shuffle_epi8(planes[f][t / 4], widen[t % 4]);
-                let q = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(q, exponent)), bias);
-                p[f] = _mm256_fmadd_ps(q, x, p[f]);
-            }
-        }
-        let octet = b % (LANES / OCTET);
-        for f in 0..F {
-            let scale = _mm256_set1_ps(scales[f][b].to_f32());
-            acc[f][octet] = _mm256_fmadd_ps(p[f], scale, acc[f][octet]);
-        }
+    let mut b = 0;
+    while b + 2 <= groups {
+        // SAFETY: groups b and b + 1 lie in every row and in `staged`.
+        unsafe { group_step::<F, 2>(&codes, &scales, staged, b, &mut acc) };
+        b += 2;
     }
-    std::array::from_fn(|f| {
+    if b < groups {
+        // SAFETY: group b lies in every row and in `staged`.
+        unsafe { group_step::<F, 1>(&codes, &scales, staged, b, &mut acc) };
+    }
+    let mut out = [0.0f32; F];
+    for (o, a) in out.iter_mut().zip(&acc) {
         let mut lanes = [0.0f32; LANES];
-        for (o, v) in acc[f].iter().enumerate() {
+        for (octet, v) in a.iter().enumerate() {
             let mut vals = [0.0f32; OCTET];
             // SAFETY: `vals` is 8 floats.
             unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), *v) };
             for (val, &j) in vals.iter().zip(&LANE_ORDER) {
-                lanes[OCTET * o + j] = *val;
+                lanes[OCTET * octet + j] = *val;
             }
         }
-        butterfly(lanes)
-    })
+        *o = butterfly(lanes);
+    }
+    out
+}
+
+/// Byte shuffle `s`: field d of each 16-byte half takes byte 4s + d of that half; the rest are
+/// zeros (index -1).
+#[cfg(target_arch = "x86_64")]
+const WIDEN: [[i8; 32]; 4] = {
+    let mut m = [[-1i8; 32]; 4];
+    let mut s = 0;
+    while s < 4 {
+        let mut d = 0;
+        while d < 4 {
+            m[s][4 * d] = (4 * s + d) as i8;
+            m[s][16 + 4 * d] = (4 * s + d) as i8;
+            d += 1;
+        }
+        s += 1;
+    }
+    m
+};
+
+/// Groups `b .. b + G` of every row into the lanes' accumulators `acc[f][octet]`.
+///
+/// # Safety
+/// As [`dots_avx2`], and groups `b .. b + G` lie in the rows and in `staged`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+// Register blocking reads best with indices: `p[f][g]` pairs with `planes[f][g]`.
+#[allow(clippy::needless_range_loop)]
+unsafe fn group_step<const F: usize, const G: usize>(
+    codes: &[&[u8]; F],
+    scales: &[&[f16]; F],
+    staged: &[f32],
+    b: usize,
+    acc: &mut [[__m256; LANES / OCTET]; F],
+) {
+    let exponent = _mm256_set1_epi32(0x4B00_0000);
+    let bias = _mm256_set1_ps(8_388_736.0); // 2^23 + 128
+                                            // SAFETY: each entry of WIDEN is 32 bytes.
+    let widen: [__m256i; 4] =
+        std::array::from_fn(|s| unsafe { _mm256_loadu_si256(WIDEN[s].as_ptr() as *const __m256i) });
+    let mut planes = [[[_mm256_setzero_si256(); 4]; G]; F];
+    for f in 0..F {
+        for g in 0..G {
+            let c = codes[f].as_ptr().add(GROUP * (b + g));
+            // SAFETY: group b + g's 128 bytes lie in the row (the caller's promise).
+            let r = unsafe {
+                [
+                    _mm256_loadu_si256(c as *const __m256i),
+                    _mm256_loadu_si256(c.add(32) as *const __m256i),
+                    _mm256_loadu_si256(c.add(64) as *const __m256i),
+                    _mm256_loadu_si256(c.add(96) as *const __m256i),
+                ]
+            };
+            let lo01 = _mm256_unpacklo_epi8(r[0], r[1]);
+            let hi01 = _mm256_unpackhi_epi8(r[0], r[1]);
+            let lo23 = _mm256_unpacklo_epi8(r[2], r[3]);
+            let hi23 = _mm256_unpackhi_epi8(r[2], r[3]);
+            planes[f][g] = [
+                _mm256_unpacklo_epi16(lo01, lo23),
+                _mm256_unpackhi_epi16(lo01, lo23),
+                _mm256_unpacklo_epi16(hi01, hi23),
+                _mm256_unpackhi_epi16(hi01, hi23),
+            ];
+        }
+    }
+    let mut p = [[_mm256_setzero_ps(); G]; F];
+    for t in 0..CHUNK {
+        for g in 0..G {
+            // SAFETY: float GROUP (b + g) + 8 t + 8 <= GROUP (b + g + 1) lies in `staged`.
+            let x = unsafe { _mm256_loadu_ps(staged.as_ptr().add(GROUP * (b + g) + OCTET * t)) };
+            for f in 0..F {
+                let q = _mm256_shuffle_epi8(planes[f][g][t / 4], widen[t % 4]);
+                let q = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(q, exponent)), bias);
+                p[f][g] = _mm256_fmadd_ps(q, x, p[f][g]);
+            }
+        }
+    }
+    for g in 0..G {
+        let octet = (b + g) % (LANES / OCTET);
+        for f in 0..F {
+            let scale = _mm256_set1_ps(scales[f][b + g].to_f32());
+            acc[f][octet] = _mm256_fmadd_ps(p[f][g], scale, acc[f][octet]);
+        }
+    }
 }
 
 #[cfg(test)]
