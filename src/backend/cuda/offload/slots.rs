@@ -36,7 +36,7 @@ use crate::offload::{
 use crate::quant::Bits;
 use crate::{Error, Result};
 use down_stage::DownStage;
-use layout::{quantized_offsets, BlobLayout, InPlaceTensors};
+use layout::{quantized_offsets, BlobLayout};
 pub(crate) use layout::{InPlaceExpert, SlotLayout};
 
 /// Where expert bytes are copied from.
@@ -478,25 +478,6 @@ impl ExpertOffload {
         Ok(())
     }
 
-    /// The host kernel reads the FP16 tensors where they lie: each must start on an even byte
-    /// (the mapping itself is page-aligned).
-    fn check_in_place(&self) -> Result<()> {
-        for (l, layer) in self.layers.iter().enumerate() {
-            let Some(layer) = layer else { continue };
-            if let Some(e) = layer.blobs.iter().position(|b| {
-                [b.gate, b.up, b.down]
-                    .iter()
-                    .any(|&t| (b.file_offset + t) % 2 != 0)
-            }) {
-                return Err(Error::Request(format!(
-                    "--host-experts: expert {e} of layer {l} cannot be read in place as FP16 \
-                     (its tensors start on an odd byte); use --host-experts off"
-                )));
-            }
-        }
-        Ok(())
-    }
-
     pub(crate) fn check_expert(&self, layer: usize, expert: usize) -> Result<()> {
         match self.layers.get(layer).and_then(|l| l.as_ref()) {
             Some(l) if expert < l.blobs.len() => Ok(()),
@@ -649,47 +630,6 @@ impl ExpertOffload {
     /// The host expert kernel, when missing experts may be computed on the host.
     pub(crate) fn host_kernel(&self) -> Option<Arc<HostExperts>> {
         self.host.as_ref().map(|(k, _)| k.clone())
-    }
-
-    /// Expert `expert` of model layer `layer` where it lies in the bundle, for the host kernel.
-    pub(crate) fn in_place(&mut self, layer: usize, expert: u32) -> Result<InPlaceExpert> {
-        let mb = self.matrix_bytes;
-        let (inter, layout) = (self.inter, self.layout);
-        let blob = *self
-            .layer_mut(layer)?
-            .blobs
-            .get(expert as usize)
-            .ok_or_else(|| Error::Model(format!("offload: no expert {expert} in layer {layer}")))?;
-        let at = |off: u64, len: usize| {
-            let start = blob.file_offset + off as usize;
-            start..start + len
-        };
-        let tensors = match layout.kind {
-            ExpertKind::F16 => InPlaceTensors::F16 {
-                gate: at(blob.gate as u64, mb),
-                up: at(blob.up as u64, mb),
-                down: at(blob.down as u64, mb),
-            },
-            ExpertKind::Rows(Bits::EIGHT) => {
-                // An 8-bit matrix is half an FP16 one; a scale (2 bytes) serves 128 codes.
-                let (codes, scales) = (mb / 2, mb / 2 / 64);
-                InPlaceTensors::Int8 {
-                    gate_up: at(layout.gate_up, 2 * codes),
-                    gate_up_scales: at(layout.gate_up_scales, 2 * scales),
-                    down: at(layout.down, codes),
-                    down_scales: at(layout.down_scales, scales),
-                }
-            }
-            other => {
-                return Err(Error::Backend(format!(
-                    "host experts: no host kernel for {other:?} experts (inter {inter})"
-                )))
-            }
-        };
-        Ok(InPlaceExpert {
-            bundle: self.bundle.clone(),
-            tensors,
-        })
     }
 
     /// With the host path: the split learns the link's rate from the copy batches that have

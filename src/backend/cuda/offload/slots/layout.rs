@@ -1,5 +1,6 @@
-//! Where an expert's tensors lie: in its blob of the bundle (FP16 tensors read in place by the
-//! host kernel, or a quantized blob copied whole) and in an expert slot (the kernels' pointers).
+//! Where an expert's tensors lie: in its blob of the bundle (FP16 or INT8 tensors read in place
+//! by the host kernel, a quantized blob copied whole) and in an expert slot (the kernels'
+//! pointers).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -7,9 +8,11 @@ use std::sync::Arc;
 use half::f16;
 use specter_format::Bundle;
 
+use super::ExpertOffload;
 use crate::arch::target_tensor_name;
 use crate::backend::cuda::moe::experts::{ExpertGroup, ExpertKind};
 use crate::host_experts::ExpertWeights;
+use crate::quant::Bits;
 use crate::{Error, Result};
 
 /// One expert's tensors where they lie in the bundle's mapping, for the host kernel.
@@ -137,4 +140,67 @@ pub(super) fn quantized_offsets(bundle: &Bundle, l: usize, e: usize) -> Result<[
         *o = (p - start) as u64;
     }
     Ok(offsets)
+}
+
+/// Reading experts in place, for the host kernel.
+impl ExpertOffload {
+    /// Expert `expert` of model layer `layer` where it lies in the bundle, for the host kernel.
+    pub(crate) fn in_place(&mut self, layer: usize, expert: u32) -> Result<InPlaceExpert> {
+        let mb = self.matrix_bytes;
+        let (inter, layout) = (self.inter, self.layout);
+        let blob = *self
+            .layer_mut(layer)?
+            .blobs
+            .get(expert as usize)
+            .ok_or_else(|| Error::Model(format!("offload: no expert {expert} in layer {layer}")))?;
+        let at = |off: u64, len: usize| {
+            let start = blob.file_offset + off as usize;
+            start..start + len
+        };
+        let tensors = match layout.kind {
+            ExpertKind::F16 => InPlaceTensors::F16 {
+                gate: at(blob.gate as u64, mb),
+                up: at(blob.up as u64, mb),
+                down: at(blob.down as u64, mb),
+            },
+            ExpertKind::Rows(Bits::EIGHT) => {
+                // An 8-bit matrix is half an FP16 one; a scale (2 bytes) serves 128 codes.
+                let (codes, scales) = (mb / 2, mb / 2 / 64);
+                InPlaceTensors::Int8 {
+                    gate_up: at(layout.gate_up, 2 * codes),
+                    gate_up_scales: at(layout.gate_up_scales, 2 * scales),
+                    down: at(layout.down, codes),
+                    down_scales: at(layout.down_scales, scales),
+                }
+            }
+            other => {
+                return Err(Error::Backend(format!(
+                    "host experts: no host kernel for {other:?} experts (inter {inter})"
+                )))
+            }
+        };
+        Ok(InPlaceExpert {
+            bundle: self.bundle.clone(),
+            tensors,
+        })
+    }
+
+    /// The host kernel reads the FP16 tensors where they lie: each must start on an even byte
+    /// (the mapping itself is page-aligned).
+    pub(super) fn check_in_place(&self) -> Result<()> {
+        for (l, layer) in self.layers.iter().enumerate() {
+            let Some(layer) = layer else { continue };
+            if let Some(e) = layer.blobs.iter().position(|b| {
+                [b.gate, b.up, b.down]
+                    .iter()
+                    .any(|&t| (b.file_offset + t) % 2 != 0)
+            }) {
+                return Err(Error::Request(format!(
+                    "--host-experts: expert {e} of layer {l} cannot be read in place as FP16 \
+                     (its tensors start on an odd byte); use --host-experts off"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
