@@ -44,6 +44,8 @@
 #       defaults wait for the expert sections' registration before the first token
 #       (--wait-registration), as llama-bench times after its model load and warm-up: a short run
 #       would otherwise copy through pinned staging for most of its tokens
+#   (a Specter run with --host-experts auto waits for the end of llama.cpp's build and quantizer:
+#   the host path would compete with them for the CPU)
 #   SPECTER_HIGH, SPECTER_LOW  generate arguments of Specter's best mode at each budget (default:
 #       target-only lru at the case's matched residency, the mode `bench --modes auto` chose on
 #       these weights in every earlier run)
@@ -168,12 +170,12 @@ run() {
         *) die "unknown preset $preset (deepseek-v2-lite or qwen1.5-moe-a2.7b)" ;;
     esac
     : "${PEER_TIME_S:=540}" "${PEER_THREADS:=16}" "${PEER_NEW_TOKENS:=128}" "${PEER_BENCH_REPS:=2}"
-    local target=${PEER_TARGET:-fp16} ltype
-    case "$target" in
+    local precision=${PEER_TARGET:-fp16} ltype
+    case "$precision" in
         fp16) ltype=F16 ;;
         int8) ltype=Q8_0 ;;
         int4) ltype=Q4_K_M ;;
-        *) die "PEER_TARGET=$target: expected fp16, int8 or int4" ;;
+        *) die "PEER_TARGET=$precision: expected fp16, int8 or int4" ;;
     esac
     local work=${PEER_WORK:-/dev/shm/specter-peer} disk=${PEER_DISK:-}
     local lsrc=${LLAMA_DIR:-/tmp/specter-peer-llama.cpp}
@@ -217,7 +219,7 @@ run() {
 
     {
         printf 'preset\t%s\nlayers\t%s\nnew_tokens\t%s\nthreads\t%s\n' "$preset" "$layers" "$PEER_NEW_TOKENS" "$PEER_THREADS"
-        printf 'specter_target\t%s\nllama_type\t%s\n' "$target" "$ltype"
+        printf 'specter_target\t%s\nllama_type\t%s\n' "$precision" "$ltype"
         printf 'llama_source_sha256\t%s\n' "$(sha256sum "$tarball" | cut -d' ' -f1)"
         printf 'gpu\t%s\n' "$(head -1 "$LOG/gpu.txt")"
     } > "$LOG/meta.tsv"
@@ -244,7 +246,7 @@ run() {
     echo "prompt '$prompt_text' = ids $prompt"
     step gguf 420 python3 "$HERE/peer_llamacpp_convert.py" "$lsrc" "$work/hf" "$work/model.gguf" &
     local gguf_pid=$!
-    step convert 420 "$pack_bin" convert "$work/hf" -o "$disk/model.specter" --target "$target" ||
+    step convert 420 "$pack_bin" convert "$work/hf" -o "$disk/model.specter" --target "$precision" ||
         die "specter-pack convert failed"
     wait "$gguf_pid" || die "GGUF conversion failed (see gguf.err in the logs)"
     rm -rf "$work/hf"
@@ -256,10 +258,10 @@ run() {
     local gen=(generate "$disk/model.specter" --backend cuda --prompt-ids "$prompt"
         --max-new-tokens "$PEER_NEW_TOKENS" --ignore-eos --json)
     local wait="--policy lru --wait-registration" host=""
-    [ "$target" = int8 ] && host=" --host-experts auto"
+    [ "$precision" = int8 ] && host=" --host-experts auto"
     local d_min="--mode target --resident-experts 1 $wait$host"
     local d_high="--mode target --resident-experts $high $wait" d_low="--mode target --resident-experts $low $wait"
-    if [ "$target" != fp16 ]; then
+    if [ "$precision" != fp16 ]; then
         d_high="--mode target --vram-budget 17.7 $wait$host"
         d_low="--mode target --vram-budget 12.9 $wait$host"
     fi
@@ -284,6 +286,8 @@ run() {
     local s runs=(resident min high low)
     [ "${PEER_ROWS:-all}" = gpu ] && runs=(resident)
     for s in "${runs[@]}"; do
+        # A host-path run would share the CPU with the build: it runs once the build is done.
+        case "${s_args[$s]}" in *--host-experts\ auto*) continue ;; esac
         specter_run "$s" "" || FAILED=1
     done
     [ -f "$LOG/specter-resident.json" ] || die "Specter's all-resident run failed"
@@ -320,11 +324,16 @@ run() {
     fi
     local lb=(-m "$gguf" -p 0 -n "$PEER_NEW_TOKENS" -r "$PEER_BENCH_REPS" -t "$PEER_THREADS" -o json)
 
+    # The host-path runs left for an idle machine.
+    for s in "${runs[@]}"; do
+        [ -f "$LOG/specter-$s.json" ] || specter_run "$s" "" || FAILED=1
+    done
+
     # Greedy tokens, all on the GPU. The session file keeps every token llama.cpp evaluated (the
     # prompt as it tokenized it, then what it generated); one extra token makes that 128 new ones.
     # Quantized, the two engines' weights differ (each its own quantizer): no check.
     if [ "$ltype" != F16 ]; then
-        note "No greedy agreement check: llama.cpp's $ltype and Specter's $target weights come from different quantizers."
+        note "No greedy agreement check: llama.cpp's $ltype and Specter's $precision weights come from different quantizers."
     elif step llama-completion 180 "$lcomp" -m "$gguf" -ngl 99 -t "$PEER_THREADS" -c 512 \
         -n $((PEER_NEW_TOKENS + 1)) --temp 0 --top-k 1 --ignore-eos -no-cnv --verbose-prompt \
         --prompt-cache "$LOG/llama-session.bin" --prompt-cache-all -p "$prompt_text" < /dev/null; then
@@ -411,7 +420,7 @@ run() {
         printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$l_args" "$([ -s "$LOG/$l_step.out" ] && echo "$l_step.out")" \
             "$l_step" "${s_label[$key]}" "${s_run:+$s_run.json}" "$s_run" >> "$LOG/rows.tsv"
     done
-    note "llama.cpp: llama-bench tg$PEER_NEW_TOKENS (no prompt), $PEER_BENCH_REPS repeats after its warm-up, -t $PEER_THREADS, on the $ltype GGUF from llama.cpp's converter (and llama-quantize unless F16). Specter ($target target): one \`specter-run generate\` of $PEER_NEW_TOKENS greedy tokens on prompt ids $prompt; TPOT excludes the first token."
+    note "llama.cpp: llama-bench tg$PEER_NEW_TOKENS (no prompt), $PEER_BENCH_REPS repeats after its warm-up, -t $PEER_THREADS, on the $ltype GGUF from llama.cpp's converter (and llama-quantize unless F16). Specter ($precision target): one \`specter-run generate\` of $PEER_NEW_TOKENS greedy tokens on prompt ids $prompt; TPOT excludes the first token."
     [ "$FAILED" = 0 ] || die "some measurements failed (see above and the logs)"
 }
 
