@@ -101,21 +101,34 @@ fn relative_error(got: &[f32], want: impl IntoIterator<Item = f64>) -> f64 {
     (err / norm).sqrt()
 }
 
-fn host_kernel() -> HostExperts {
+/// Runs `check` (which returns what differed) on the GPU backend and a host kernel of every
+/// core, for each shape, from one random stream seeded `seed`; fails with everything found.
+fn each_shape(
+    seed: u64,
+    shapes: &[(usize, usize)],
+    what: &str,
+    mut check: impl FnMut(&CudaBackend, &HostExperts, &mut ChaCha8Rng, usize, usize) -> Vec<String>,
+) {
+    let gpu = common::gpu::backend();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let host = HostExperts::new(threads, None).expect("host kernel");
     eprintln!("host path: {}, {threads} threads", host.path().name());
-    host
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut failures = Vec::new();
+    for &(hidden, inter) in shapes {
+        failures.extend(check(&gpu, &host, &mut rng, hidden, inter));
+    }
+    assert!(
+        failures.is_empty(),
+        "host and GPU {what} differ:\n{}",
+        failures.join("\n")
+    );
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn host_expert_kernel_has_the_gpu_kernels_bits() {
-    let gpu = common::gpu::backend();
-    let host = host_kernel();
-    let mut rng = ChaCha8Rng::seed_from_u64(61);
-    let mut failures = Vec::new();
-    for (hidden, inter) in SHAPES {
+    each_shape(61, &SHAPES, "experts", |gpu, host, rng, hidden, inter| {
         let gate_up: Vec<f16> = (0..2 * inter * hidden)
             .map(|_| f16::from_f32(rng.random_range(-2.0..2.0f32) / (hidden as f32).sqrt()))
             .collect();
@@ -132,13 +145,8 @@ fn host_expert_kernel_has_the_gpu_kernels_bits() {
         };
         let (gate, up) = gate_up.split_at(inter * hidden);
         let w = ExpertWeights::f16(gate, up, &down, hidden, inter);
-        failures.extend(compare_with_gpu(&gpu, &host, &expert, &w, &mut rng, None));
-    }
-    assert!(
-        failures.is_empty(),
-        "host and GPU experts differ:\n{}",
-        failures.join("\n")
-    );
+        compare_with_gpu(gpu, host, &expert, &w, rng, None)
+    });
 }
 
 /// (hidden, inter) of 8-bit experts (multiples of 128): the same architectures' shapes.
@@ -154,34 +162,23 @@ const INT8_SHAPES: [(usize, usize); 6] = [
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn host_int8_expert_kernel_has_the_gpu_row_kernels_bits() {
-    let gpu = common::gpu::backend();
-    let host = host_kernel();
-    let mut rng = ChaCha8Rng::seed_from_u64(67);
-    let mut failures = Vec::new();
-    for (hidden, inter) in INT8_SHAPES {
-        let e = common::rows8::Int8Expert::random(&mut rng, hidden, inter);
-        let (gu, gus, d, ds) = (&e.gate_up, &e.gate_up_scales, &e.down, &e.down_scales);
-        let expert = GatedMlp {
-            gate_up: gpu
-                .weight_rows("gate_up", Bits::EIGHT, hidden, 2 * inter, gu, gus)
-                .expect("upload"),
-            down: gpu
-                .weight_rows("down", Bits::EIGHT, inter, hidden, d, ds)
-                .expect("upload"),
-        };
-        let value = |x: &[f32], weight: f32| e.reference(x, weight);
-        failures.extend(compare_with_gpu(
-            &gpu,
-            &host,
-            &expert,
-            &e.weights(),
-            &mut rng,
-            Some(&value),
-        ));
-    }
-    assert!(
-        failures.is_empty(),
-        "host and GPU 8-bit experts differ:\n{}",
-        failures.join("\n")
+    each_shape(
+        67,
+        &INT8_SHAPES,
+        "8-bit experts",
+        |gpu, host, rng, hidden, inter| {
+            let e = common::rows8::Int8Expert::random(rng, hidden, inter);
+            let (gu, gus, d, ds) = (&e.gate_up, &e.gate_up_scales, &e.down, &e.down_scales);
+            let expert = GatedMlp {
+                gate_up: gpu
+                    .weight_rows("gate_up", Bits::EIGHT, hidden, 2 * inter, gu, gus)
+                    .expect("upload"),
+                down: gpu
+                    .weight_rows("down", Bits::EIGHT, inter, hidden, d, ds)
+                    .expect("upload"),
+            };
+            let value = |x: &[f32], weight: f32| e.reference(x, weight);
+            compare_with_gpu(gpu, host, &expert, &e.weights(), rng, Some(&value))
+        },
     );
 }

@@ -22,6 +22,22 @@ fn random_expert(rng: &mut ChaCha8Rng, hidden: usize, inter: usize) -> (Vec<f16>
     (gate_up, down)
 }
 
+/// `rows` random input rows of `width` in -3..3 and their combine weights in `min_weight`..1.
+fn random_rows(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    width: usize,
+    min_weight: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let x = (0..rows * width)
+        .map(|_| rng.random_range(-3.0..3.0))
+        .collect();
+    let weights = (0..rows)
+        .map(|_| rng.random_range(min_weight..1.0))
+        .collect();
+    (x, weights)
+}
+
 fn run(kernel: &HostExperts, w: &ExpertWeights<'_>, x: &[f32], weights: &[f32]) -> Vec<f32> {
     let mut out = vec![f32::NAN; x.len()];
     kernel.expert(w, x, weights, &mut out).expect("expert");
@@ -98,10 +114,7 @@ fn the_expert_ffn_matches_an_f64_reference() {
             inter,
         );
         let rows = 5;
-        let x: Vec<f32> = (0..rows * hidden)
-            .map(|_| rng.random_range(-3.0..3.0))
-            .collect();
-        let weights: Vec<f32> = (0..rows).map(|_| rng.random_range(0.1..1.0)).collect();
+        let (x, weights) = random_rows(&mut rng, rows, hidden, 0.1);
         let got = run(&kernel, &w, &x, &weights);
         let (mut err, mut norm) = (0.0f64, 0.0f64);
         for r in 0..rows {
@@ -324,10 +337,7 @@ fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
         let e = Int8Expert::random(&mut rng, hidden, inter);
         let w = e.weights();
         let rows = 3;
-        let x: Vec<f32> = (0..rows * hidden)
-            .map(|_| rng.random_range(-3.0..3.0))
-            .collect();
-        let ws: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05..1.0)).collect();
+        let (x, ws) = random_rows(&mut rng, rows, hidden, 0.05);
         let out = run(&portable, &w, &x, &ws);
         if let Some(fast) = &fast {
             let f = run(fast, &w, &x, &ws);
