@@ -7,8 +7,9 @@
 //! `moe_rows_down_8` (kernels/moe_rows.cu), by its numerics contract ([`rows8`]); both with the
 //! same SiLU ([`activation`]) and final products. So an expert may run on either side without
 //! changing a token. With AVX2, FMA and F16C the lanes' work is vectors (`avx2.rs`, [`rows8`]);
-//! elsewhere a portable path gives the same bits. A layer's host experts run as one call ([`HostExperts::experts`]) on the kernel's
-//! own team of threads, which stay awake between a decode step's layers (`team.rs`).
+//! elsewhere a portable path gives the same bits. A layer's host experts run as one call
+//! ([`HostExperts::experts`]) on the kernel's own team of threads, which stay awake between a
+//! decode step's layers (`team.rs`).
 
 pub mod activation;
 #[cfg(target_arch = "x86_64")]
