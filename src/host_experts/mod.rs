@@ -327,6 +327,16 @@ impl HostExperts {
             .chain(hs_out.iter_mut().map(|h| Disjoint::new(h)))
             .collect();
         let outs: Vec<Disjoint> = outs.iter_mut().map(|o| Disjoint::new(o)).collect();
+        // The whole 8-bit experts' activations as their down products read them (staged, see
+        // rows8), written by the gate/up phase beside `hs` so that no down task stages them again.
+        let mut own_staged: Vec<Vec<f32>> = all[..whole]
+            .iter()
+            .map(|j| match j.weights.tensors {
+                ExpertTensors::Int8 { .. } => vec![0.0f32; j.rows() * j.weights.inter],
+                ExpertTensors::F16 { .. } => Vec::new(),
+            })
+            .collect();
+        let hs_staged: Vec<Disjoint> = own_staged.iter_mut().map(|h| Disjoint::new(h)).collect();
         let gate_up_tasks = feature_tasks(&all, |w| w.inter);
         let down_tasks = feature_tasks(&all[..whole], |w| w.hidden);
         // 8-bit experts read their inputs staged (rounded to f16, in the lanes' order).
@@ -383,7 +393,11 @@ impl HostExperts {
                 }
                 let (gate, up) = gate_up.split_at(rows);
                 for (r, (&g, &u)) in gate.iter().zip(up).enumerate() {
-                    hs[job].set(r * inter + j, activation::silu(g) * u);
+                    let h = activation::silu(g) * u;
+                    hs[job].set(r * inter + j, h);
+                    if let Some(staged) = hs_staged.get(job).filter(|s| s.len > 0) {
+                        staged.set(r * inter + rows8::staged_index(j), rows8::operand(h));
+                    }
                 }
             }
         };
@@ -396,10 +410,8 @@ impl HostExperts {
             let h = unsafe { hs[job].values() };
             let hr: Vec<&[f32]> = h.chunks_exact(inter).collect();
             let rows = hr.len();
-            let h_staged = match w.tensors {
-                ExpertTensors::Int8 { .. } => stage_rows(h, inter),
-                ExpertTensors::F16 { .. } => Vec::new(),
-            };
+            // SAFETY: as above, for the staged activations the gate/up phase wrote beside them.
+            let h_staged = unsafe { hs_staged[job].values() };
             let mut s = vec![0.0; 2 * rows];
             // Features in pairs (one activation load serves both), the odd one alone.
             for c in (lo..hi).step_by(2) {

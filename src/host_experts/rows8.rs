@@ -33,6 +33,23 @@ const ZERO_CODE: f32 = 128.0;
 /// Which lane of its octet each of a staged vector's eight places holds.
 pub const LANE_ORDER: [usize; OCTET] = [0, 2, 4, 6, 1, 3, 5, 7];
 
+/// An activation as the kernels read it: rounded to f16 and back.
+#[inline]
+pub fn operand(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// Where input `i` of a row lies in its staged form.
+#[inline]
+pub fn staged_index(i: usize) -> usize {
+    let (group, at) = (i / GROUP, i % GROUP);
+    let (j, t) = (at / CHUNK, at % CHUNK);
+    GROUP * group + OCTET * t + STAGED_PLACE[j]
+}
+
+/// For lane `j` of an octet, its place in a staged vector (the inverse of [`LANE_ORDER`]).
+const STAGED_PLACE: [usize; OCTET] = [0, 4, 1, 5, 2, 6, 3, 7];
+
 /// The staged form of activation row `x` (its length a multiple of [`GROUP`]) into `out` (as
 /// long): each value rounded to f16 and back, placed as the module documentation says.
 pub fn stage(x: &[f32], out: &mut [f32]) {
@@ -40,7 +57,7 @@ pub fn stage(x: &[f32], out: &mut [f32]) {
     for (xg, og) in x.chunks_exact(GROUP).zip(out.chunks_exact_mut(GROUP)) {
         for t in 0..CHUNK {
             for (v, &j) in LANE_ORDER.iter().enumerate() {
-                og[OCTET * t + v] = f16::from_f32(xg[CHUNK * j + t]).to_f32();
+                og[OCTET * t + v] = operand(xg[CHUNK * j + t]);
             }
         }
     }
@@ -273,6 +290,20 @@ mod tests {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         (*state >> 33) as u32
+    }
+
+    #[test]
+    fn staged_index_places_each_input_where_stage_puts_it() {
+        for (v, &j) in LANE_ORDER.iter().enumerate() {
+            assert_eq!(STAGED_PLACE[j], v);
+        }
+        let k = 3 * GROUP;
+        let x: Vec<f32> = (0..k).map(|i| i as f32).collect();
+        let mut staged = vec![0.0; k];
+        stage(&x, &mut staged);
+        for (i, &xi) in x.iter().enumerate() {
+            assert_eq!(staged[staged_index(i)], operand(xi), "input {i}");
+        }
     }
 
     #[test]
