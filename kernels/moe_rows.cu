@@ -1,16 +1,17 @@
 // Grouped MoE expert kernels for quantized weights in the row layout (docs/FORMAT.md, "Expert
-// encodings"; src/quant/rows.rs): 8-bit targets and 3- and 2-bit drafts. Over the groups of one
+// encodings"; src/quant/rows.rs): 8- and 4-bit targets and 3- and 2-bit drafts. Over the groups of one
 // work list (src/backend/cuda/moe/experts.rs):
 //
 //   moe_rows_gate_up_<B>: h[item][j]   = silu(x[row]·gate_j) * (x[row]·up_j),       j < inter
 //   moe_rows_down_<B>:    out[item][c] = item_weight[item] * (h[item]·down_c),     c < hidden
 //
-// B (8, 3, 2) is the code width. ExpertGroup: gate_up = the codes of the [2 inter][hidden B / 8]
+// B (8, 4, 3, 2) is the code width. ExpertGroup: gate_up = the codes of the [2 inter][hidden B / 8]
 // byte matrix (gate rows, then up rows), gate_up_scales = its [2 inter][hidden / 128] f16
 // scales; down = the codes of [hidden][inter B / 8], down_scales = [hidden][inter / 128]. One
-// output row's codes are contiguous: 8 bits, byte i is the code of input i; 3 and 2 bits, each
-// run of 32 inputs is B little-endian u32 words (bit planes: bit j of word p is bit p of the
-// code of input 32 run + j). A code q stands for (q - 2^(B-1)) * scale, one scale per (output
+// output row's codes are contiguous: 8 bits, byte i is the code of input i; 4 bits, byte i
+// holds input 2 i's code in its low nibble and input 2 i + 1's in its high one; 3 and 2 bits,
+// each run of 32 inputs is B little-endian u32 words (bit planes: bit j of word p is bit p of
+// the code of input 32 run + j). A code q stands for (q - 2^(B-1)) * scale, one scale per (output
 // row, group of 128 inputs).
 //
 // NUMERICS CONTRACT. Every result's bits are fixed by the following, whatever the launch; a host
@@ -18,7 +19,7 @@
 //   1. The activation operand (x for gate/up, h for down) is rounded to f16 (to nearest even)
 //      and back to f32: xr_i = (float)(half)x_i.
 //   2. One output row and one item: the row's inputs are split in chunks, 16 inputs at 8 bits,
-//      one 32-input run at 3 and 2 bits. Lane L of 32 takes chunks L, L + 32, L + 64, ... in
+//      one 32-input run at 4, 3 and 2 bits. Lane L of 32 takes chunks L, L + 32, L + 64, ... in
 //      ascending order; acc = 0; for each chunk: p = 0; for each input i of the chunk, ascending,
 //      p = fmaf((float)(q_i - 2^(B-1)), xr_i, p); then acc = fmaf(p, scale(row, group of the
 //      chunk), acc), the f16 scale taken as f32. A lane with no chunk keeps acc = 0. (fmaf: one
@@ -35,7 +36,9 @@
 // How the codes become operands, in three instructions a code and item (take, subtract, fma).
 // A float with exponent 23 (bits 0x4B000000) whose mantissa holds only q at bits s .. s+B-1 is
 // exactly 2^23 + q 2^s; subtracting the constant 2^23 + 2^(B-1) 2^s leaves (q - 2^(B-1)) 2^s
-// exactly. At 8 bits a byte permute puts each code at s = 0 under that exponent. At 2 and 3 bits
+// exactly. At 8 bits a byte permute puts each code at s = 0 under that exponent. At 4 bits a
+// word's nibbles 0 to 4 are read in place (s = 4 m) and nibbles 5 to 7 from the word shifted
+// down 12 bits (s = 4 m - 12), every field below bit 23. At 2 and 3 bits
 // a few shifts and masks per run interleave the planes so that each code's bits are adjacent in
 // one word, at a position s = plane_shift(i) <= 23 - B; each such word gets the exponent's top
 // byte once, and one and with a constant per code keeps the field and the exponent. The staged
@@ -51,7 +54,7 @@
 // the block stages the items' activation rows in dynamic shared memory (step 1, pre-scaled as
 // above), in chunks of CHUNK floats padded to CHUNK + ROWS_PAD so that the float4 reads of a
 // warp's 32 lanes hit distinct banks; then every warp streams its rows once for those items:
-// 16-byte (8 bits), 3 x 4-byte (3 bits) or 8-byte (2 bits) loads, several chunks of both rows in
+// 16-byte (8 and 4 bits), 3 x 4-byte (3 bits) or 8-byte (2 bits) loads, several chunks of both rows in
 // flight per lane, each code decoded once for every item and each activation read once for both
 // rows. The one-item code (the _1 kernels, and chunks of one item in the others) runs its pairs
 // as one stream: the next chunks' loads, of this pair or the next, are in flight while the
@@ -60,7 +63,7 @@
 // group read as group_before_wait allows: the gate/up kernels let the next launch start only
 // after their own wait), so the weights stream while the gate/up launch drains.
 //
-// Alignment: each expert's code matrix 16-byte aligned (8 bits: 16-byte loads; 2 bits: 8-byte;
+// Alignment: each expert's code matrix 16-byte aligned (8 and 4 bits: 16-byte loads; 2 bits: 8-byte;
 // 3 bits: 4-byte), scales 2-byte, x and h 16-byte (float4 staging). hidden and inter are
 // multiples of 128 (the host refuses other shapes).
 
@@ -96,6 +99,10 @@ struct Width<8> {
     static constexpr int CHUNK = 16, WORDS = 4, UNROLL_ONE = 1;
 };
 template <>
+struct Width<4> {
+    static constexpr int CHUNK = 32, WORDS = 4, UNROLL_ONE = 1;
+};
+template <>
 struct Width<3> {
     static constexpr int CHUNK = 32, WORDS = 3, UNROLL_ONE = 1;
 };
@@ -114,16 +121,17 @@ __device__ __forceinline__ u32 staged_floats(u32 k) {
 // become operands").
 template <int B>
 __host__ __device__ constexpr int plane_shift(int i) {
-    return B == 8 ? 0
-                  : (B == 2 ? ((i & ~1) <= 21 ? (i & ~1) : (i & ~1) - 22)
-                            : (i - i % 3 <= 20 ? i - i % 3 : i - i % 3 - 21));
+    if (B == 8) return 0;
+    if (B == 4) return i % 8 <= 4 ? 4 * (i % 8) : 4 * (i % 8) - 12;
+    if (B == 2) return (i & ~1) <= 21 ? (i & ~1) : (i & ~1) - 22;
+    return i - i % 3 <= 20 ? i - i % 3 : i - i % 3 - 21;
 }
 
 // Chunk c of a row's codes.
 template <int B>
 __device__ __forceinline__ void load_codes(const unsigned char* SPX_READONLY row, int c,
                                            u32 (&w)[Width<B>::WORDS]) {
-    if constexpr (B == 8) {
+    if constexpr (B == 8 || B == 4) {
         const uint4 v = spx_ldg(reinterpret_cast<const uint4*>(row) + c);
         w[0] = v.x;
         w[1] = v.y;
@@ -169,6 +177,25 @@ struct Codes<8> {
     __device__ __forceinline__ float value(int i) const {
         const u32 f = __byte_perm(w[i / 4], ROWS_MAGIC, 0x7540u | (u32)(i % 4));
         return __fsub_rn(__uint_as_float(f), 8388736.0f);  // 2^23 + 128
+    }
+};
+
+// 4 bits: word i / 8 holds input i's code at nibble i % 8; `lo` is each word as loaded (nibbles
+// 0 to 4 read in place), `hi` the word shifted down 12 bits (nibbles 5 to 7 at bits 8, 12, 16);
+// each then carries the magic (with_magic).
+template <>
+struct Codes<4> {
+    u32 lo[4], hi[4];
+    __device__ __forceinline__ explicit Codes(const u32 (&w)[4]) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            hi[k] = with_magic(w[k] >> 12);
+            lo[k] = with_magic(w[k]);
+        }
+    }
+    __device__ __forceinline__ float value(int i) const {
+        const u32 word = i % 8 <= 4 ? lo[i / 8] : hi[i / 8];
+        return field_value(word, plane_shift<4>(i), 4);
     }
 };
 
@@ -570,6 +597,11 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS) moe_
     u32 hidden, u32 inter, u32 chunk_items) {
     gate_up_kernel<8, false>(groups, x, item_row, h, hidden, inter, chunk_items);
 }
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS) moe_rows_gate_up_4(
+    const ExpertGroup* groups, const float* x, const u32* item_row, float* __restrict__ h,
+    u32 hidden, u32 inter, u32 chunk_items) {
+    gate_up_kernel<4, false>(groups, x, item_row, h, hidden, inter, chunk_items);
+}
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS) moe_rows_gate_up_3(
     const ExpertGroup* groups, const float* x, const u32* item_row, float* __restrict__ h,
     u32 hidden, u32 inter, u32 chunk_items) {
@@ -584,6 +616,11 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS_ONE) 
     const ExpertGroup* groups, const float* x, const u32* item_row, float* __restrict__ h,
     u32 hidden, u32 inter, u32 chunk_items) {
     gate_up_kernel<8, true>(groups, x, item_row, h, hidden, inter, chunk_items);
+}
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS_ONE) moe_rows_gate_up_4_1(
+    const ExpertGroup* groups, const float* x, const u32* item_row, float* __restrict__ h,
+    u32 hidden, u32 inter, u32 chunk_items) {
+    gate_up_kernel<4, true>(groups, x, item_row, h, hidden, inter, chunk_items);
 }
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS_ONE) moe_rows_gate_up_3_1(
     const ExpertGroup* groups, const float* x, const u32* item_row, float* __restrict__ h,
@@ -601,6 +638,11 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS) moe_
     u32 hidden, u32 inter, u32 chunk_items) {
     down_kernel<8, false>(groups, h, item_weight, out, hidden, inter, chunk_items);
 }
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS) moe_rows_down_4(
+    const ExpertGroup* groups, const float* h, const float* item_weight, float* __restrict__ out,
+    u32 hidden, u32 inter, u32 chunk_items) {
+    down_kernel<4, false>(groups, h, item_weight, out, hidden, inter, chunk_items);
+}
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS) moe_rows_down_3(
     const ExpertGroup* groups, const float* h, const float* item_weight, float* __restrict__ out,
     u32 hidden, u32 inter, u32 chunk_items) {
@@ -615,6 +657,11 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS_ONE) 
     const ExpertGroup* groups, const float* h, const float* item_weight, float* __restrict__ out,
     u32 hidden, u32 inter, u32 chunk_items) {
     down_kernel<8, true>(groups, h, item_weight, out, hidden, inter, chunk_items);
+}
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS_ONE) moe_rows_down_4_1(
+    const ExpertGroup* groups, const float* h, const float* item_weight, float* __restrict__ out,
+    u32 hidden, u32 inter, u32 chunk_items) {
+    down_kernel<4, true>(groups, h, item_weight, out, hidden, inter, chunk_items);
 }
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS, ROWS_MIN_BLOCKS_ONE) moe_rows_down_3_1(
     const ExpertGroup* groups, const float* h, const float* item_weight, float* __restrict__ out,

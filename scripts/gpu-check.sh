@@ -10,7 +10,7 @@
 #   ops       every CUDA op against the CPU reference on random inputs, one test per op family
 #             (tests/cuda_ops.rs, tests/cuda_ops_fused.rs)
 #   int4      the quantized expert kernels against the CPU reference: INT4 (tests/cuda_moe_int4.rs),
-#             and the row layout at 8, 3 and 2 bits with its weight read rate
+#             and the row layout at 8, 4, 3 and 2 bits with its weight read rate
 #             (tests/cuda_moe_rows.rs)
 #   fixtures  every fixture model: GPU greedy tokens equal the CPU's, in every residency; the same
 #             logits with the shared experts fused into the routed launches as without; and every

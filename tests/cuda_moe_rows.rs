@@ -22,7 +22,7 @@ use specter::backend::cuda::{CudaDevice, CudaStream, MoeRowsKernels};
 use specter::quant::{rows_dequantize_out_in, rows_pack, rtn, Bits};
 
 /// The row-layout widths.
-const WIDTHS: [u32; 3] = [8, 3, 2];
+const WIDTHS: [u32; 4] = [8, 4, 3, 2];
 
 /// The row-layout kernels at one width.
 struct Rows {

@@ -221,7 +221,7 @@ pub trait Backend: Send + Sync {
         scales: &[f16],
     ) -> Result<Self::Weight>;
 
-    /// An 8-, 3- or 2-bit weight in the row layout (`crate::quant::rows_pack`) used as `[n, k]`:
+    /// An 8-, 4-, 3- or 2-bit weight in the row layout (`crate::quant::rows_pack`) used as `[n, k]`:
     /// `k` inputs, `n` outputs. Products with it round their input rows to f16 first, as with
     /// INT4 weights. The default refuses: a backend without kernels for the width says so.
     fn weight_rows(

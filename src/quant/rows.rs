@@ -1,8 +1,11 @@
-//! The row layout of quantized matrices other than 4-bit (which is Marlin-tiled): 8-bit targets
-//! and 2- and 3-bit drafts. docs/FORMAT.md defines it; in short, codes are stored per output row
-//! (Hugging Face orientation, so a row's inputs are contiguous, as a one-row product reads them):
+//! The row layout of quantized matrices other than a 4-bit draft's (which is Marlin-tiled): 8-
+//! and 4-bit targets and 2- and 3-bit drafts. docs/FORMAT.md defines it; in short, codes are
+//! stored per output row (Hugging Face orientation, so a row's inputs are contiguous, as a
+//! one-row product reads them):
 //!
 //! - 8 bits: byte `i` of row `c` is the code of input `i`;
+//! - 4 bits: byte `i` holds input `2 i`'s code in its low nibble and input `2 i + 1`'s in its
+//!   high one;
 //! - 2 and 3 bits: each run of 32 inputs of a row is `b` little-endian u32 words, "bit planes":
 //!   bit `j` of word `p` is bit `p` of the code of input `32 * run + j`.
 //!
@@ -35,17 +38,7 @@ pub fn row_bytes(k: usize, bits: Bits) -> usize {
     k * bits.get() as usize / 8
 }
 
-fn check_width(what: &str, bits: Bits) -> Result<()> {
-    if bits == Bits::FOUR {
-        return Err(Error::Quant(format!(
-            "{what}: 4-bit matrices use the Marlin layout, not the row layout"
-        )));
-    }
-    Ok(())
-}
-
 fn check_lengths(what: &str, k: usize, n: usize, bits: Bits, q: usize, s: usize) -> Result<()> {
-    check_width(what, bits)?;
     if k == 0 || n == 0 || !k.is_multiple_of(GROUP_SIZE) {
         return Err(Error::Quant(format!(
             "{what}: shape k={k} n={n} (k must be a positive multiple of {GROUP_SIZE}, n positive)"
@@ -61,10 +54,9 @@ fn check_lengths(what: &str, k: usize, n: usize, bits: Bits, q: usize, s: usize)
     Ok(())
 }
 
-/// Packs a quantized matrix of 2, 3 or 8 bits into the row layout.
+/// Packs a quantized matrix of 2, 3, 4 or 8 bits into the row layout.
 pub fn rows_pack(m: &QuantMatrix) -> Result<RowsWeight> {
     m.validate("rows_pack")?;
-    check_width("rows_pack", m.bits)?;
     let (k, n, bits) = (m.k, m.n, m.bits);
     let codes_out_in = transpose(&m.q, k, n);
     let stride = row_bytes(k, bits);
@@ -94,6 +86,12 @@ fn pack_row(codes: &[u8], bits: Bits, dst: &mut [u8]) {
         dst.copy_from_slice(codes);
         return;
     }
+    if bits == Bits::FOUR {
+        for (d, pair) in dst.iter_mut().zip(codes.chunks_exact(2)) {
+            *d = (pair[0] & 0xF) | (pair[1] << 4);
+        }
+        return;
+    }
     let planes = bits.get() as usize;
     for (run, words) in codes
         .chunks_exact(PLANE_RUN)
@@ -113,6 +111,13 @@ fn pack_row(codes: &[u8], bits: Bits, dst: &mut [u8]) {
 fn unpack_row(src: &[u8], bits: Bits, codes: &mut [u8]) {
     if bits == Bits::EIGHT {
         codes.copy_from_slice(src);
+        return;
+    }
+    if bits == Bits::FOUR {
+        for (&b, pair) in src.iter().zip(codes.chunks_exact_mut(2)) {
+            pair[0] = b & 0xF;
+            pair[1] = b >> 4;
+        }
         return;
     }
     let planes = bits.get() as usize;
@@ -214,7 +219,7 @@ mod tests {
     fn pack_unpack_and_dequantize_round_trip_at_every_row_width() {
         let mut rng = ChaCha8Rng::seed_from_u64(21);
         let (n, k) = (48, 384);
-        for bits in [2, 3, 8] {
+        for bits in [2, 3, 4, 8] {
             let bits = Bits::new(bits).unwrap();
             let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.2f32..0.2)).collect();
             let m = rtn("w", &w, n, k, bits).unwrap();
@@ -249,13 +254,20 @@ mod tests {
     }
 
     #[test]
-    fn wrong_widths_and_lengths_are_named() {
-        let mut rng = ChaCha8Rng::seed_from_u64(22);
-        let w: Vec<f32> = (0..64 * 128)
-            .map(|_| rng.random_range(-1f32..1.0))
-            .collect();
-        let m = rtn("w", &w, 64, 128, Bits::FOUR).unwrap();
-        assert!(rows_pack(&m).unwrap_err().to_string().contains("Marlin"));
+    fn nibbles_hold_even_inputs_low_and_odd_inputs_high() {
+        let (n, k) = (1, 128);
+        let q: Vec<u8> = (0..k).map(|i| (i % 16) as u8).collect();
+        let m = QuantMatrix::new("w", k, n, Bits::FOUR, q, vec![f16::ONE]).unwrap();
+        let packed = rows_pack(&m).unwrap();
+        assert_eq!(packed.qweight.len(), 64);
+        assert_eq!(
+            &packed.qweight[..8],
+            &[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]
+        );
+    }
+
+    #[test]
+    fn wrong_lengths_are_named() {
         let msg = rows_unpack(128, 64, Bits::EIGHT, &[0u8; 10], &[f16::ONE; 64])
             .unwrap_err()
             .to_string();

@@ -1,5 +1,6 @@
 //! Launching the grouped expert kernels of `kernels/moe_rows.cu`: experts quantized in the row
-//! layout (docs/FORMAT.md, "Expert encodings"), an INT8 target's or a 3- or 2-bit draft's.
+//! layout (docs/FORMAT.md, "Expert encodings"), an INT8 or INT4 target's or a 3- or 2-bit
+//! draft's.
 //!
 //! [`MoeRowsKernels::launch`] runs the gate/up and down stages of a [`MoeLaunch`] whose groups
 //! point at row-layout codes and scales (the combine stage is separate):
@@ -34,22 +35,21 @@ const MODULE: &str = "moe_rows";
 const THREADS: u32 = 32 * WARPS as u32;
 
 /// The widths the kernels come in, in the order of [`MoeRowsKernels`]' arrays.
-const WIDTHS: [u32; 3] = [8, 3, 2];
+const WIDTHS: [u32; 4] = [8, 4, 3, 2];
 
 // The kernels read the groups as a 40-byte struct (kernels/common.cuh asserts the same size).
 const _: () = assert!(std::mem::size_of::<ExpertGroup>() == 40);
 
-/// The index of `bits` in [`WIDTHS`]; 4 bits is the Marlin layout's (`MoeInt4Kernels`).
+/// The index of `bits` in [`WIDTHS`].
 fn width_index(bits: Bits) -> Result<usize> {
     WIDTHS.iter().position(|&w| w == bits.get()).ok_or_else(|| {
         Error::Backend(format!(
-            "row-layout MoE launch: {bits}-bit experts are not in the row layout (8, 3 or 2 \
-                 bits; 4-bit experts are Marlin-tiled and run the INT4 kernels)"
+            "row-layout MoE launch: no {bits}-bit kernels in the row layout (8, 4, 3 or 2 bits)"
         ))
     })
 }
 
-/// Inputs per chunk of the contract at width `bits`: 16 at 8 bits, a 32-input run at 3 and 2.
+/// Inputs per chunk of the contract at width `bits`: 16 at 8 bits, a 32-input run at 4, 3 and 2.
 fn chunk_inputs(bits: Bits) -> usize {
     if bits == Bits::EIGHT {
         16
@@ -141,8 +141,8 @@ impl<A: KernelArgs> Stage<A> {
 /// The gate/up and down kernels of every width, loaded from one device.
 pub struct MoeRowsKernels {
     /// Per width of [`WIDTHS`].
-    gate_up: [Stage<RowsGateUpArgs>; 3],
-    down: [Stage<RowsDownArgs>; 3],
+    gate_up: [Stage<RowsGateUpArgs>; WIDTHS.len()],
+    down: [Stage<RowsDownArgs>; WIDTHS.len()],
     /// How each launch starts (see [`Self::launching`]).
     launches: LaunchRule,
 }
@@ -161,8 +161,8 @@ impl MoeRowsKernels {
         let gate_up = |i: usize| Stage::load(device, "gate_up", WIDTHS[i]);
         let down = |i: usize| Stage::load(device, "down", WIDTHS[i]);
         Ok(MoeRowsKernels {
-            gate_up: [gate_up(0)?, gate_up(1)?, gate_up(2)?],
-            down: [down(0)?, down(1)?, down(2)?],
+            gate_up: [gate_up(0)?, gate_up(1)?, gate_up(2)?, gate_up(3)?],
+            down: [down(0)?, down(1)?, down(2)?, down(3)?],
             launches: LaunchRule::default(),
         })
     }
@@ -331,7 +331,7 @@ mod tests {
 
     #[test]
     fn accepts_real_shapes_at_every_row_width() {
-        for b in [8, 3, 2] {
+        for b in WIDTHS {
             check_rows_launch(&launch(2048, 1408), bits(b)).unwrap();
             check_rows_launch(&launch(128, 128), bits(b)).unwrap();
             // An empty launch needs no pointers.
@@ -343,7 +343,6 @@ mod tests {
 
     #[test]
     fn names_each_problem() {
-        assert!(message(&launch(2048, 1408), 4).contains("Marlin"));
         assert!(message(&launch(0, 128), 8).contains("hidden=0"));
         assert!(message(&launch(2000, 1408), 3).contains("hidden=2000"));
         assert!(message(&launch(2048, 1400), 2).contains("inter=1400"));
@@ -373,6 +372,7 @@ mod tests {
         assert_eq!(staged_floats(1408, bits(8)), 88 * 20);
         assert_eq!(staged_floats(2048, bits(3)), 64 * 36);
         assert_eq!(staged_floats(1408, bits(2)), 44 * 36);
+        assert_eq!(staged_floats(1408, bits(4)), 44 * 36);
     }
 
     #[test]
@@ -386,6 +386,7 @@ mod tests {
         assert_eq!(chunk_items_for(8, row, 3 * row + 5), Some(3));
         assert_eq!(chunk_items_for(8, row, row - 1), None);
         assert_eq!(width_index(bits(8)).unwrap(), 0);
-        assert_eq!(width_index(bits(2)).unwrap(), 2);
+        assert_eq!(width_index(bits(4)).unwrap(), 1);
+        assert_eq!(width_index(bits(2)).unwrap(), 3);
     }
 }

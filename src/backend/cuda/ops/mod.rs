@@ -151,7 +151,7 @@ impl Backend for CudaBackend {
         qweight: &[u8],
         scales: &[f16],
     ) -> Result<GpuWeight> {
-        if bits == crate::quant::Bits::FOUR || k == 0 || n == 0 || !k.is_multiple_of(128) {
+        if k == 0 || n == 0 || !k.is_multiple_of(128) {
             return Err(shape_err(
                 "weight_rows",
                 format!("{name}: a {bits}-bit [{n}, {k}] matrix has no row layout"),
