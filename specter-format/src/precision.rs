@@ -11,16 +11,24 @@ use crate::{ArchivedManifest, DType, FormatError, Precision, Result, SectionKind
 /// inputs and `n` outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
-    /// 4 bits, Marlin-tiled: `qweight` U32 `[k / 16, 2 n]`, `scales` F16 `[k / 128, n]`.
+    /// 4 bits, Marlin-tiled (a 4-bit draft's): `qweight` U32 `[k / 16, 2 n]`, `scales` F16
+    /// `[k / 128, n]`.
     Marlin,
-    /// 8, 3 or 2 bits by output row: `qweight` U8 `[n, k * bits / 8]`, `scales` F16
-    /// `[n, k / 128]`.
+    /// 8 or 4 bits (a target's), 3 or 2 bits (a draft's) by output row: `qweight` U8
+    /// `[n, k * bits / 8]`, `scales` F16 `[n, k / 128]`.
     Rows { bits: u32 },
 }
 
 impl Layout {
-    /// The layout of a quantized matrix of `bits` bits.
-    pub fn of_bits(bits: u32) -> Layout {
+    /// The layout of a quantized target matrix of `bits` bits: the row layout, whose kernels
+    /// the host path follows bit for bit.
+    pub fn target(bits: u32) -> Layout {
+        Layout::Rows { bits }
+    }
+
+    /// The layout of a draft matrix of `bits` bits: Marlin tiles at 4 bits (the draft's tuned
+    /// one-row kernels), the row layout at 3 and 2.
+    pub fn draft(bits: u32) -> Layout {
         if bits == 4 {
             Layout::Marlin
         } else {
@@ -83,11 +91,12 @@ pub(crate) fn check(manifest: &ArchivedManifest) -> Result<()> {
         let Some(section) = manifest.sections.get(section_index as usize) else {
             continue; // the range checks name a bad index
         };
-        let (role, bits) = match section_kind_of(&section.kind) {
-            SectionKind::Experts { .. } => ("target", precision.target_bits),
-            SectionKind::Draft { .. } => ("draft", precision.draft_bits),
-            _ => continue,
-        };
+        let (role, bits, layout_of): (_, _, fn(u32) -> Layout) =
+            match section_kind_of(&section.kind) {
+                SectionKind::Experts { .. } => ("target", precision.target_bits, Layout::target),
+                SectionKind::Draft { .. } => ("draft", precision.draft_bits, Layout::draft),
+                _ => continue,
+            };
         let name = tensor.name.as_str();
         let dtype = dtype_of(&tensor.dtype);
         let section_name = section.name.as_str();
@@ -101,7 +110,7 @@ pub(crate) fn check(manifest: &ArchivedManifest) -> Result<()> {
             }
             continue;
         }
-        let layout = Layout::of_bits(bits);
+        let layout = layout_of(bits);
         let (matrix, part, want) = if let Some(m) = name.strip_suffix(".qweight") {
             (m, 0, layout.qweight_dtype())
         } else if let Some(m) = name.strip_suffix(".scales") {

@@ -17,6 +17,7 @@ use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
 use crate::quant::Bits;
 use crate::weights::WeightStore;
 use crate::{Error, Result};
+use specter_format::Layout;
 
 mod pass;
 mod step;
@@ -212,38 +213,42 @@ impl<B: Backend> Loader<'_, B> {
         })
     }
 
-    /// A quantized expert matrix of `k` inputs and `n` outputs: `name(kind)` names its
-    /// `qweight` and `scales`; Marlin-tiled at 4 bits, in the row layout otherwise.
+    /// A quantized expert matrix of `k` inputs and `n` outputs stored in `layout`: `name(kind)`
+    /// names its `qweight` and `scales`.
     fn quantized(
         &self,
         name: impl Fn(&str) -> String,
-        bits: Bits,
+        layout: Layout,
         k: usize,
         n: usize,
     ) -> Result<B::Weight> {
         let (qname, sname) = (name("qweight"), name("scales"));
         let s = self.store.f16(&sname)?;
-        if bits == Bits::FOUR {
-            let q = self.store.u32(&qname)?;
-            self.backend.weight_int4(&qname, k, n, &q.data, &s.data)
-        } else {
-            let q = self.store.u8(&qname)?;
-            self.backend
-                .weight_rows(&qname, bits, k, n, &q.data, &s.data)
+        match layout {
+            Layout::Marlin => {
+                let q = self.store.u32(&qname)?;
+                self.backend.weight_int4(&qname, k, n, &q.data, &s.data)
+            }
+            Layout::Rows { bits } => {
+                let bits = Bits::new(bits)?;
+                let q = self.store.u8(&qname)?;
+                self.backend
+                    .weight_rows(&qname, bits, k, n, &q.data, &s.data)
+            }
         }
     }
 
-    /// One routed expert's quantized copy: `tensor(part, kind)` names its tensors.
+    /// One routed expert's quantized copy in `layout`: `tensor(part, kind)` names its tensors.
     fn quantized_expert(
         &self,
         tensor: impl Fn(&str, &str) -> String,
-        bits: Bits,
+        layout: Layout,
         hidden: usize,
         inter: usize,
     ) -> Result<GatedMlp<B>> {
         Ok(GatedMlp {
-            gate_up: self.quantized(|kind| tensor("gate_up", kind), bits, hidden, 2 * inter)?,
-            down: self.quantized(|kind| tensor("down", kind), bits, inter, hidden)?,
+            gate_up: self.quantized(|kind| tensor("gate_up", kind), layout, hidden, 2 * inter)?,
+            down: self.quantized(|kind| tensor("down", kind), layout, inter, hidden)?,
         })
     }
 }
@@ -361,7 +366,7 @@ impl<B: Backend> MoeModel<B> {
                         ),
                         Some(bits) => loader.quantized_expert(
                             |part, kind| target_tensor_name(l, e, part, kind),
-                            bits,
+                            Layout::target(bits.get()),
                             hidden,
                             inter,
                         ),
@@ -369,7 +374,7 @@ impl<B: Backend> MoeModel<B> {
                     if draft_missing.is_none() {
                         draft.push(loader.quantized_expert(
                             |part, kind| draft_tensor_name(l, e, part, kind),
-                            widths.draft,
+                            Layout::draft(widths.draft.get()),
                             hidden,
                             inter,
                         )?);

@@ -1,6 +1,6 @@
 //! What conversion stores for each routed expert besides (or instead of) its FP16 weights: the
-//! draft's codes, and a quantized target's. A quantized matrix is stored Marlin-tiled at 4 bits
-//! and by output rows at 8, 3 and 2 bits (docs/FORMAT.md, "Expert encodings").
+//! draft's codes, and a quantized target's. A 4-bit draft's matrix is stored Marlin-tiled, every
+//! other quantized matrix by output rows (docs/FORMAT.md, "Expert encodings").
 
 use specter::arch;
 use specter_format::{BundleWriter, DType, Layout, QuantStat};
@@ -110,18 +110,18 @@ pub struct Encoding {
 
 /// A quantized matrix as stored.
 pub enum Packed {
-    /// 4 bits.
+    /// A 4-bit draft's.
     Marlin(quant::MarlinWeight),
-    /// 8, 3 or 2 bits.
+    /// A target's (8 or 4 bits), a 3- or 2-bit draft's.
     Rows(quant::RowsWeight),
 }
 
 impl Packed {
-    pub fn pack(m: &QuantMatrix) -> Result<Packed> {
-        Ok(if m.bits == Bits::FOUR {
-            Packed::Marlin(quant::marlin_pack(m)?)
-        } else {
-            Packed::Rows(quant::rows_pack(m)?)
+    /// `m` in `role`'s layout (specter_format's `Layout::target` and `Layout::draft`).
+    pub fn pack(m: &QuantMatrix, role: Role) -> Result<Packed> {
+        Ok(match (role, m.bits) {
+            (Role::Draft, Bits::FOUR) => Packed::Marlin(quant::marlin_pack(m)?),
+            _ => Packed::Rows(quant::rows_pack(m)?),
         })
     }
 
@@ -138,7 +138,10 @@ impl Packed {
             ),
             Packed::Rows(m) => (m.k, m.n, m.bits, &m.qweight, &m.scales),
         };
-        let layout = Layout::of_bits(bits.get());
+        let layout = match self {
+            Packed::Marlin(_) => Layout::Marlin,
+            Packed::Rows(_) => Layout::Rows { bits: bits.get() },
+        };
         let (q_shape, s_shape) = layout.shapes(k as u64, n as u64, GROUP_SIZE as u64);
         writer.write_tensor(qweight, layout.qweight_dtype(), &q_shape, codes)?;
         writer.write_tensor(scales, DType::F16, &s_shape, bytemuck::cast_slice(s))?;
@@ -164,8 +167,8 @@ impl QuantExpert {
     ) -> Result<QuantExpert> {
         Ok(QuantExpert {
             encoding,
-            gate_up: Packed::pack(gate_up)?,
-            down: Packed::pack(down)?,
+            gate_up: Packed::pack(gate_up, encoding.role)?,
+            down: Packed::pack(down, encoding.role)?,
             stats,
         })
     }

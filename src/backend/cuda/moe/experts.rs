@@ -136,9 +136,9 @@ pub(crate) struct SharedDown {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ExpertKind {
     F16,
-    /// Marlin-tiled INT4 (the default draft's, an INT4 target's).
+    /// Marlin-tiled INT4 (the default draft's).
     Int4,
-    /// The row layout at 8, 3 or 2 bits (an INT8 target's, a 3- or 2-bit draft's).
+    /// The row layout at 8 or 4 bits (a quantized target's), 3 or 2 bits (a draft's).
     Rows(Bits),
 }
 
@@ -147,7 +147,6 @@ impl ExpertKind {
     pub(crate) fn of_target(target: Option<Bits>) -> ExpertKind {
         match target {
             None => ExpertKind::F16,
-            Some(Bits::FOUR) => ExpertKind::Int4,
             Some(b) => ExpertKind::Rows(b),
         }
     }
