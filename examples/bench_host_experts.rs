@@ -1,13 +1,14 @@
 //! Host expert kernel bandwidth against the host's read bandwidth, on DeepSeek-V2-Lite's routed
 //! expert shape (hidden 2048, inter 1408: 17.3 MB of FP16 weights per expert).
 //!
-//!     cargo run --release --example bench_host_experts -- [THREADS,...] [ROWS,...] [f16,int8]
+//!     cargo run --release --example bench_host_experts -- [THREADS,...] [ROWS,...] [f16,int8,int4]
 //!
 //! Cycles through 64 experts (1.1 GB, past the last-level cache), so each call reads its weights
 //! from memory; reports the median of 7 timed passes over the 64 experts, as GB/s of weights read
 //! and as a share of `doctor`'s host read bandwidth with the same threads. Two ways: one call per
 //! expert, and one call per 6 experts (a layer's host share, as the runtime batches them). The
-//! same for 8-bit experts in the row layout (8.7 MB each, an INT8 target's).
+//! same for 8- and 4-bit experts in the row layout (8.7 and 4.4 MB each, an INT8 or INT4
+//! target's).
 
 use std::time::Instant;
 
@@ -53,6 +54,7 @@ fn main() -> anyhow::Result<()> {
         .map(|_| (0..HIDDEN * INTER).map(|_| f16::from_f32(next())).collect())
         .collect();
     let mut byte = || (next() * 5120.0) as i32 as u8;
+    // 8-bit experts' codes; a 4-bit expert reads the first half of each (two codes a byte).
     let codes: Vec<(Vec<u8>, Vec<u8>)> = (0..EXPERTS)
         .map(|_| {
             (
@@ -78,24 +80,34 @@ fn main() -> anyhow::Result<()> {
             .iter()
             .flat_map(|p| rows_list.iter().map(move |r| (p.as_str(), r)))
         {
-            let int8 = precision == "int8";
-            let expert_bytes = if int8 {
-                3 * INTER * HIDDEN + gate_up_scales.len() * 2 + down_scales.len() * 2
-            } else {
-                3 * INTER * HIDDEN * 2
+            let code_bits = match precision {
+                "int8" => Some(8),
+                "int4" => Some(4),
+                "f16" => None,
+                other => anyhow::bail!("unknown precision {other} (f16, int8 or int4)"),
+            };
+            let expert_bytes = match code_bits {
+                Some(bits) => {
+                    3 * INTER * HIDDEN * bits / 8 + gate_up_scales.len() * 2 + down_scales.len() * 2
+                }
+                None => 3 * INTER * HIDDEN * 2,
             };
             let x: Vec<f32> = (0..rows * HIDDEN)
                 .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
                 .collect();
             let weights = vec![0.5f32; rows];
             let expert = |e: usize| {
-                if int8 {
-                    return ExpertWeights::int8(
-                        (&codes[e].0, &gate_up_scales),
-                        (&codes[e].1, &down_scales),
-                        HIDDEN,
-                        INTER,
+                if let Some(bits) = code_bits {
+                    let (gate_up, down) = (&codes[e].0, &codes[e].1);
+                    let (gate_up, down) = (
+                        (&gate_up[..gate_up.len() * bits / 8], &gate_up_scales[..]),
+                        (&down[..down.len() * bits / 8], &down_scales[..]),
                     );
+                    return if bits == 8 {
+                        ExpertWeights::int8(gate_up, down, HIDDEN, INTER)
+                    } else {
+                        ExpertWeights::int4(gate_up, down, HIDDEN, INTER)
+                    };
                 }
                 ExpertWeights::f16(
                     &gate_up[e][..INTER * HIDDEN],

@@ -52,9 +52,8 @@
 #   PEER_TARGET [fp16]  the precision compared: fp16 (llama.cpp's F16 GGUF against Specter's FP16
 #       target), int8 (llama-quantize's Q8_0 against `convert --target int8`) or int4 (Q4_K_M
 #       against `--target int4`). Under int8 and int4 Specter's defaults change: the smallest
-#       residency is 1 slot a layer (with the host path for int8, which it computes; the INT4
-#       target has none), and the high and low budgets are --vram-budget 17.7 and 12.9 GB (about
-#       16.5 and 12 GiB, the host path on for int8) instead of a slot count. The checkpoint is
+#       residency is 1 slot a layer, and the high and low budgets are --vram-budget 17.7 and
+#       12.9 GB (about 16.5 and 12 GiB) instead of a slot count, the host path on in all three. The checkpoint is
 #       converted with RTN (speed does not depend on the quantizer).
 set -euo pipefail
 
@@ -258,7 +257,7 @@ run() {
     local gen=(generate "$disk/model.specter" --backend cuda --prompt-ids "$prompt"
         --max-new-tokens "$PEER_NEW_TOKENS" --ignore-eos --json)
     local wait="--policy lru --wait-registration" host=""
-    [ "$precision" = int8 ] && host=" --host-experts auto"
+    [ "$precision" != fp16 ] && host=" --host-experts auto"
     local d_min="--mode target --resident-experts 1 $wait$host"
     local d_high="--mode target --resident-experts $high $wait" d_low="--mode target --resident-experts $low $wait"
     if [ "$precision" != fp16 ]; then

@@ -60,7 +60,7 @@ fn gpu_speculative_decoding_is_lossless_on_every_fixture() {
 }
 
 /// Quantized targets with their drafts: an INT8 target (row-layout kernels) with a 4-bit draft
-/// (Marlin), and an INT4 target (Marlin) with 3- and 2-bit drafts (row layout).
+/// (Marlin), and an INT4 target (row layout) with 3- and 2-bit drafts (row layout).
 const PRECISIONS: [(TargetPrecision, u32); 3] = [
     (TargetPrecision::Int8, 4),
     (TargetPrecision::Int4, 3),
@@ -87,8 +87,7 @@ fn gpu_speculative_decoding_is_lossless_at_every_target_precision() {
 /// GPU at depths 1, 4 and 16 also equals the GPU's target-only tokens, and so does SpecMoEOff
 /// mode (the draft with a KV cache of its own), with route-frequency prefetch when offloaded.
 /// `precision`: the bundle's target precision and draft width (default: FP16 with a 4-bit
-/// draft); the host path computes FP16 and INT8 targets (splitting FP16 experts only), so INT4
-/// targets skip its variants and INT8 ones the forced split.
+/// draft); the host path splits FP16 experts only, so quantized targets skip the forced split.
 fn every_fixture_every_residency(speculative: bool, precision: Option<(TargetPrecision, u32)>) {
     let device = Arc::new(common::gpu::device());
     for name in FIXTURES {
@@ -138,13 +137,9 @@ fn every_fixture_every_residency(speculative: bool, precision: Option<(TargetPre
             (Policy::Lru, 1, HostPath::Auto, Some(all)),
             (Policy::Lru, 2, HostPath::Auto, Some(split)),
         ] {
-            // The host path computes FP16 and INT8 targets, and splits FP16 experts only.
-            let host_ok = match (precision, host_experts) {
-                (_, None) | (None, _) => true,
-                (Some((TargetPrecision::Int8, _)), Some(h)) => h.split != SplitExperts::Always,
-                (Some(_), Some(_)) => false,
-            };
-            if !host_ok {
+            // The host path splits FP16 experts only.
+            if precision.is_some() && host_experts.is_some_and(|h| h.split == SplitExperts::Always)
+            {
                 continue;
             }
             let hybrid = match host_experts {

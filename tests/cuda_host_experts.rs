@@ -1,6 +1,6 @@
 //! The host expert kernel against the GPU's routed-expert kernels: the same bits for every
-//! architecture's expert shapes and 1 to 32 rows, FP16 and 8-bit, so an expert computed on the
-//! host in place of the GPU changes no token.
+//! architecture's expert shapes and 1 to 32 rows, FP16, 8- and 4-bit, so an expert computed on
+//! the host in place of the GPU changes no token.
 
 mod common;
 
@@ -149,8 +149,8 @@ fn host_expert_kernel_has_the_gpu_kernels_bits() {
     });
 }
 
-/// (hidden, inter) of 8-bit experts (multiples of 128): the same architectures' shapes.
-const INT8_SHAPES: [(usize, usize); 6] = [
+/// (hidden, inter) of 8- and 4-bit experts (multiples of 128): the same architectures' shapes.
+const ROWS_SHAPES: [(usize, usize); 6] = [
     (2048, 1408),
     (2048, 1024),
     (2048, 768),
@@ -159,26 +159,40 @@ const INT8_SHAPES: [(usize, usize); 6] = [
     (256, 384),
 ];
 
-#[test]
-#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
-fn host_int8_expert_kernel_has_the_gpu_row_kernels_bits() {
+/// Random `bits`-bit experts of every shape in [`ROWS_SHAPES`] on the host and on the GPU (its
+/// `moe_rows_gate_up_<bits>` and `moe_rows_down_<bits>` kernels, and at one row their one-item
+/// `_1` forms), compared bit for bit and against f64.
+fn row_layout_experts_against_the_gpu(seed: u64, bits: Bits) {
+    let what = format!("{bits}-bit experts");
     each_shape(
-        67,
-        &INT8_SHAPES,
-        "8-bit experts",
+        seed,
+        &ROWS_SHAPES,
+        &what,
         |gpu, host, rng, hidden, inter| {
-            let e = common::rows8::Int8Expert::random(rng, hidden, inter);
+            let e = common::rows8::RowsExpert::random(rng, bits.get() as usize, hidden, inter);
             let (gu, gus, d, ds) = (&e.gate_up, &e.gate_up_scales, &e.down, &e.down_scales);
             let expert = GatedMlp {
                 gate_up: gpu
-                    .weight_rows("gate_up", Bits::EIGHT, hidden, 2 * inter, gu, gus)
+                    .weight_rows("gate_up", bits, hidden, 2 * inter, gu, gus)
                     .expect("upload"),
                 down: gpu
-                    .weight_rows("down", Bits::EIGHT, inter, hidden, d, ds)
+                    .weight_rows("down", bits, inter, hidden, d, ds)
                     .expect("upload"),
             };
             let value = |x: &[f32], weight: f32| e.reference(x, weight);
             compare_with_gpu(gpu, host, &expert, &e.weights(), rng, Some(&value))
         },
     );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn host_int8_expert_kernel_has_the_gpu_row_kernels_bits() {
+    row_layout_experts_against_the_gpu(67, Bits::EIGHT);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn host_int4_expert_kernel_has_the_gpu_row_kernels_bits() {
+    row_layout_experts_against_the_gpu(71, Bits::FOUR);
 }

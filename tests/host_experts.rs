@@ -1,11 +1,11 @@
 //! The host expert kernel: the same bits on the AVX2 and the portable path, for every
 //! architecture's routed-expert shapes (fixture and full size) and 1 to 32 rows, and the value of
-//! the expert FFN (checked in f64), for FP16 and 8-bit experts. Bit equality with the GPU's
+//! the expert FFN (checked in f64), for FP16, 8- and 4-bit experts. Bit equality with the GPU's
 //! kernels is in tests/cuda_host_experts.rs.
 
 mod common;
 
-use common::rows8::Int8Expert;
+use common::rows8::RowsExpert;
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -320,21 +320,23 @@ fn split_experts_get_the_activations_the_whole_kernel_reduces() {
     }
 }
 
-/// (hidden, inter) of 8-bit experts: both multiples of 128 (the row layout's groups).
-const INT8_SHAPES: [(usize, usize); 4] = [(128, 128), (256, 384), (2048, 1408), (2048, 768)];
+/// (hidden, inter) of 8- and 4-bit experts: both multiples of 128 (the row layout's groups);
+/// 384 and 1408 are odd numbers of groups (a 4-bit row ends in half an octet of lanes).
+const ROWS_SHAPES: [(usize, usize); 4] = [(128, 128), (256, 384), (2048, 1408), (2048, 768)];
 
-#[test]
-fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
-    let mut rng = ChaCha8Rng::seed_from_u64(83);
+/// Experts of `bits` in the row layout: the same bits on the AVX2 and the portable path, a row's
+/// bits whatever rows share its call, the expert FFN against f64, and bad shapes refused.
+fn row_layout_experts_follow_their_definition(bits: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let portable = HostExperts::new(2, Some(KernelPath::Portable)).expect("portable");
     let fast = (KernelPath::detect() == KernelPath::Avx2)
         .then(|| HostExperts::new(2, Some(KernelPath::Avx2)).expect("avx2"));
     if fast.is_none() {
         eprintln!("no AVX2/FMA/F16C here: only the portable path is checked");
     }
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (hidden, inter) in INT8_SHAPES {
-        let e = Int8Expert::random(&mut rng, hidden, inter);
+    let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (hidden, inter) in ROWS_SHAPES {
+        let e = RowsExpert::random(&mut rng, bits, hidden, inter);
         let w = e.weights();
         let rows = 3;
         let (x, ws) = random_rows(&mut rng, rows, hidden, 0.05);
@@ -342,17 +344,17 @@ fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
         if let Some(fast) = &fast {
             let f = run(fast, &w, &x, &ws);
             assert_eq!(
-                bits(&f),
-                bits(&out),
-                "({hidden}, {inter}): AVX2 and portable differ"
+                bits_of(&f),
+                bits_of(&out),
+                "{bits}-bit ({hidden}, {inter}): AVX2 and portable differ"
             );
         }
         // A row's bits do not depend on the rows beside it.
         let alone = run(&portable, &w, &x[hidden..2 * hidden], &ws[1..2]);
         assert_eq!(
-            bits(&alone),
-            bits(&out[hidden..2 * hidden]),
-            "({hidden}, {inter}): row 1 alone differs from row 1 of 3"
+            bits_of(&alone),
+            bits_of(&out[hidden..2 * hidden]),
+            "{bits}-bit ({hidden}, {inter}): row 1 alone differs from row 1 of 3"
         );
         for r in 0..rows {
             let want = e.reference(&x[r * hidden..(r + 1) * hidden], ws[r]);
@@ -366,18 +368,25 @@ fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
             let rel = (err / norm).sqrt();
             assert!(
                 rel < 1e-4,
-                "({hidden}, {inter}) row {r}: relative error {rel:.2e}"
+                "{bits}-bit ({hidden}, {inter}) row {r}: relative error {rel:.2e}"
             );
             if r == 0 {
-                eprintln!("({hidden}, {inter}): relative error against f64 {rel:.2e}");
+                eprintln!("{bits}-bit ({hidden}, {inter}): relative error against f64 {rel:.2e}");
             }
         }
     }
     // Shapes off the 128-input groups, and tensors of the wrong length, are refused.
-    let e = Int8Expert::random(&mut rng, 128, 128);
-    let bad = ExpertWeights::int8(
-        (&e.gate_up[..2 * 64 * 128], &e.gate_up_scales[..2 * 64]),
-        (&e.down[..64 * 128], &e.down_scales[..64]),
+    let e = RowsExpert::random(&mut rng, bits, 128, 128);
+    let (codes, scales) = (|n: usize| n * bits / 8, |n: usize| n / 128);
+    let bad = e.weights_of(
+        (
+            &e.gate_up[..codes(2 * 64 * 128)],
+            &e.gate_up_scales[..scales(2 * 64 * 128)],
+        ),
+        (
+            &e.down[..codes(64 * 128)],
+            &e.down_scales[..scales(64 * 128)],
+        ),
         128,
         64,
     );
@@ -386,13 +395,126 @@ fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
         .expert(&bad, &[0.5; 128], &[1.0], &mut out)
         .unwrap_err();
     assert!(err.to_string().contains("multiples of 128"), "{err}");
-    let short = ExpertWeights::int8(
-        (&e.gate_up[1..], &e.gate_up_scales),
-        (&e.down, &e.down_scales),
-        128,
-        128,
+    let gate_up = (&e.gate_up[..], &e.gate_up_scales[..]);
+    let down = (&e.down[..], &e.down_scales[..]);
+    for short in [
+        e.weights_of((&e.gate_up[1..], &e.gate_up_scales), down, 128, 128),
+        e.weights_of((&e.gate_up, &e.gate_up_scales[1..]), down, 128, 128),
+        e.weights_of(
+            gate_up,
+            (&e.down[..codes(128 * 127)], &e.down_scales),
+            128,
+            128,
+        ),
+        e.weights_of(gate_up, (&e.down, &e.down_scales[..127]), 128, 128),
+    ] {
+        let err = portable
+            .expert(&short, &[0.5; 128], &[1.0], &mut out)
+            .unwrap_err();
+        assert!(err.to_string().contains("expected"), "{err}");
+    }
+}
+
+#[test]
+fn int8_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
+    row_layout_experts_follow_their_definition(8, 83);
+}
+
+#[test]
+fn int4_experts_give_the_same_bits_on_every_path_and_the_expert_ffn() {
+    row_layout_experts_follow_their_definition(4, 89);
+}
+
+#[test]
+fn experts_of_every_encoding_share_a_call() {
+    // FP16, 8- and 4-bit experts in one call, whole and split: each output the bits of its
+    // expert alone (each stages its own activations, 4-bit ones padded to whole octets).
+    let kernel = HostExperts::new(2, None).expect("kernel");
+    let mut rng = ChaCha8Rng::seed_from_u64(97);
+    let (hidden, inter) = (256, 384);
+    let f16_expert = Batch::random(&mut rng, hidden, inter, &[2]);
+    let int8 = RowsExpert::random(&mut rng, 8, hidden, inter);
+    let int4 = RowsExpert::random(&mut rng, 4, hidden, inter);
+    let weights = [f16_expert.weights(0), int8.weights(), int4.weights()];
+    let inputs: Vec<(Vec<f32>, Vec<f32>)> = [2, 1, 3]
+        .iter()
+        .map(|&rows| random_rows(&mut rng, rows, hidden, 0.05))
+        .collect();
+    let jobs: Vec<ExpertJob> = weights
+        .iter()
+        .zip(&inputs)
+        .map(|(w, (x, ws))| ExpertJob {
+            weights: *w,
+            x,
+            row_weights: ws,
+        })
+        .collect();
+    let mut outs: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|(x, _)| vec![f32::NAN; x.len()])
+        .collect();
+    let mut h = vec![f32::NAN; 3 * inter];
+    let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+    kernel
+        .experts_and_gate_ups(&jobs, &mut refs, &jobs[2..], &mut [h.as_mut_slice()])
+        .expect("mixed call");
+    for (e, (w, (x, ws))) in weights.iter().zip(&inputs).enumerate() {
+        let alone = run(&kernel, w, x, ws);
+        assert!(
+            alone
+                .iter()
+                .zip(&outs[e])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "expert {e} differs in the mixed call"
+        );
+    }
+    // The split 4-bit expert's activations are the contract's, and the ones its down product
+    // reads: staged again, 4-bit down of them is the whole expert's output.
+    use specter::host_experts::{activation, rows4};
+    let (x, ws) = &inputs[2];
+    let whole = run(&kernel, &int4.weights(), x, ws);
+    let dot = |(codes, scales): (&[u8], &[f16]), f: usize, staged: &[f32], k: usize| {
+        let (bytes, groups) = (k / 2, k / 128);
+        let mut v = [0.0];
+        rows4::dots(
+            KernelPath::Portable,
+            &[&codes[f * bytes..(f + 1) * bytes]],
+            &[&scales[f * groups..(f + 1) * groups]],
+            staged,
+            &mut v,
+        );
+        v[0]
+    };
+    let staged = |v: &[f32]| {
+        let mut s = vec![0.0; rows4::staged_len(v.len())];
+        rows4::stage(v, &mut s);
+        s
+    };
+    let (gate_up, down) = (
+        (&int4.gate_up[..], &int4.gate_up_scales[..]),
+        (&int4.down[..], &int4.down_scales[..]),
     );
-    assert!(portable
-        .expert(&short, &[0.5; 128], &[1.0], &mut out)
-        .is_err());
+    for r in 0..ws.len() {
+        let (xs, hr) = (
+            staged(&x[r * hidden..(r + 1) * hidden]),
+            &h[r * inter..(r + 1) * inter],
+        );
+        for (j, h_j) in hr.iter().enumerate() {
+            let (g, u) = (
+                dot(gate_up, j, &xs, hidden),
+                dot(gate_up, inter + j, &xs, hidden),
+            );
+            let want = activation::silu(g) * u;
+            assert_eq!(h_j.to_bits(), want.to_bits(), "row {r} h[{j}]");
+        }
+        let hs = staged(hr);
+        for c in 0..hidden {
+            let v = ws[r] * dot(down, c, &hs, inter);
+            assert_eq!(
+                v.to_bits(),
+                whole[r * hidden + c].to_bits(),
+                "row {r} output {c}: down of the handed-over activations"
+            );
+        }
+    }
 }

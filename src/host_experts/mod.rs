@@ -1,21 +1,22 @@
 //! The routed-expert FFN on host threads: a second path for cold experts, reading the bundle's
-//! expert tensors where they lie (in the mapping, no copy), FP16 or 8-bit.
+//! expert tensors where they lie (in the mapping, no copy), FP16, 8-bit or 4-bit.
 //!
 //! Its output has the bits of the GPU's routed-expert kernels for the same inputs: FP16 experts
 //! those of `moe_f16_gate_up` and `moe_f16_down` (kernels/gemv_f16.cu), each dot product in the
-//! GPU's lane order ([`lanes`]); 8-bit experts those of `moe_rows_gate_up_8` and
-//! `moe_rows_down_8` (kernels/moe_rows.cu), by its numerics contract ([`rows8`]); both with the
-//! same SiLU ([`activation`]) and final products. So an expert may run on either side without
-//! changing a token. With AVX2, FMA and F16C the lanes' work is vectors (`avx2.rs`, [`rows8`]);
-//! elsewhere a portable path gives the same bits. A layer's host experts run as one call
-//! ([`HostExperts::experts`]) on the kernel's own team of threads, which stay awake between a
-//! decode step's layers (`team.rs`).
+//! GPU's lane order ([`lanes`]); 8- and 4-bit experts those of `moe_rows_gate_up_<B>` and
+//! `moe_rows_down_<B>` (kernels/moe_rows.cu), by its numerics contract ([`rows8`], [`rows4`]);
+//! all with the same SiLU ([`activation`]) and final products. So an expert may run on either
+//! side without changing a token. With AVX2, FMA and F16C the lanes' work is vectors (`avx2.rs`,
+//! [`rows8`], [`rows4`]); elsewhere a portable path gives the same bits. A layer's host experts
+//! run as one call ([`HostExperts::experts`]) on the kernel's own team of threads, which stay
+//! awake between a decode step's layers (`team.rs`).
 
 pub mod activation;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod bandwidth;
 pub mod lanes;
+pub mod rows4;
 pub mod rows8;
 mod team;
 
@@ -73,6 +74,140 @@ pub enum ExpertTensors<'a> {
         down: &'a [u8],
         down_scales: &'a [f16],
     },
+    /// 4-bit codes in the row layout, two a byte (input `2 j` in byte `j`'s low nibble, `2 j + 1`
+    /// in its high one): `gate_up` is `[2 inter][hidden / 2]` bytes (gate rows, then up rows)
+    /// with `[2 inter][hidden / 128]` scales, `down` is `[hidden][inter / 2]` bytes with
+    /// `[hidden][inter / 128]` scales.
+    Int4 {
+        gate_up: &'a [u8],
+        gate_up_scales: &'a [f16],
+        down: &'a [u8],
+        down_scales: &'a [f16],
+    },
+}
+
+impl<'a> ExpertTensors<'a> {
+    /// The codes and scales of an expert in a row layout, and the kernel that reads them.
+    fn row_layout(self) -> Option<RowTensors<'a>> {
+        let (kernel, gate_up, gate_up_scales, down, down_scales) = match self {
+            ExpertTensors::F16 { .. } => return None,
+            ExpertTensors::Int8 {
+                gate_up,
+                gate_up_scales,
+                down,
+                down_scales,
+            } => (RowKernel::Eight, gate_up, gate_up_scales, down, down_scales),
+            ExpertTensors::Int4 {
+                gate_up,
+                gate_up_scales,
+                down,
+                down_scales,
+            } => (RowKernel::Four, gate_up, gate_up_scales, down, down_scales),
+        };
+        Some(RowTensors {
+            kernel,
+            gate_up: (gate_up, gate_up_scales),
+            down: (down, down_scales),
+        })
+    }
+}
+
+/// The row-layout kernels: 8-bit ([`rows8`]) and 4-bit ([`rows4`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RowKernel {
+    Eight,
+    Four,
+}
+
+impl RowKernel {
+    /// Bits per code.
+    fn bits(self) -> usize {
+        match self {
+            RowKernel::Eight => 8,
+            RowKernel::Four => 4,
+        }
+    }
+
+    /// Floats of a staged activation row of `k` inputs.
+    fn staged_len(self, k: usize) -> usize {
+        match self {
+            RowKernel::Eight => k,
+            RowKernel::Four => rows4::staged_len(k),
+        }
+    }
+
+    /// Activation row `x` staged for the kernel into `out` (`staged_len` long).
+    fn stage(self, x: &[f32], out: &mut [f32]) {
+        match self {
+            RowKernel::Eight => rows8::stage(x, out),
+            RowKernel::Four => rows4::stage(x, out),
+        }
+    }
+
+    /// Where input `i` of a staged row lies, and its value `v` staged.
+    fn staged_at(self, i: usize, v: f32) -> (usize, f32) {
+        match self {
+            RowKernel::Eight => (rows8::staged_index(i), rows8::operand(v)),
+            RowKernel::Four => (rows4::staged_index(i), rows4::staged_value(i, v)),
+        }
+    }
+
+    /// `codes[f] · x` for one or two rows into `out[f]`, `x` staged.
+    fn dots(
+        self,
+        path: KernelPath,
+        codes: &[&[u8]],
+        scales: &[&[f16]],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        match self {
+            RowKernel::Eight => rows8::dots(path, codes, scales, x, out),
+            RowKernel::Four => rows4::dots(path, codes, scales, x, out),
+        }
+    }
+}
+
+/// A row-layout expert's matrices, each its codes and scales.
+#[derive(Clone, Copy, Debug)]
+struct RowTensors<'a> {
+    kernel: RowKernel,
+    gate_up: (&'a [u8], &'a [f16]),
+    down: (&'a [u8], &'a [f16]),
+}
+
+impl<'a> RowTensors<'a> {
+    /// Rows `lo..hi` of `matrix` (`k` inputs a row): their codes and scales.
+    fn rows(
+        &self,
+        matrix: (&'a [u8], &'a [f16]),
+        lo: usize,
+        hi: usize,
+        k: usize,
+    ) -> (&'a [u8], &'a [f16]) {
+        let (bytes, groups) = (k * self.kernel.bits() / 8, k / rows8::GROUP);
+        (
+            &matrix.0[lo * bytes..hi * bytes],
+            &matrix.1[lo * groups..hi * groups],
+        )
+    }
+
+    /// The four tensors' lengths, and what they must be for `hidden` and `inter`.
+    fn lengths(&self, hidden: usize, inter: usize) -> (Vec<usize>, Vec<usize>) {
+        let (codes, scales) = (
+            hidden * inter * self.kernel.bits() / 8,
+            hidden * inter / rows8::GROUP,
+        );
+        (
+            vec![
+                self.gate_up.0.len(),
+                self.gate_up.1.len(),
+                self.down.0.len(),
+                self.down.1.len(),
+            ],
+            vec![2 * codes, 2 * scales, codes, scales],
+        )
+    }
 }
 
 /// One routed expert: its tensors and shape.
@@ -106,13 +241,43 @@ impl<'a> ExpertWeights<'a> {
         hidden: usize,
         inter: usize,
     ) -> Self {
-        ExpertWeights {
-            tensors: ExpertTensors::Int8 {
-                gate_up: gate_up.0,
-                gate_up_scales: gate_up.1,
-                down: down.0,
-                down_scales: down.1,
+        Self::quantized(RowKernel::Eight, gate_up, down, hidden, inter)
+    }
+
+    /// A 4-bit expert in the row layout (see [`ExpertTensors::Int4`]).
+    pub fn int4(
+        gate_up: (&'a [u8], &'a [f16]),
+        down: (&'a [u8], &'a [f16]),
+        hidden: usize,
+        inter: usize,
+    ) -> Self {
+        Self::quantized(RowKernel::Four, gate_up, down, hidden, inter)
+    }
+
+    /// An expert of `kernel`'s width in the row layout.
+    fn quantized(
+        kernel: RowKernel,
+        (gate_up, gate_up_scales): (&'a [u8], &'a [f16]),
+        (down, down_scales): (&'a [u8], &'a [f16]),
+        hidden: usize,
+        inter: usize,
+    ) -> Self {
+        let tensors = match kernel {
+            RowKernel::Eight => ExpertTensors::Int8 {
+                gate_up,
+                gate_up_scales,
+                down,
+                down_scales,
             },
+            RowKernel::Four => ExpertTensors::Int4 {
+                gate_up,
+                gate_up_scales,
+                down,
+                down_scales,
+            },
+        };
+        ExpertWeights {
+            tensors,
             hidden,
             inter,
         }
@@ -124,32 +289,16 @@ impl<'a> ExpertWeights<'a> {
             ExpertTensors::F16 { gate, up, down } => {
                 (vec![gate.len(), up.len(), down.len()], vec![i * h; 3])
             }
-            ExpertTensors::Int8 {
-                gate_up,
-                gate_up_scales,
-                down,
-                down_scales,
-            } => {
+            ExpertTensors::Int8 { .. } | ExpertTensors::Int4 { .. } => {
+                let r = self.tensors.row_layout().expect("a row layout");
                 if !h.is_multiple_of(rows8::GROUP) || !i.is_multiple_of(rows8::GROUP) {
                     return Err(Error::Request(format!(
-                        "host expert: 8-bit experts need hidden and inter in multiples of {}, got {h} and {i}",
+                        "host expert: {}-bit experts need hidden and inter in multiples of {}, got {h} and {i}",
+                        r.kernel.bits(),
                         rows8::GROUP
                     )));
                 }
-                (
-                    vec![
-                        gate_up.len(),
-                        gate_up_scales.len(),
-                        down.len(),
-                        down_scales.len(),
-                    ],
-                    vec![
-                        2 * i * h,
-                        2 * i * h / rows8::GROUP,
-                        h * i,
-                        h * i / rows8::GROUP,
-                    ],
-                )
+                r.lengths(h, i)
             }
         };
         if lens != want || h == 0 || i == 0 {
@@ -327,24 +476,29 @@ impl HostExperts {
             .chain(hs_out.iter_mut().map(|h| Disjoint::new(h)))
             .collect();
         let outs: Vec<Disjoint> = outs.iter_mut().map(|o| Disjoint::new(o)).collect();
-        // The whole 8-bit experts' activations as their down products read them (staged, see
-        // rows8), written by the gate/up phase beside `hs` so that no down task stages them again.
+        let layouts: Vec<Option<RowTensors<'_>>> =
+            all.iter().map(|j| j.weights.tensors.row_layout()).collect();
+        // The whole row-layout experts' activations as their down products read them (staged,
+        // see rows8 and rows4; zeros where a 4-bit row pads its last octet), written by the
+        // gate/up phase beside `hs` so that no down task stages them again.
         let mut own_staged: Vec<Vec<f32>> = all[..whole]
             .iter()
-            .map(|j| match j.weights.tensors {
-                ExpertTensors::Int8 { .. } => vec![0.0f32; j.rows() * j.weights.inter],
-                ExpertTensors::F16 { .. } => Vec::new(),
+            .zip(&layouts)
+            .map(|(j, l)| match l {
+                Some(l) => vec![0.0f32; j.rows() * l.kernel.staged_len(j.weights.inter)],
+                None => Vec::new(),
             })
             .collect();
         let hs_staged: Vec<Disjoint> = own_staged.iter_mut().map(|h| Disjoint::new(h)).collect();
         let gate_up_tasks = feature_tasks(&all, |w| w.inter);
         let down_tasks = feature_tasks(&all[..whole], |w| w.hidden);
-        // 8-bit experts read their inputs staged (rounded to f16, in the lanes' order).
+        // Row-layout experts read their inputs staged (rounded to f16, in the lanes' order).
         let staged: Vec<Vec<f32>> = all
             .iter()
-            .map(|j| match j.weights.tensors {
-                ExpertTensors::Int8 { .. } => stage_rows(j.x, j.weights.hidden),
-                ExpertTensors::F16 { .. } => Vec::new(),
+            .zip(&layouts)
+            .map(|(j, l)| match l {
+                Some(l) => stage_rows(l.kernel, j.x, j.weights.hidden),
+                None => Vec::new(),
             })
             .collect();
         // Gate and up: h[r][j] = silu(x[r] . gate_j) * (x[r] . up_j).
@@ -356,8 +510,22 @@ impl HostExperts {
             // Gate's products for every row, then up's.
             let mut gate_up = vec![0.0; 2 * rows];
             for j in lo..hi {
-                match w.tensors {
-                    ExpertTensors::F16 { gate, up, .. } => {
+                match (w.tensors, layouts[job]) {
+                    (_, Some(l)) => {
+                        let row = |f: usize| l.rows(l.gate_up, f, f + 1, hidden);
+                        if j + 1 < hi {
+                            prefetch(path, row(j + 1).0);
+                            prefetch(path, row(inter + j + 1).0);
+                        }
+                        let ((g, gs), (u, us)) = (row(j), row(inter + j));
+                        let width = l.kernel.staged_len(hidden);
+                        for (r, x) in staged[job].chunks_exact(width).enumerate() {
+                            let mut two = [0.0; 2];
+                            l.kernel.dots(path, &[g, u], &[gs, us], x, &mut two);
+                            (gate_up[r], gate_up[rows + r]) = (two[0], two[1]);
+                        }
+                    }
+                    (ExpertTensors::F16 { gate, up, .. }, None) => {
                         let wg = &gate[j * hidden..(j + 1) * hidden];
                         let wu = &up[j * hidden..(j + 1) * hidden];
                         if j + 1 < hi {
@@ -366,37 +534,15 @@ impl HostExperts {
                         }
                         dots(path, &[wg, wu], xs, &mut gate_up);
                     }
-                    ExpertTensors::Int8 {
-                        gate_up: codes,
-                        gate_up_scales: scales,
-                        ..
-                    } => {
-                        let g = hidden / rows8::GROUP;
-                        let row = |f: usize| &codes[f * hidden..(f + 1) * hidden];
-                        let scale = |f: usize| &scales[f * g..(f + 1) * g];
-                        if j + 1 < hi {
-                            prefetch(path, row(j + 1));
-                            prefetch(path, row(inter + j + 1));
-                        }
-                        for (r, x) in staged[job].chunks_exact(hidden).enumerate() {
-                            let mut two = [0.0; 2];
-                            rows8::dots(
-                                path,
-                                &[row(j), row(inter + j)],
-                                &[scale(j), scale(inter + j)],
-                                x,
-                                &mut two,
-                            );
-                            (gate_up[r], gate_up[rows + r]) = (two[0], two[1]);
-                        }
-                    }
+                    (_, None) => unreachable!("only FP16 experts have no row layout"),
                 }
                 let (gate, up) = gate_up.split_at(rows);
                 for (r, (&g, &u)) in gate.iter().zip(up).enumerate() {
                     let h = activation::silu(g) * u;
                     hs[job].set(r * inter + j, h);
-                    if let Some(staged) = hs_staged.get(job).filter(|s| s.len > 0) {
-                        staged.set(r * inter + rows8::staged_index(j), rows8::operand(h));
+                    if let (Some(staged), Some(l)) = (hs_staged.get(job), layouts[job]) {
+                        let (at, v) = l.kernel.staged_at(j, h);
+                        staged.set(r * l.kernel.staged_len(inter) + at, v);
                     }
                 }
             }
@@ -416,8 +562,27 @@ impl HostExperts {
             // Features in pairs (one activation load serves both), the odd one alone.
             for c in (lo..hi).step_by(2) {
                 let n = if c + 1 < hi { 2 } else { 1 };
-                match w.tensors {
-                    ExpertTensors::F16 { down, .. } => {
+                match (w.tensors, layouts[job]) {
+                    (_, Some(l)) => {
+                        if c + 2 < hi {
+                            prefetch(path, l.rows(l.down, c + 2, (c + 4).min(hi), inter).0);
+                        }
+                        let ((a, sa), (b, sb)) = (
+                            l.rows(l.down, c, c + 1, inter),
+                            l.rows(l.down, c + n - 1, c + n, inter),
+                        );
+                        let (features, sc) = ([a, b], [sa, sb]);
+                        let width = l.kernel.staged_len(inter);
+                        for (r, x) in h_staged.chunks_exact(width).enumerate() {
+                            let mut two = [0.0; 2];
+                            l.kernel
+                                .dots(path, &features[..n], &sc[..n], x, &mut two[..n]);
+                            for (f, v) in two[..n].iter().enumerate() {
+                                s[f * rows + r] = *v;
+                            }
+                        }
+                    }
+                    (ExpertTensors::F16 { down, .. }, None) => {
                         let row = |c: usize| &down[c * inter..(c + 1) * inter];
                         if c + 2 < hi {
                             prefetch(path, &down[(c + 2) * inter..(c + 4).min(hi) * inter]);
@@ -425,27 +590,7 @@ impl HostExperts {
                         let features = [row(c), row(c + n - 1)];
                         dots(path, &features[..n], &hr, &mut s[..n * rows]);
                     }
-                    ExpertTensors::Int8 {
-                        down: codes,
-                        down_scales: scales,
-                        ..
-                    } => {
-                        let g = inter / rows8::GROUP;
-                        if c + 2 < hi {
-                            prefetch(path, &codes[(c + 2) * inter..(c + 4).min(hi) * inter]);
-                        }
-                        let row = |f: usize| &codes[f * inter..(f + 1) * inter];
-                        let scale = |f: usize| &scales[f * g..(f + 1) * g];
-                        let features = [row(c), row(c + n - 1)];
-                        let sc = [scale(c), scale(c + n - 1)];
-                        for (r, x) in h_staged.chunks_exact(inter).enumerate() {
-                            let mut two = [0.0; 2];
-                            rows8::dots(path, &features[..n], &sc[..n], x, &mut two[..n]);
-                            for (f, v) in two[..n].iter().enumerate() {
-                                s[f * rows + r] = *v;
-                            }
-                        }
-                    }
+                    (_, None) => unreachable!("only FP16 experts have no row layout"),
                 }
                 for (i, &v) in s[..n * rows].iter().enumerate() {
                     let (f, r) = (c + i / rows, i % rows);
@@ -525,11 +670,13 @@ impl Disjoint {
     }
 }
 
-/// `x` (`rows x width`) staged row by row for the 8-bit kernel ([`rows8::stage`]).
-fn stage_rows(x: &[f32], width: usize) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    for (xr, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
-        rows8::stage(xr, o);
+/// `x` (`rows x width`) staged row by row for a row-layout kernel ([`rows8::stage`],
+/// [`rows4::stage`]).
+fn stage_rows(kernel: RowKernel, x: &[f32], width: usize) -> Vec<f32> {
+    let staged = kernel.staged_len(width);
+    let mut out = vec![0.0; x.len() / width * staged];
+    for (xr, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(staged)) {
+        kernel.stage(xr, o);
     }
     out
 }

@@ -82,27 +82,64 @@ pub fn dots(path: KernelPath, codes: &[&[u8]], scales: &[&[f16]], staged: &[f32]
     debug_assert!(codes.len() == scales.len() && codes.len() == out.len());
     debug_assert!(codes.iter().all(|c| c.len() == staged.len()));
     debug_assert!(scales.iter().all(|s| s.len() == staged.len() / GROUP));
+    // SAFETY (of `dots_avx2`'s contract): every row and the staged activations have `k` values,
+    // a multiple of 128, and `k / 128` scales (the callers check the expert's shapes).
+    let kernels = RowDots {
+        dot,
+        #[cfg(target_arch = "x86_64")]
+        one: dots_avx2::<1>,
+        #[cfg(target_arch = "x86_64")]
+        two: dots_avx2::<2>,
+    };
+    kernels.run(path, codes, scales, staged, out);
+}
+
+/// The AVX2 form of a width's dot products for `F` rows at once.
+#[cfg(target_arch = "x86_64")]
+type DotsAvx2<const F: usize> = unsafe fn([&[u8]; F], [&[f16]; F], &[f32]) -> [f32; F];
+
+/// A row-layout width's dot products: the portable definition and the AVX2 forms for one and
+/// two rows, whose safety contract the caller of [`RowDots::run`] meets for its shapes.
+pub(super) struct RowDots {
+    pub dot: fn(&[u8], &[f16], &[f32]) -> f32,
     #[cfg(target_arch = "x86_64")]
-    if path == KernelPath::Avx2 {
-        // SAFETY: the Avx2 path is chosen only where the processor has AVX2 and FMA
-        // (`HostExperts::new`); every row and the staged activations have `k` values, a multiple
-        // of 128, and `k / 128` scales (the callers check the expert's shapes).
-        unsafe {
-            match codes {
-                [a] => out[0] = dots_avx2::<1>([a], [scales[0]], staged)[0],
-                [a, b] => {
-                    let [x, y] = dots_avx2::<2>([a, b], [scales[0], scales[1]], staged);
-                    out[0] = x;
-                    out[1] = y;
+    pub one: DotsAvx2<1>,
+    #[cfg(target_arch = "x86_64")]
+    pub two: DotsAvx2<2>,
+}
+
+impl RowDots {
+    /// `codes[f] · x` for one or two rows into `out[f]`, on `path`. The caller has checked the
+    /// shapes that `one` and `two` require.
+    pub fn run(
+        &self,
+        path: KernelPath,
+        codes: &[&[u8]],
+        scales: &[&[f16]],
+        staged: &[f32],
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if path == KernelPath::Avx2 {
+            // SAFETY: the Avx2 path is chosen only where the processor has AVX2, FMA and F16C
+            // (`HostExperts::new`); the shapes are the caller's promise.
+            unsafe {
+                match codes {
+                    [a] => out[0] = (self.one)([a], [scales[0]], staged)[0],
+                    [a, b] => {
+                        let [x, y] = (self.two)([a, b], [scales[0], scales[1]], staged);
+                        out[0] = x;
+                        out[1] = y;
+                    }
+                    _ => unreachable!("one or two rows at a time"),
                 }
-                _ => unreachable!("one or two rows at a time"),
             }
+            return;
         }
-        return;
-    }
-    let _ = path;
-    for ((c, s), o) in codes.iter().zip(scales).zip(out.iter_mut()) {
-        *o = dot(c, s, staged);
+        let _ = path;
+        for ((c, s), o) in codes.iter().zip(scales).zip(out.iter_mut()) {
+            *o = (self.dot)(c, s, staged);
+        }
     }
 }
 
@@ -158,8 +195,20 @@ unsafe fn dots_avx2<const F: usize>(
         // SAFETY: group b lies in every row and in `staged`.
         unsafe { group_step::<F, 1>(&codes, &scales, staged, b, &mut acc) };
     }
+    // SAFETY: AVX2 implies AVX.
+    unsafe { lane_sums(&acc) }
+}
+
+/// Each row's sum of its 32 lanes' accumulators, held as four vectors of an octet's eight lanes
+/// in [`LANE_ORDER`], by the warp's butterfly.
+///
+/// # Safety
+/// The processor must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+pub(super) unsafe fn lane_sums<const F: usize>(acc: &[[__m256; LANES / OCTET]; F]) -> [f32; F] {
     let mut out = [0.0f32; F];
-    for (o, a) in out.iter_mut().zip(&acc) {
+    for (o, a) in out.iter_mut().zip(acc) {
         let mut lanes = [0.0f32; LANES];
         for (octet, v) in a.iter().enumerate() {
             let mut vals = [0.0f32; OCTET];
@@ -260,22 +309,28 @@ unsafe fn group_step<const F: usize, const G: usize>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// The contract as kernels/moe_rows.cu states it, with no staging: lane by lane, chunk by
-    /// chunk, straight from the unrounded activations.
-    fn contract_dot(codes: &[u8], scales: &[f16], x: &[f32]) -> f32 {
-        let chunks = x.len() / CHUNK;
+    /// chunk of `chunk` inputs, straight from the unrounded activations; `operand(i)` is input
+    /// `i`'s code less the zero code.
+    pub fn contract_dot(
+        operand: impl Fn(usize) -> f32,
+        chunk: usize,
+        scales: &[f16],
+        x: &[f32],
+    ) -> f32 {
+        let chunks = x.len() / chunk;
         let mut acc = [0.0f32; LANES];
         for (lane, a) in acc.iter_mut().enumerate() {
             for c in (lane..chunks).step_by(LANES) {
                 let mut p = 0.0f32;
-                for i in CHUNK * c..CHUNK * (c + 1) {
-                    let xr = f16::from_f32(x[i]).to_f32();
-                    p = (codes[i] as f32 - 128.0).mul_add(xr, p);
+                for (i, &xi) in x.iter().enumerate().take(chunk * (c + 1)).skip(chunk * c) {
+                    let xr = f16::from_f32(xi).to_f32();
+                    p = operand(i).mul_add(xr, p);
                 }
-                *a = p.mul_add(scales[CHUNK * c / GROUP].to_f32(), *a);
+                *a = p.mul_add(scales[chunk * c / GROUP].to_f32(), *a);
             }
         }
         // The warp: every lane adds its partner's value at each offset.
@@ -285,11 +340,20 @@ mod tests {
         acc[0]
     }
 
-    fn lcg(state: &mut u64) -> u32 {
+    pub fn lcg(state: &mut u64) -> u32 {
         *state = state
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         (*state >> 33) as u32
+    }
+
+    /// The portable path, and AVX2 where this processor has it.
+    pub fn paths() -> Vec<KernelPath> {
+        let mut paths = vec![KernelPath::Portable];
+        if KernelPath::detect() == KernelPath::Avx2 {
+            paths.push(KernelPath::Avx2);
+        }
+        paths
     }
 
     #[test]
@@ -321,15 +385,11 @@ mod tests {
             stage(&x, &mut staged);
             let rows = [&codes[..k], &codes[k..]];
             let sc = [&scales[..k / GROUP], &scales[k / GROUP..]];
-            let want = [
-                contract_dot(rows[0], sc[0], &x),
-                contract_dot(rows[1], sc[1], &x),
-            ];
-            let mut paths = vec![KernelPath::Portable];
-            if KernelPath::detect() == KernelPath::Avx2 {
-                paths.push(KernelPath::Avx2);
-            }
-            for path in paths {
+            let want = [0, 1].map(|r| {
+                let operand = |i: usize| rows[r][i] as f32 - ZERO_CODE;
+                contract_dot(operand, CHUNK, sc[r], &x)
+            });
+            for path in paths() {
                 let mut two = [f32::NAN; 2];
                 dots(path, &rows, &sc, &staged, &mut two);
                 let mut one = [f32::NAN];

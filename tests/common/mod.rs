@@ -1,5 +1,5 @@
 //! Shared helpers of the golden tests: fixture loading and comparison; `gpu`: how the GPU tests
-//! open the GPU; `ops`: the GPU op tests' harness; `rows8`: random 8-bit experts.
+//! open the GPU; `ops`: the GPU op tests' harness; `rows8`: random 8- and 4-bit row-layout experts.
 #![allow(dead_code)]
 
 pub mod gpu;

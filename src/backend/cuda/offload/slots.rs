@@ -430,15 +430,14 @@ impl ExpertOffload {
             Some(_)
                 if !matches!(
                     self.layout.kind,
-                    ExpertKind::F16 | ExpertKind::Rows(Bits::EIGHT)
+                    ExpertKind::F16 | ExpertKind::Rows(Bits::EIGHT) | ExpertKind::Rows(Bits::FOUR)
                 ) =>
             {
-                return Err(Error::Request(
-                    "--host-experts: the host path computes FP16 and INT8 target experts; this \
-                     bundle's target is INT4, whose GPU kernel sums in an order the host cannot \
-                     follow bit for bit (use --host-experts off)"
-                        .into(),
-                ))
+                return Err(Error::Request(format!(
+                    "--host-experts: the host path computes FP16, INT8 and INT4 target experts, \
+                     not this bundle's {:?} (use --host-experts off)",
+                    self.layout.kind
+                )))
             }
             Some(h) if self.layout.kind != ExpertKind::F16 && h.split == SplitExperts::Always => {
                 return Err(Error::Request(

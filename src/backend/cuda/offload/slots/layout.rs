@@ -1,4 +1,4 @@
-//! Where an expert's tensors lie: in its blob of the bundle (FP16 or INT8 tensors read in place
+//! Where an expert's tensors lie: in its blob of the bundle (FP16, INT8 or INT4 tensors read in place
 //! by the host kernel, a quantized blob copied whole) and in an expert slot (the kernels'
 //! pointers).
 
@@ -28,7 +28,9 @@ pub(crate) enum InPlaceTensors {
         up: Range<usize>,
         down: Range<usize>,
     },
-    Int8 {
+    /// Codes in the row layout at `bits` (8 or 4) and their scales.
+    Rows {
+        bits: Bits,
         gate_up: Range<usize>,
         gate_up_scales: Range<usize>,
         down: Range<usize>,
@@ -52,17 +54,25 @@ impl InPlaceExpert {
             InPlaceTensors::F16 { gate, up, down } => {
                 ExpertWeights::f16(half(gate)?, half(up)?, half(down)?, hidden, inter)
             }
-            InPlaceTensors::Int8 {
+            InPlaceTensors::Rows {
+                bits,
                 gate_up,
                 gate_up_scales,
                 down,
                 down_scales,
-            } => ExpertWeights::int8(
-                (&bytes[gate_up.clone()], half(gate_up_scales)?),
-                (&bytes[down.clone()], half(down_scales)?),
-                hidden,
-                inter,
-            ),
+            } => {
+                let expert = if *bits == Bits::EIGHT {
+                    ExpertWeights::int8
+                } else {
+                    ExpertWeights::int4
+                };
+                expert(
+                    (&bytes[gate_up.clone()], half(gate_up_scales)?),
+                    (&bytes[down.clone()], half(down_scales)?),
+                    hidden,
+                    inter,
+                )
+            }
         })
     }
 }
@@ -163,10 +173,11 @@ impl ExpertOffload {
                 up: at(blob.up as u64, mb),
                 down: at(blob.down as u64, mb),
             },
-            ExpertKind::Rows(Bits::EIGHT) => {
-                // An 8-bit matrix is half an FP16 one; a scale (2 bytes) serves 128 codes.
-                let (codes, scales) = (mb / 2, mb / 2 / 64);
-                InPlaceTensors::Int8 {
+            ExpertKind::Rows(bits) if bits == Bits::EIGHT || bits == Bits::FOUR => {
+                // A b-bit matrix is b / 16 of an FP16 one; a scale (2 bytes) serves 128 codes.
+                let (codes, scales) = (mb * bits.get() as usize / 16, mb / 128);
+                InPlaceTensors::Rows {
+                    bits,
                     gate_up: at(layout.gate_up, 2 * codes),
                     gate_up_scales: at(layout.gate_up_scales, 2 * scales),
                     down: at(layout.down, codes),
