@@ -227,6 +227,11 @@ pub struct BenchArgs {
     pub prompts: Option<PathBuf>,
     #[arg(long, default_value_t = 10)]
     pub num_prompts: usize,
+    /// The prefill protocol instead of decode's: for each of these prompt lengths (comma
+    /// separated, e.g. 512,2048,8192), --num-prompts random prompts of that many ids, and each
+    /// mode's time to first token and prefill tokens a second. Not with --prompts.
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompts")]
+    pub prompt_tokens: Vec<usize>,
     #[arg(long, default_value_t = 128)]
     pub new_tokens: usize,
     #[arg(long, default_value_t = 3)]

@@ -104,14 +104,19 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
         bench::case(&args.case)?
     };
+    if !args.prompt_tokens.is_empty() && args.plot.is_some() {
+        bail!("--plot charts decode TPOT: the prefill protocol (--prompt-tokens) has no chart");
+    }
     let backend = crate::args::resolve_backend(args.backend);
+    let vocab = || -> Result<usize> {
+        let b = specter_format::Bundle::open(&args.bundle)?;
+        Ok(specter::arch::ArchConfig::from_config_json(b.hyperparameters_json())?.vocab_size)
+    };
     let prompts = match &args.prompts {
         Some(path) => read_bench_prompts(path, &args.bundle)?,
-        None => {
-            let b = specter_format::Bundle::open(&args.bundle)?;
-            let cfg = specter::arch::ArchConfig::from_config_json(b.hyperparameters_json())?;
-            bench::synthetic_prompts(cfg.vocab_size, args.num_prompts, BENCH_PROMPT_TOKENS, 0)
-        }
+        // The prefill protocol makes its own prompts, one length at a time.
+        None if !args.prompt_tokens.is_empty() => Vec::new(),
+        None => bench::synthetic_prompts(vocab()?, args.num_prompts, BENCH_PROMPT_TOKENS, 0),
     };
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = indicatif::ProgressBar::new(0);
@@ -133,32 +138,71 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         sampling: args.sampling.sampling(),
         auto_host: args.hybrid.host_allowed(),
     };
-    let report = bench::run(&args.bundle, &opts, &mut |done, total| match &bar {
+    let mut progress = |done: usize, total: usize| match &bar {
         Some(bar) => {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
         }
         None => eprintln!("bench: {done}/{total} runs"),
-    })?;
+    };
+    if !args.prompt_tokens.is_empty() {
+        let report = bench::prefill::run(
+            &args.bundle,
+            &opts,
+            &args.prompt_tokens,
+            vocab()?,
+            args.num_prompts,
+            &mut progress,
+        )?;
+        if let Some(bar) = &bar {
+            bar.finish_and_clear();
+        }
+        let table = bench::prefill::render_markdown(&report);
+        let json = serde_json::to_string_pretty(&report)? + "\n";
+        let runs = report.reports.iter().flat_map(|r| &r.runs);
+        let disagreeing = runs.filter(|r| !r.agrees).count();
+        return write_reports(&args, &table, &json, None, disagreeing);
+    }
+    let report = bench::run(&args.bundle, &opts, &mut progress)?;
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
     let table = bench::render_markdown(&report);
+    let json = serde_json::to_string_pretty(&report)? + "\n";
+    let disagreeing = report.runs.iter().filter(|r| !r.agrees).count();
+    write_reports(
+        &args,
+        &table,
+        &json,
+        Some(bench::render_svg(&report)),
+        disagreeing,
+    )
+}
+
+/// Prints the table and writes the files asked for; fails when greedy runs (`disagreeing` of
+/// them) gave other tokens than target-only decoding.
+fn write_reports(
+    args: &BenchArgs,
+    table: &str,
+    json: &str,
+    svg: Option<String>,
+    disagreeing: usize,
+) -> Result<()> {
     print!("{table}");
+    let write = |path: &std::path::Path, text: &str| {
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+    };
     if let Some(path) = &args.markdown {
-        std::fs::write(path, &table).with_context(|| format!("cannot write {}", path.display()))?;
+        write(path, table)?;
     }
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        write(path, json)?;
     }
-    if let Some(path) = &args.plot {
-        std::fs::write(path, bench::render_svg(&report))
-            .with_context(|| format!("cannot write {}", path.display()))?;
+    if let (Some(path), Some(svg)) = (&args.plot, svg) {
+        write(path, &svg)?;
     }
     // Greedy decoding is lossless token for token; sampled runs agree only in distribution.
-    let disagreeing = report.runs.iter().filter(|r| !r.agrees).count();
-    if disagreeing > 0 && report.temperature == 0.0 {
+    if disagreeing > 0 && args.sampling.sampling().is_greedy() {
         bail!("{disagreeing} run(s) gave tokens different from target-only decoding: see the agreement column");
     }
     Ok(())

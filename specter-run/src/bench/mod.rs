@@ -20,6 +20,7 @@
 //!   [`Mode::SpecMoeOff`]): if anything that makes its acceptance better than the original's.
 
 mod auto;
+pub mod prefill;
 mod reference;
 
 use std::time::Instant;
