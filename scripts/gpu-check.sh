@@ -26,7 +26,7 @@
 #   compare   old against new binaries ($OLD_CARRY): TPOT all resident and lru16 on the bench model
 #             ($CMP_VARIANTS: "name|generate args" items separated by ';' instead)
 #   precision FP16, INT8 and INT4 targets of the bench model: target-only TPOT all resident, with
-#             1 expert slot and at two VRAM budgets, peak VRAM, tokens unchanged by residency
+#             1 expert slot and at two VRAM budgets, peak VRAM and host RSS, tokens unchanged by residency
 #             (see precision() below)
 #   residency target-only greedy tokens equal to all-resident's at every residency, lru, ondemand,
 #             the host path, pinned staging (see residency() below)
@@ -816,7 +816,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 g = d.get("gpu") or {}
 print("\t".join([sys.argv[2], sys.argv[3], str(d["stats"]["tpot_ms"]), str(g.get("vram_peak_bytes", 0)),
-                str(g.get("residency", "")), ",".join(map(str, d["tokens"]))]))
+                str(g.get("residency", "")), ",".join(map(str, d["tokens"])),
+                str((d.get("host_memory") or {}).get("peak_rss_bytes") or 0)]))
 EOF2
             done
         done
@@ -824,8 +825,8 @@ EOF2
     python3 - "$out/precision.tsv" <<'EOF2'
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
-print("| target | VRAM | TPOT ms (median; runs) | peak VRAM GiB | residency | tokens equal all resident |")
-print("|---|---|---|---|---|---|")
+print("| target | VRAM | TPOT ms (median; runs) | peak VRAM GiB | host peak RSS GB | residency | tokens equal all resident |")
+print("|---|---|---|---|---|---|---|")
 status = 0
 for t in dict.fromkeys(r[0] for r in rows):
     ref = {r[5] for r in rows if r[0] == t and r[1] == "resident"}
@@ -835,7 +836,8 @@ for t in dict.fromkeys(r[0] for r in rows):
         same = {r[5] for r in rs} == ref and len(ref) == 1
         status |= not same
         print(f"| {t} | {name} | {statistics.median(ts):.3f} ({', '.join(f'{x:.3f}' for x in ts)}) | "
-              f"{max(int(r[3]) for r in rs) / 2**30:.2f} | {rs[0][4]} | {same} |")
+              f"{max(int(r[3]) for r in rs) / 2**30:.2f} | {max(int(r[6]) for r in rs) / 1e9:.2f} | "
+              f"{rs[0][4]} | {same} |")
 sys.exit(status)
 EOF2
 }

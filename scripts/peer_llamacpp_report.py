@@ -208,6 +208,7 @@ def table(directory: str) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     rows_path = os.path.join(directory, "rows.tsv")
+    host_lines = []
     rows = []
     if os.path.exists(rows_path):
         with open(rows_path) as f:
@@ -225,6 +226,13 @@ def table(directory: str) -> None:
         s_ms = (sj.get("stats") or {}).get("tpot_ms")
         own = ((sj.get("gpu") or {}).get("vram_peak_bytes") or 0) / 1e9 or None
         ratio = l_ms / s_ms if l_ms and s_ms else None
+        host = sj.get("host_memory") or {}
+        if host.get("peak_rss_bytes"):
+            host_lines.append(
+                f"{name}: peak {fmt(host['peak_rss_bytes'] / 1e9)} GB"
+                f" (at the end {fmt((host.get('rss_file_bytes') or 0) / 1e9)} GB of it the bundle's mapped"
+                f" pages, {fmt((host.get('rss_anon_bytes') or 0) / 1e9)} GB the process's own)"
+            )
         print(
             f"| {name} | `{l_args}` | {fmt(l_ms)} ({fmt(l_ts, 1)}) | {fmt(peak_gb(l_step))} "
             f"| {s_label} | {fmt(s_ms)} | {fmt(peak_gb(s_step))} ({fmt(own)}) | {verdict(ratio)} |"
@@ -235,6 +243,10 @@ def table(directory: str) -> None:
         "step, CUDA context included; (own): Specter's peak of its own allocations. A ratio above 1 means "
         "Specter is faster."
     )
+    if host_lines:
+        print()
+        print("Specter's host memory (its resident set, as /proc/self/status gave it after the run): "
+              + "; ".join(host_lines) + ".")
     agree = read_kv(os.path.join(directory, "agreement.tsv"))
     if agree.get("llama_tokens") and agree.get("specter_json"):
         with open(in_dir(agree["llama_tokens"])) as f:

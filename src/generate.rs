@@ -216,6 +216,9 @@ pub struct GenerationReport {
     /// Why that backend: the GPU found, why none was usable, or the flag that forced it.
     pub backend_reason: String,
     pub gpu: Option<GpuReport>,
+    /// This process's host memory when the report was made (`None` off Linux): the peak
+    /// resident set includes the bundle's mapped pages as far as they were read.
+    pub host_memory: Option<crate::host_memory::HostMemory>,
     pub auto_depth: Option<AutoDepthReport>,
     /// A profile's plain candidate (no draft, its memory as expert slots) that replaced speculation.
     pub auto_plain: Option<AutoPlain>,
@@ -547,6 +550,7 @@ pub fn generate(req: &GenerationRequest, hooks: GenerationHooks<'_>) -> Result<G
         backend: backend_name(backend.kind),
         backend_reason: backend.reason,
         gpu: gpu_report(&session, decoded.draft_step_ms)?,
+        host_memory: crate::host_memory::HostMemory::now(),
         auto_depth: decoded.auto_depth,
         auto_plain: plain.map(|p| AutoPlain {
             slots: p.slots,

@@ -14,6 +14,7 @@ pub mod depth_profile;
 pub mod error;
 pub mod generate;
 pub mod host_experts;
+pub mod host_memory;
 pub mod model;
 pub mod offload;
 pub mod quant;

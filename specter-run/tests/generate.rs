@@ -901,6 +901,14 @@ fn json_reports_the_start_up_times_in_order() {
     assert!(s["device_ready_ms"].is_null(), "{s}");
     // The fields that were there before are unchanged.
     assert!(record["stats"]["ttft_ms"].as_f64().is_some());
+    // Host memory, in bytes, on Linux: the peak resident set holds the current one.
+    let host = &record["host_memory"];
+    let bytes = |key: &str| {
+        host[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {host}"))
+    };
+    assert!(bytes("peak_rss_bytes") >= bytes("rss_bytes") && bytes("rss_bytes") > 0);
 }
 
 #[test]
