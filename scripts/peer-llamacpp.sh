@@ -39,6 +39,9 @@
 #   PEER_TIME_S [540]  the whole run's time; steps that would not fit are skipped and said so
 #   PEER_ROWS [all]  `gpu` measures row 1 and the greedy check only (both engines all on the GPU:
 #       the decode step's comparison, about 6 minutes, most of it llama.cpp's build)
+#   PEER_PREFILL  prompt lengths, comma separated (e.g. 512,2048,8192): prefill all on the GPU,
+#       llama-bench pp at each against `specter-run bench --prompt-tokens` (all resident, one
+#       random prompt a length, PEER_BENCH_REPS runs; median TTFT), in a table of its own
 #   SPECTER_MIN  generate arguments of Specter's run at the smallest residency (default: target-only
 #       lru with 1 expert slot per MoE layer; "--host-experts auto" adds the host path). The
 #       defaults wait for the expert sections' registration before the first token
@@ -393,6 +396,21 @@ run() {
                 rows+=("$budget budget (also measured)|-ngl 99 --n-cpu-moe $n|llama-ncmoe-$n|$budget")
         done
     done
+
+    # Prefill, all on the GPU, when asked: llama-bench pp at each length against Specter's
+    # prefill protocol (bench --prompt-tokens) on random prompts of the same lengths.
+    if [ -n "${PEER_PREFILL:-}" ]; then
+        if [ "$(left)" -ge 120 ]; then
+            step llama-prefill 240 "$lbench" -m "$gguf" -p "$PEER_PREFILL" -n 0 -r "$PEER_BENCH_REPS" \
+                -t "$PEER_THREADS" -ngl 99 -o json || FAILED=1
+            step specter-prefill 300 "$run_bin" bench "$disk/model.specter" --backend cuda \
+                --case ds_high --modes resident --prompt-tokens "$PEER_PREFILL" --num-prompts 1 \
+                --repeats "$PEER_BENCH_REPS" --json "$LOG/specter-prefill.json" || FAILED=1
+        else
+            note "PEER_PREFILL=$PEER_PREFILL: no time was left for the prefill rows."
+            FAILED=1
+        fi
+    fi
 
     # Specter again on an idle machine, as far as time allows (most CPU-sensitive first: the
     # smallest residency computes the most experts on the host).

@@ -178,6 +178,31 @@ def read_kv(path: str) -> dict[str, str]:
     return kv
 
 
+def prefill_table(directory: str) -> None:
+    """The prefill rows, where the run made them: llama-prefill.out (llama-bench JSON, one record
+    a prompt length) and specter-prefill.json (`specter-run bench --prompt-tokens`)."""
+    l_path = os.path.join(directory, "llama-prefill.out")
+    s_path = os.path.join(directory, "specter-prefill.json")
+    if not os.path.exists(l_path) and not os.path.exists(s_path):
+        return
+    llama = load_json(l_path) if os.path.exists(l_path) else []
+    llama = {r.get("n_prompt"): r for r in llama if isinstance(r, dict)} if isinstance(llama, list) else {}
+    specter = load_json(s_path) if os.path.exists(s_path) else {}
+    ours = {r.get("prompt_tokens"): r for r in (specter.get("rows") or []) if r.get("mode") == "resident"}
+    print()
+    print("Prefill, all on the GPU (llama-bench pp, its mean; Specter's prefill protocol, the median "
+          "time to first token of its runs on a random prompt of that length):")
+    print()
+    print("| prompt tokens | llama.cpp tokens/s | Specter TTFT ms | Specter tokens/s | Specter / llama.cpp |")
+    print("|---|---|---|---|---|")
+    for n in sorted(set(llama) | set(ours), key=lambda v: v or 0):
+        l_ts = (llama.get(n) or {}).get("avg_ts")
+        row = ours.get(n) or {}
+        s_ts = row.get("prefill_tokens_per_s")
+        ratio = s_ts / l_ts if s_ts and l_ts else None
+        print(f"| {n} | {fmt(l_ts, 0)} | {fmt(row.get('median_ttft_ms'), 1)} | {fmt(s_ts, 0)} | {fmt(ratio)} |")
+
+
 def table(directory: str) -> None:
     """Markdown from DIR: meta.tsv (KEY<TAB>VALUE), rows.tsv (one comparison a line: name, llama.cpp
     arguments, llama-bench JSON, llama.cpp step, Specter label, Specter JSON, Specter step; files
@@ -267,6 +292,7 @@ def table(directory: str) -> None:
                 f"{sum(a == b for a, b in zip(l_gen, s_gen))} of {n} positions."
             )
             print(f"First tokens: llama.cpp {l_gen[:8]}, Specter {s_gen[:8]}.")
+    prefill_table(directory)
     notes = os.path.join(directory, "notes.txt")
     if os.path.exists(notes):
         with open(notes) as f:
