@@ -1,4 +1,4 @@
-//! The grouped row-layout expert kernels (kernels/moe_rows.cu) at 8, 3 and 2 bits against a CPU
+//! The grouped row-layout expert kernels (kernels/moe_rows.cu) at 8, 4, 3 and 2 bits against a CPU
 //! f64 reference built from the project's own quantizer and row packer, their batch invariance,
 //! and their weight read rate at DeepSeek-V2-Lite's widths.
 //!
@@ -114,7 +114,7 @@ fn check_shape(hidden: usize, inter: usize, seed: u64, width: u32) {
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn rows_moe_small_shape() {
-    // 384 inputs: fewer 16-input chunks (24) than lanes at 8 bits, 12 runs at 3 and 2 bits.
+    // 384 inputs: fewer 16-input chunks (24) than lanes at 8 bits, 12 runs at 4, 3 and 2 bits.
     for width in WIDTHS {
         check_shape(384, 256, 51, width);
     }
