@@ -1,6 +1,6 @@
 // Grouped MoE expert kernels for quantized weights in the row layout (docs/FORMAT.md, "Expert
-// encodings"; src/quant/rows.rs): 8- and 4-bit targets and 3- and 2-bit drafts. Over the groups of one
-// work list (src/backend/cuda/moe/experts.rs):
+// encodings"; src/quant/rows.rs): 8- and 4-bit targets and 3- and 2-bit drafts. Over the groups
+// of one work list (src/backend/cuda/moe/experts.rs):
 //
 //   moe_rows_gate_up_<B>: h[item][j]   = silu(x[row]·gate_j) * (x[row]·up_j),       j < inter
 //   moe_rows_down_<B>:    out[item][c] = item_weight[item] * (h[item]·down_c),     c < hidden
@@ -54,17 +54,17 @@
 // the block stages the items' activation rows in dynamic shared memory (step 1, pre-scaled as
 // above), in chunks of CHUNK floats padded to CHUNK + ROWS_PAD so that the float4 reads of a
 // warp's 32 lanes hit distinct banks; then every warp streams its rows once for those items:
-// 16-byte (8 and 4 bits), 3 x 4-byte (3 bits) or 8-byte (2 bits) loads, several chunks of both rows in
-// flight per lane, each code decoded once for every item and each activation read once for both
-// rows. The one-item code (the _1 kernels, and chunks of one item in the others) runs its pairs
-// as one stream: the next chunks' loads, of this pair or the next, are in flight while the
-// current ones compute, and the first ones are issued before the staging. Each warp asks L2 for
-// all its rows first; the down kernels do that before their wait for the gate/up launch (the
+// 16-byte (8 and 4 bits), 3 x 4-byte (3 bits) or 8-byte (2 bits) loads, several chunks of both
+// rows in flight per lane, each code decoded once for every item and each activation read once
+// for both rows. The one-item code (the _1 kernels, and chunks of one item in the others) runs
+// its pairs as one stream: the next chunks' loads, of this pair or the next, are in flight while
+// the current ones compute, and the first ones are issued before the staging. Each warp asks L2
+// for all its rows first; the down kernels do that before their wait for the gate/up launch (the
 // group read as group_before_wait allows: the gate/up kernels let the next launch start only
 // after their own wait), so the weights stream while the gate/up launch drains.
 //
-// Alignment: each expert's code matrix 16-byte aligned (8 and 4 bits: 16-byte loads; 2 bits: 8-byte;
-// 3 bits: 4-byte), scales 2-byte, x and h 16-byte (float4 staging). hidden and inter are
+// Alignment: each expert's code matrix 16-byte aligned (8 and 4 bits: 16-byte loads; 2 bits:
+// 8-byte; 3 bits: 4-byte), scales 2-byte, x and h 16-byte (float4 staging). hidden and inter are
 // multiples of 128 (the host refuses other shapes).
 
 #include <cuda_fp16.h>

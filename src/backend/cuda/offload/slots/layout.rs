@@ -1,5 +1,5 @@
-//! Where an expert's tensors lie: in its blob of the bundle (FP16, INT8 or INT4 tensors read in place
-//! by the host kernel, a quantized blob copied whole) and in an expert slot (the kernels'
+//! Where an expert's tensors lie: in its blob of the bundle (FP16, INT8 or INT4 tensors read in
+//! place by the host kernel, a quantized blob copied whole) and in an expert slot (the kernels'
 //! pointers).
 
 use std::ops::Range;
