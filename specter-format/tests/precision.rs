@@ -115,3 +115,67 @@ fn a_format_1_bundle_opens_as_an_fp16_target_with_a_4_bit_draft() {
     );
     let _ = QuantInfo::unquantized();
 }
+
+/// A quantized target's codes are bytes in the row layout at 8 and 4 bits; Marlin tiles (u32
+/// words) are the 4-bit draft's alone. A bundle whose INT4 target is Marlin-tiled (as written
+/// before the row layout) is refused at open, naming the tensor; the same matrices as rows open.
+#[test]
+fn an_int4_target_opens_in_the_row_layout_only() {
+    use specter_format::{BundleWriter, DType, Precision, SectionKind};
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(44);
+    let (hidden, inter) = (128u64, 128u64);
+    let write = |marlin: bool, rng: &mut rand_chacha::ChaCha8Rng| {
+        let path = dir.path().join(if marlin {
+            "marlin.specter"
+        } else {
+            "rows.specter"
+        });
+        let mut w = BundleWriter::create(&path).unwrap();
+        w.begin_section("experts.0", SectionKind::Experts { layer: 0 })
+            .unwrap();
+        w.begin_expert(0, 0).unwrap();
+        // gate/up: hidden inputs, 2 inter outputs; down: inter inputs, hidden outputs.
+        for (part, k, n) in [("gate_up", hidden, 2 * inter), ("down", inter, hidden)] {
+            let name = |kind: &str| format!("target.layers.0.experts.0.{part}.{kind}");
+            let (dtype, q_shape, s_shape) = if marlin {
+                (DType::U32, [k / 16, 2 * n], [k / 128, n])
+            } else {
+                (DType::U8, [n, k / 2], [n, k / 128])
+            };
+            let q = common::random_bytes(rng, (k * n / 2) as usize);
+            w.write_tensor(&name("qweight"), dtype, &q_shape, &q)
+                .unwrap();
+            let s = vec![0x3Cu8; (2 * n * k / 128) as usize];
+            w.write_tensor(&name("scales"), DType::F16, &s_shape, &s)
+                .unwrap();
+        }
+        w.end_expert().unwrap();
+        w.end_section().unwrap();
+        w.set_precision(Precision {
+            target_bits: 4,
+            draft_bits: 3,
+            ..Precision::default()
+        });
+        let written = w.finish("test", "{}", common::random_provenance(rng));
+        (path, written)
+    };
+    let (rows, written) = write(false, &mut rng);
+    written.unwrap();
+    Bundle::open(&rows).unwrap();
+    let (marlin, written) = write(true, &mut rng);
+    // Refused when written or when opened, never read as a target.
+    let err = match written {
+        Err(e) => e,
+        Ok(_) => Bundle::open(&marlin)
+            .err()
+            .expect("a Marlin INT4 target opened"),
+    };
+    let msg = err.to_string();
+    assert!(
+        msg.contains("precision does not match")
+            && msg.contains("gate_up.qweight")
+            && msg.contains("u32"),
+        "{msg}"
+    );
+}
