@@ -33,7 +33,7 @@ fn main() -> anyhow::Result<()> {
     let threads = list(args.next(), &[cores]);
     let rows_list = list(args.next(), &[1, 4, 16]);
     let precisions: Vec<String> = args.next().map_or_else(
-        || vec!["f16".into(), "int8".into()],
+        || vec!["f16".into(), "int8".into(), "int4".into()],
         |a| a.split(',').map(String::from).collect(),
     );
     let mut seed = 0x1234_5678_u64;
