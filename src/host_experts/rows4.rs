@@ -324,7 +324,7 @@ unsafe fn octet_step<const F: usize, const G: usize, const HALF: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::rows8::tests::{lcg, paths};
+    use super::super::rows8::tests::{check_every_path, paths, WidthUnderTest};
     use super::*;
 
     /// The contract at 4 bits from the packed nibbles (see rows8's transcription).
@@ -361,43 +361,16 @@ mod tests {
 
     #[test]
     fn every_path_follows_the_contract() {
-        let mut s = 11u64;
+        let width = WidthUnderTest {
+            chunk: CHUNK,
+            bits: 4,
+            staged_len,
+            stage,
+            dots,
+            operand: |row, i| ((row[i / 2] >> (4 * (i % 2))) & 0xF) as f32 - ZERO_CODE,
+        };
         // 1, 2, 3, 11 and 16 groups, and 5 (an odd count past two whole octets).
-        for k in [128usize, 256, 384, 640, 1408, 2048] {
-            let codes: Vec<u8> = (0..k).map(|_| lcg(&mut s) as u8).collect();
-            let scales: Vec<f16> = (0..2 * k / GROUP)
-                .map(|_| f16::from_f32((lcg(&mut s) % 1000) as f32 / 2e3 + 1e-2))
-                .collect();
-            let x: Vec<f32> = (0..k)
-                .map(|_| (lcg(&mut s) as f32 / u32::MAX as f32 - 0.5) * 6.0)
-                .collect();
-            let mut staged = vec![f32::NAN; staged_len(k)];
-            stage(&x, &mut staged);
-            let rows = [&codes[..k / 2], &codes[k / 2..]];
-            let sc = [&scales[..k / GROUP], &scales[k / GROUP..]];
-            let want = [
-                contract_dot(rows[0], sc[0], &x),
-                contract_dot(rows[1], sc[1], &x),
-            ];
-            for path in paths() {
-                let mut two = [f32::NAN; 2];
-                dots(path, &rows, &sc, &staged, &mut two);
-                let mut one = [f32::NAN];
-                dots(path, &rows[1..], &sc[1..], &staged, &mut one);
-                for (got, w) in two.iter().chain(&one).zip(want.iter().chain(&want[1..])) {
-                    assert_eq!(got.to_bits(), w.to_bits(), "{path:?} k={k}: {got} vs {w}");
-                }
-            }
-            // And the value: the dequantized row times the rounded activations, in f64.
-            let q = |i: usize| ((codes[i / 2] >> (4 * (i % 2))) & 0xF) as f64 - 8.0;
-            let exact: f64 = (0..k)
-                .map(|i| q(i) * scales[i / GROUP].to_f64() * f16::from_f32(x[i]).to_f64())
-                .sum();
-            let norm: f64 = (0..k)
-                .map(|i| (q(i) * scales[i / GROUP].to_f64() * x[i] as f64).abs())
-                .sum();
-            assert!((want[0] as f64 - exact).abs() <= 1e-6 * norm, "k={k}");
-        }
+        check_every_path(&width, &[128, 256, 384, 640, 1408, 2048], 11, 0.5);
     }
 
     #[test]

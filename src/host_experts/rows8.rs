@@ -370,47 +370,79 @@ pub(super) mod tests {
         }
     }
 
-    #[test]
-    fn every_path_follows_the_contract() {
-        let mut s = 7u64;
-        for k in [128usize, 256, 384, 512, 1408, 2048] {
-            let codes: Vec<u8> = (0..2 * k).map(|_| lcg(&mut s) as u8).collect();
+    /// A width's `dots`.
+    type Dots = fn(KernelPath, &[&[u8]], &[&[f16]], &[f32], &mut [f32]);
+
+    /// One row-layout width's kernel, as [`check_every_path`] exercises it.
+    pub struct WidthUnderTest {
+        /// Inputs a chunk, and bits a code.
+        pub chunk: usize,
+        pub bits: usize,
+        /// Floats of a staged row of `k` inputs.
+        pub staged_len: fn(usize) -> usize,
+        pub stage: fn(&[f32], &mut [f32]),
+        pub dots: Dots,
+        /// Input `i`'s code less the zero code, from a row's bytes.
+        pub operand: fn(&[u8], usize) -> f32,
+    }
+
+    /// Random rows of each length in `ks` (codes, scales up to about `scale_max`, activations in
+    /// [-3, 3]): every path, one and two rows a call, gives the contract's bits; and the contract's
+    /// value is the dequantized row times the rounded activations, in f64.
+    pub fn check_every_path(w: &WidthUnderTest, ks: &[usize], seed: u64, scale_max: f32) {
+        let mut s = seed;
+        for &k in ks {
+            let bytes = k * w.bits / 8;
+            let codes: Vec<u8> = (0..2 * bytes).map(|_| lcg(&mut s) as u8).collect();
             let scales: Vec<f16> = (0..2 * k / GROUP)
-                .map(|_| f16::from_f32((lcg(&mut s) % 1000) as f32 / 2e4 + 1e-3))
+                .map(|_| {
+                    let v = (lcg(&mut s) % 1000) as f32 / 1000.0 * scale_max + scale_max / 50.0;
+                    f16::from_f32(v)
+                })
                 .collect();
             let x: Vec<f32> = (0..k)
                 .map(|_| (lcg(&mut s) as f32 / u32::MAX as f32 - 0.5) * 6.0)
                 .collect();
-            let mut staged = vec![0.0; k];
-            stage(&x, &mut staged);
-            let rows = [&codes[..k], &codes[k..]];
+            let mut staged = vec![f32::NAN; (w.staged_len)(k)];
+            (w.stage)(&x, &mut staged);
+            let rows = [&codes[..bytes], &codes[bytes..]];
             let sc = [&scales[..k / GROUP], &scales[k / GROUP..]];
-            let want = [0, 1].map(|r| {
-                let operand = |i: usize| rows[r][i] as f32 - ZERO_CODE;
-                contract_dot(operand, CHUNK, sc[r], &x)
-            });
+            let want =
+                [0, 1].map(|r| contract_dot(|i| (w.operand)(rows[r], i), w.chunk, sc[r], &x));
             for path in paths() {
                 let mut two = [f32::NAN; 2];
-                dots(path, &rows, &sc, &staged, &mut two);
+                (w.dots)(path, &rows, &sc, &staged, &mut two);
                 let mut one = [f32::NAN];
-                dots(path, &rows[1..], &sc[1..], &staged, &mut one);
-                for (got, w) in two.iter().chain(&one).zip(want.iter().chain(&want[1..])) {
-                    assert_eq!(got.to_bits(), w.to_bits(), "{path:?} k={k}: {got} vs {w}");
+                (w.dots)(path, &rows[1..], &sc[1..], &staged, &mut one);
+                for (got, want) in two.iter().chain(&one).zip(want.iter().chain(&want[1..])) {
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{path:?} k={k}: {got} vs {want}"
+                    );
                 }
             }
-            // And the value: the dequantized row times the rounded activations, in f64.
+            let q = |i: usize| f64::from((w.operand)(rows[0], i));
             let exact: f64 = (0..k)
-                .map(|i| {
-                    let q = codes[i] as f64 - 128.0;
-                    q * scales[i / GROUP].to_f64() * f16::from_f32(x[i]).to_f64()
-                })
+                .map(|i| q(i) * sc[0][i / GROUP].to_f64() * f16::from_f32(x[i]).to_f64())
                 .sum();
             let norm: f64 = (0..k)
-                .map(|i| {
-                    ((codes[i] as f64 - 128.0) * scales[i / GROUP].to_f64() * x[i] as f64).abs()
-                })
+                .map(|i| (q(i) * sc[0][i / GROUP].to_f64() * x[i] as f64).abs())
                 .sum();
             assert!((want[0] as f64 - exact).abs() <= 1e-6 * norm, "k={k}");
         }
+    }
+
+    #[test]
+    fn every_path_follows_the_contract() {
+        let width = WidthUnderTest {
+            chunk: CHUNK,
+            bits: 8,
+            staged_len: |k| k,
+            stage,
+            dots,
+            operand: |row, i| row[i] as f32 - ZERO_CODE,
+        };
+        check_every_path(&width, &[128, 256, 384, 512, 1408, 2048], 7, 0.05);
     }
 }
