@@ -6,15 +6,12 @@ mod common;
 
 use std::cell::RefCell;
 
-use common::{Fixture, FIXTURES};
+use common::{fixture_simulator, target_only, Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::decode::{generate, generate_with_offload, Mode};
 use specter::model::{KvCache, LanguageModel, ModelInfo, NoHook, RouteHook, Variant};
-use specter::offload::{
-    frequency_top_m, ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig,
-    SimulatorConfig,
-};
+use specter::offload::{frequency_top_m, Policy};
 use specter::Result;
 
 /// A fixture converted into a bundle by the real pipeline (RTN INT4 draft, Marlin tiled), and its
@@ -83,14 +80,7 @@ fn greedy_specter_is_lossless_on_every_fixture() {
         let mut accepted = 0;
         for prompt in fixture.prompts().iter().take(2) {
             let max_new = 12;
-            let target = generate(
-                &model,
-                prompt,
-                &options(Mode::Target, max_new, 1),
-                &mut NoHook,
-                &mut |_| {},
-            )
-            .expect("target");
+            let target = target_only(&model, prompt, max_new);
             let full: Vec<u32> = prompt.iter().chain(&target.tokens).copied().collect();
             let mut kv = model.new_kv(full.len()).expect("kv");
             let reference = model
@@ -155,14 +145,7 @@ fn offload_simulation_runs_on_a_real_model() {
         let (fixture, model) = load(name);
         let prompt = &fixture.prompts()[0];
         let info = model.info().clone();
-        let target = generate(
-            &model,
-            prompt,
-            &options(Mode::Target, 16, 1),
-            &mut NoHook,
-            &mut |_| {},
-        )
-        .expect("target");
+        let target = target_only(&model, prompt, 16);
         for slots in [1, info.num_experts / 2, info.num_experts] {
             for (mode, policy) in [
                 (Mode::Specter, Policy::Specter),
@@ -171,18 +154,7 @@ fn offload_simulation_runs_on_a_real_model() {
                 (Mode::Target, Policy::Lru),
                 (Mode::Target, Policy::OnDemand),
             ] {
-                let mut sim = OffloadSimulator::new(SimulatorConfig {
-                    residency: ResidencyConfig::for_model(&info, slots, policy),
-                    initial: InitialResidency::FirstExperts,
-                    bandwidth_bytes_per_s: specter::generate::DEFAULT_COPY_BANDWIDTH,
-                    latency_s: 10e-6,
-                    compute: ComputeModel {
-                        draft_step_s: 2e-3,
-                        target_pass_s: 6e-3,
-                        target_row_s: 0.1e-3,
-                    },
-                })
-                .expect("simulator");
+                let mut sim = fixture_simulator(&info, slots, policy);
                 if mode == Mode::SpecMoeOff {
                     // SpecMoEOff's own rule: Top-M by route frequency after draft steps 0 and 1.
                     sim = sim
@@ -224,14 +196,7 @@ fn specmoeoff_is_lossless_and_its_draft_kv_matches_a_fresh_draft_on_every_fixtur
         let vocab = model.info().vocab_size;
         for prompt in fixture.prompts().iter().take(2) {
             let max_new = 12;
-            let target = generate(
-                &model,
-                prompt,
-                &options(Mode::Target, max_new, 1),
-                &mut NoHook,
-                &mut |_| {},
-            )
-            .expect("target");
+            let target = target_only(&model, prompt, max_new);
             for depth in [1, 3, 5] {
                 let recording = Recording {
                     model: &model,

@@ -6,14 +6,12 @@
 
 mod common;
 
-use common::{Fixture, FIXTURES};
+use common::{fixture_simulator, target_only, Fixture, FIXTURES};
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::decode::{generate, generate_with_offload, Mode};
 use specter::model::{LanguageModel, NoHook, Variant};
-use specter::offload::{
-    ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
-};
+use specter::offload::Policy;
 use specter_convert::pack::{ConvertOptions, TargetPrecision};
 
 use common::greedy_options as options;
@@ -54,21 +52,6 @@ fn load(fixture: &Fixture, target: TargetPrecision, draft_bits: u32) -> MoeModel
     model
 }
 
-fn simulator(model: &MoeModel<Cpu>, slots: usize, policy: Policy) -> OffloadSimulator {
-    OffloadSimulator::new(SimulatorConfig {
-        residency: ResidencyConfig::for_model(model.info(), slots, policy),
-        initial: InitialResidency::FirstExperts,
-        bandwidth_bytes_per_s: specter::generate::DEFAULT_COPY_BANDWIDTH,
-        latency_s: 10e-6,
-        compute: ComputeModel {
-            draft_step_s: 2e-3,
-            target_pass_s: 6e-3,
-            target_row_s: 0.1e-3,
-        },
-    })
-    .expect("simulator")
-}
-
 #[test]
 fn speculation_is_lossless_at_every_target_precision_on_every_fixture() {
     for name in FIXTURES {
@@ -79,14 +62,7 @@ fn speculation_is_lossless_at_every_target_precision_on_every_fixture() {
             let (mut drafted, mut accepted) = (0, 0);
             for prompt in fixture.prompts().iter().take(2) {
                 let max_new = 12;
-                let reference = generate(
-                    &model,
-                    prompt,
-                    &options(Mode::Target, max_new, 1),
-                    &mut NoHook,
-                    &mut |_| {},
-                )
-                .expect("target");
+                let reference = target_only(&model, prompt, max_new);
                 for (mode, depth) in [
                     (Mode::Specter, 1),
                     (Mode::Specter, 4),
@@ -114,7 +90,7 @@ fn speculation_is_lossless_at_every_target_precision_on_every_fixture() {
                         (Mode::Specter, Policy::Specter),
                         (Mode::Target, Policy::Lru),
                     ] {
-                        let mut sim = simulator(&model, slots, policy);
+                        let mut sim = fixture_simulator(model.info(), slots, policy);
                         let out = generate_with_offload(
                             &model,
                             prompt,

@@ -11,6 +11,11 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use specter::arch::{ArchConfig, MoeModel};
 use specter::backend::cpu::Cpu;
+use specter::decode::{generate, GenerateOutput, Mode};
+use specter::model::{LanguageModel, ModelInfo, NoHook};
+use specter::offload::{
+    ComputeModel, InitialResidency, OffloadSimulator, Policy, ResidencyConfig, SimulatorConfig,
+};
 use specter_convert::checkpoint::Checkpoint;
 use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_format::Bundle;
@@ -161,6 +166,40 @@ pub fn greedy_options(
         sampling: specter::decode::Sampling::greedy(),
         stop_at_eos: false,
     }
+}
+
+/// Target-only greedy decoding of `max_new_tokens` after `prompt`: the tokens speculative and
+/// offloaded decoding must reproduce.
+pub fn target_only<M: LanguageModel>(
+    model: &M,
+    prompt: &[u32],
+    max_new_tokens: usize,
+) -> GenerateOutput {
+    generate(
+        model,
+        prompt,
+        &greedy_options(Mode::Target, max_new_tokens, 1),
+        &mut NoHook,
+        &mut |_| {},
+    )
+    .expect("target")
+}
+
+/// The fixture tests' offload simulator: `slots` per MoE layer under `policy`, the first experts
+/// resident, copies at the default bandwidth and fixed compute times.
+pub fn fixture_simulator(info: &ModelInfo, slots: usize, policy: Policy) -> OffloadSimulator {
+    OffloadSimulator::new(SimulatorConfig {
+        residency: ResidencyConfig::for_model(info, slots, policy),
+        initial: InitialResidency::FirstExperts,
+        bandwidth_bytes_per_s: specter::generate::DEFAULT_COPY_BANDWIDTH,
+        latency_s: 10e-6,
+        compute: ComputeModel {
+            draft_step_s: 2e-3,
+            target_pass_s: 6e-3,
+            target_row_s: 0.1e-3,
+        },
+    })
+    .expect("simulator")
 }
 
 pub fn argmax(row: &[f32]) -> u32 {
