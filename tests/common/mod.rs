@@ -143,15 +143,8 @@ impl Fixture {
     }
 }
 
-pub const FIXTURES: &[&str] = &[
-    "deepseek_v2",
-    "deepseek_v2_qlora",
-    "qwen2_moe",
-    "phimoe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-];
+/// The committed fixtures under tests/fixtures: one for each tiny config synth writes.
+pub const FIXTURES: &[&str] = specter_convert::synth::FIXTURE_CONFIGS;
 
 /// Greedy decoding options in `mode`: `max_new_tokens` tokens, drafts of `depth`, no stop at EOS.
 pub fn greedy_options(
