@@ -8,16 +8,8 @@ mod common;
 use std::collections::BTreeMap;
 
 use serde_json::Value;
+use specter::arch::SUPPORTED_MODEL_TYPES;
 use specter_convert::checkpoint::Checkpoint;
-
-const ARCHS: &[&str] = &[
-    "deepseek_v2",
-    "qwen2_moe",
-    "phimoe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-];
 
 fn manifest(model_type: &str) -> Value {
     let path = common::repo_root()
@@ -229,7 +221,10 @@ fn manifests_list_exactly_the_fixture_tensors() {
         assert_eq!(want, got, "{}", dir.display());
         checked += 1;
     }
-    assert!(checked >= ARCHS.len(), "only {checked} fixtures found");
+    assert!(
+        checked >= SUPPORTED_MODEL_TYPES.len(),
+        "only {checked} fixtures found"
+    );
 }
 
 /// The manifests and the architecture code's tensor list agree, on the tiny configs and on the
@@ -258,7 +253,8 @@ fn manifests_agree_with_expected_tensors() {
 
 #[test]
 fn manifests_are_well_formed() {
-    for arch in ARCHS {
+    // One manifest for each architecture the runtime supports.
+    for arch in SUPPORTED_MODEL_TYPES {
         let m = manifest(arch);
         assert_eq!(m["model_type"], *arch);
         assert!(m["schema"]
