@@ -4,8 +4,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::path::Path;
-
+use common::files::entries;
 use specter::arch::{expected_tensors, ArchConfig, Proj, TensorRole, TensorSpec};
 use specter::weights::WeightStore;
 use specter_convert::checkpoint::Checkpoint;
@@ -17,15 +16,6 @@ fn specs_for(config: &str) -> Vec<TensorSpec> {
     expected_tensors(&ArchConfig::from_config_json(config).unwrap())
 }
 
-fn files_in(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 #[test]
 fn every_fixture_config_round_trips_through_the_reader() {
     for name in FIXTURE_CONFIGS {
@@ -34,7 +24,7 @@ fn every_fixture_config_round_trips_through_the_reader() {
         let dir = tempfile::tempdir().unwrap();
         write_checkpoint(dir.path(), &config, &specs, 5, 1 << 30, 0.1).unwrap();
         assert_eq!(
-            files_in(dir.path()),
+            entries(dir.path()),
             ["config.json", "model.safetensors", "tokenizer.json"]
         );
         let ck = Checkpoint::open(dir.path()).unwrap();
@@ -108,7 +98,7 @@ fn sharding_changes_files_not_values() {
     let many = tempfile::tempdir().unwrap();
     write_checkpoint(one.path(), &config, &specs, 42, 1 << 30, 0.1).unwrap();
     write_checkpoint(many.path(), &config, &specs, 42, 300_000, 0.1).unwrap();
-    let files = files_in(many.path());
+    let files = entries(many.path());
     let shards: Vec<&String> = files
         .iter()
         .filter(|f| f.ends_with(".safetensors"))
@@ -145,7 +135,7 @@ fn sharding_changes_files_not_values() {
     // Rewriting the sharded directory as one file leaves no stale shards or index behind.
     write_checkpoint(many.path(), &config, &specs, 42, 1 << 30, 0.1).unwrap();
     assert_eq!(
-        files_in(many.path()),
+        entries(many.path()),
         ["config.json", "model.safetensors", "tokenizer.json"]
     );
 }

@@ -1,17 +1,12 @@
 //! A bundle appears under its name complete or not at all, and bad output paths are clear errors.
 
 mod common;
+// The root crate's std-only helper, shared by every crate's tests.
+#[path = "../../tests/common/files.rs"]
+mod files;
 
+use files::entries;
 use specter_format::{BundleWriter, DType, FormatError, SectionKind};
-
-fn dir_entries(dir: &std::path::Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
 
 #[test]
 fn an_unfinished_writer_leaves_nothing_behind() {
@@ -26,12 +21,12 @@ fn an_unfinished_writer_leaves_nothing_behind() {
         .write_tensor("t", DType::U8, &[8192], &bytes)
         .unwrap();
     // While writing, only the hidden temp file exists.
-    let during = dir_entries(dir.path());
+    let during = entries(dir.path());
     assert_eq!(during.len(), 1);
     assert!(during[0].starts_with(".model.specter.tmp-"), "{during:?}");
     assert!(!path.exists());
     drop(writer);
-    assert!(dir_entries(dir.path()).is_empty());
+    assert!(entries(dir.path()).is_empty());
 }
 
 #[test]
@@ -49,7 +44,7 @@ fn a_failed_finish_leaves_nothing_behind() {
         )
         .unwrap_err();
     assert!(matches!(err, FormatError::WriterMisuse(_)), "{err}");
-    assert!(dir_entries(dir.path()).is_empty());
+    assert!(entries(dir.path()).is_empty());
 }
 
 #[test]
@@ -58,7 +53,7 @@ fn finish_replaces_an_existing_file_and_leaves_no_temp() {
     let path = dir.path().join("model.specter");
     std::fs::write(&path, b"an older file").unwrap();
     common::write_fixture(&path, 3);
-    assert_eq!(dir_entries(dir.path()), vec!["model.specter".to_string()]);
+    assert_eq!(entries(dir.path()), vec!["model.specter".to_string()]);
     specter_format::Bundle::open(&path).unwrap();
 }
 
@@ -73,7 +68,7 @@ fn unwritable_output_paths_are_clear_errors() {
     let err = BundleWriter::create(dir.path()).err().unwrap();
     assert!(matches!(err, FormatError::BadOutputPath { .. }), "{err}");
     assert!(err.to_string().contains("is a directory"), "{err}");
-    assert!(dir_entries(dir.path()).is_empty());
+    assert!(entries(dir.path()).is_empty());
 }
 
 #[test]

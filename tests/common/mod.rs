@@ -1,7 +1,9 @@
-//! Shared helpers of the golden tests: fixture loading and comparison; `gpu`: how the GPU tests
-//! open the GPU; `ops`: the GPU op tests' harness; `rows8`: random 8- and 4-bit row-layout experts.
+//! Shared helpers of the golden tests: fixture loading and comparison; `files`: what a test finds
+//! on disk; `gpu`: how the GPU tests open the GPU; `ops`: the GPU op tests' harness; `rows8`:
+//! random 8- and 4-bit row-layout experts.
 #![allow(dead_code)]
 
+pub mod files;
 pub mod gpu;
 pub mod ops;
 pub mod rows8;

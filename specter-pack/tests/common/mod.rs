@@ -4,10 +4,15 @@
 
 pub mod cli;
 pub mod damage;
+// The root crate's std-only helper, shared by every crate's tests.
+#[path = "../../../tests/common/files.rs"]
+pub mod files;
 
 // Each test binary uses a different subset.
 #[allow(unused_imports)]
 pub use cli::{assert_clean_failure, assert_no_repeated_clause, run, Run};
+#[allow(unused_imports)]
+pub use files::entries;
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -23,16 +28,6 @@ use specter::arch::{self, ArchConfig, TensorSpec};
 /// Runs `specter-pack` with `args`.
 pub fn pack<S: AsRef<OsStr>>(args: &[S]) -> Run {
     run(env!("CARGO_BIN_EXE_specter-pack"), args)
-}
-
-/// Names of the entries of `dir`, sorted.
-pub fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 /// Sets `dir`'s modification time far in the past, so that [`assert_untouched`] can tell whether
