@@ -3,20 +3,13 @@
 
 mod common;
 
-use common::{grid_quantize, Fixture, GridStore, FIXTURES};
-use rand::{Rng, SeedableRng};
+use common::{random_tokens, DraftExperts, Fixture, GridStore, FIXTURES};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use specter::arch::{
-    draft_tensor_name, expected_tensors, expert_tensor_name, MoeModel, Proj, TensorRole,
-};
+use specter::arch::{expected_tensors, MoeModel, TensorRole};
 use specter::backend::cpu::Cpu;
 use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
-use specter::weights::WeightStore;
 use specter::{Error, Result};
-
-fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
-}
 
 /// Runs `tokens` in calls of the given sizes (cycled) and returns all logits.
 fn run_chunked<M: LanguageModel>(
@@ -203,50 +196,6 @@ fn invalid_requests_are_rejected() {
     }
 }
 
-impl GridStore {
-    fn new(fx: &Fixture) -> GridStore {
-        let base = fx.checkpoint();
-        let (hidden, inter) = fx.cfg.expert_dims();
-        let mut experts = std::collections::HashMap::new();
-        let mut qweights = std::collections::HashMap::new();
-        let mut scales = std::collections::HashMap::new();
-        let f32s = |name: &str| -> Vec<f32> {
-            base.f16(name)
-                .unwrap()
-                .data
-                .iter()
-                .map(|v| v.to_f32())
-                .collect()
-        };
-        for l in fx.cfg.moe_layers() {
-            for e in 0..fx.cfg.moe.num_experts {
-                let [gate, up, down] = [Proj::Gate, Proj::Up, Proj::Down]
-                    .map(|p| expert_tensor_name(&fx.cfg, l, e, p));
-                let mut gate_up = f32s(&gate);
-                gate_up.extend(f32s(&up));
-                let (packed, grid) = grid_quantize(&gate, &gate_up, 2 * inter, hidden);
-                experts.insert(gate.clone(), grid[..inter * hidden].to_vec());
-                experts.insert(up.clone(), grid[inter * hidden..].to_vec());
-                qweights.insert(
-                    draft_tensor_name(l, e, "gate_up", "qweight"),
-                    packed.qweight,
-                );
-                scales.insert(draft_tensor_name(l, e, "gate_up", "scales"), packed.scales);
-                let (packed, grid) = grid_quantize(&down, &f32s(&down), hidden, inter);
-                experts.insert(down.clone(), grid);
-                qweights.insert(draft_tensor_name(l, e, "down", "qweight"), packed.qweight);
-                scales.insert(draft_tensor_name(l, e, "down", "scales"), packed.scales);
-            }
-        }
-        GridStore {
-            base,
-            experts,
-            qweights,
-            scales,
-        }
-    }
-}
-
 #[test]
 fn draft_without_int4_experts_names_the_missing_tensor() {
     let fx = Fixture::load("olmoe");
@@ -268,7 +217,7 @@ fn draft_int4_experts_equal_target_experts_on_the_int4_grid() {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0004);
     for name in FIXTURES {
         let fx = Fixture::load(name);
-        let store = GridStore::new(&fx);
+        let store = GridStore::new(&fx, DraftExperts::Exact);
         let model = MoeModel::load(fx.cfg.clone(), &store, Cpu).unwrap();
         assert!(model.has_draft());
         let tokens = random_tokens(&mut rng, 10, fx.cfg.vocab_size);

@@ -7,23 +7,16 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::collections::HashMap;
-
-use common::{argmax, grid_quantize, Fixture, GridStore, FIXTURES};
+use common::{argmax, random_tokens, DraftExperts, Fixture, GridStore, FIXTURES};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specter::arch::{draft_tensor_name, expert_tensor_name, MoeModel, Proj};
+use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
 use specter::model::{LanguageModel, NoHook, RouteHook, Variant};
 use specter::session::{BackendKind, Session};
-use specter::weights::WeightStore;
 use specter::Error;
 use specter_convert::pack::{convert, ConvertOptions, Silent};
 use specter_run::probe::{probe, render_json, render_text, ProbeOptions, ProbeReport};
-
-fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
-}
 
 /// The fixture's three prompts, each followed by its greedy continuation, back to back: text the
 /// model itself finds likely, so the comparison is not only over noise.
@@ -214,92 +207,6 @@ fn every_fixture_with_an_rtn_draft() {
         ));
     }
     println!("{table}");
-}
-
-/// What the draft experts of a [`GridStore`] hold.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum DraftExperts {
-    /// The target's experts exactly (both on one INT4 grid).
-    Exact,
-    /// Expert e's draft holds expert e + 1's weights (mod the expert count).
-    Shifted,
-    /// Weights drawn from noise of the fixture's spread, quantized onto the grid.
-    Noise(u64),
-}
-
-impl GridStore {
-    fn new(fx: &Fixture, draft: DraftExperts) -> GridStore {
-        let base = fx.checkpoint();
-        let (hidden, inter) = fx.cfg.expert_dims();
-        let num_experts = fx.cfg.moe.num_experts;
-        let mut noise = ChaCha8Rng::seed_from_u64(match draft {
-            DraftExperts::Noise(seed) => seed,
-            _ => 0,
-        });
-        let mut noise_like = |len: usize| -> Vec<f32> {
-            // Uniform with the fixture weights' spread (standard deviation 0.15).
-            let half_width = 0.15 * 3f32.sqrt();
-            (0..len)
-                .map(|_| noise.random_range(-half_width..half_width))
-                .collect()
-        };
-        let f32s = |name: &str| -> Vec<f32> {
-            base.f16(name)
-                .unwrap()
-                .data
-                .iter()
-                .map(|v| v.to_f32())
-                .collect()
-        };
-        let mut experts = HashMap::new();
-        let mut qweights = HashMap::new();
-        let mut scales = HashMap::new();
-        for l in fx.cfg.moe_layers() {
-            for e in 0..num_experts {
-                let [gate, up, down] = [Proj::Gate, Proj::Up, Proj::Down]
-                    .map(|p| expert_tensor_name(&fx.cfg, l, e, p));
-                let mut gate_up = f32s(&gate);
-                gate_up.extend(f32s(&up));
-                let down_w = f32s(&down);
-                let (gate_up_packed, gate_up_grid) =
-                    grid_quantize(&gate, &gate_up, 2 * inter, hidden);
-                let (down_packed, down_grid) = grid_quantize(&down, &down_w, hidden, inter);
-                experts.insert(gate.clone(), gate_up_grid[..inter * hidden].to_vec());
-                experts.insert(up.clone(), gate_up_grid[inter * hidden..].to_vec());
-                experts.insert(down.clone(), down_grid);
-
-                let (draft_expert, gate_up_packed, down_packed) = match draft {
-                    DraftExperts::Exact => (e, gate_up_packed, down_packed),
-                    DraftExperts::Shifted => (
-                        (e + num_experts - 1) % num_experts,
-                        gate_up_packed,
-                        down_packed,
-                    ),
-                    DraftExperts::Noise(_) => (
-                        e,
-                        grid_quantize(&gate, &noise_like(gate_up.len()), 2 * inter, hidden).0,
-                        grid_quantize(&down, &noise_like(down_w.len()), hidden, inter).0,
-                    ),
-                };
-                for (part, packed) in [("gate_up", gate_up_packed), ("down", down_packed)] {
-                    qweights.insert(
-                        draft_tensor_name(l, draft_expert, part, "qweight"),
-                        packed.qweight,
-                    );
-                    scales.insert(
-                        draft_tensor_name(l, draft_expert, part, "scales"),
-                        packed.scales,
-                    );
-                }
-            }
-        }
-        GridStore {
-            base,
-            experts,
-            qweights,
-            scales,
-        }
-    }
 }
 
 fn grid_model(fx: &Fixture, draft: DraftExperts) -> MoeModel<Cpu> {
