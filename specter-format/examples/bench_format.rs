@@ -122,17 +122,7 @@ fn write_bundle(path: &Path, bytes: u64, pool: &[u8]) -> Result<(u64, Duration)>
         tool: "bench_format".into(),
         tool_version: env!("CARGO_PKG_VERSION").into(),
         sources: Vec::new(),
-        quant: QuantInfo {
-            method: "none".into(),
-            bits: 16,
-            group_size: 0,
-            symmetric: true,
-            damp: 0.0,
-            act_order: false,
-            calibration: "none".into(),
-            calib_tokens: 0,
-            stats: Vec::new(),
-        },
+        quant: QuantInfo::unquantized(),
         notes: Vec::new(),
     };
     let len = w.finish("bench", "{}", provenance)?;

@@ -5,7 +5,9 @@
 
 use std::path::PathBuf;
 
-use specter_format::{BundleWriter, DType, Provenance, QuantInfo, Result, SectionKind};
+use specter_format::{
+    BundleWriter, DType, Provenance, QuantInfo, Result, SectionKind, QUANT_GROUP,
+};
 
 /// A small deterministic generator, so the sample needs no dependency beyond the crate.
 struct SplitMix(u64);
@@ -102,16 +104,12 @@ fn main() -> Result<()> {
         tool: "write_sample".into(),
         tool_version: env!("CARGO_PKG_VERSION").into(),
         sources: Vec::new(),
+        // RTN has no dampening, ordering or calibration to record.
         quant: QuantInfo {
             method: "rtn".into(),
             bits: 4,
-            group_size: 128,
-            symmetric: true,
-            damp: 0.0,
-            act_order: false,
-            calibration: "none".into(),
-            calib_tokens: 0,
-            stats: Vec::new(),
+            group_size: QUANT_GROUP,
+            ..QuantInfo::unquantized()
         },
         notes: vec![format!("random sample, seed {seed}")],
     };
