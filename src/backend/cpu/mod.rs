@@ -45,6 +45,18 @@ pub struct CpuWeight {
 }
 
 impl CpuWeight {
+    /// A quantized `[n][k]` matrix from its dequantizer's output (`data`, out-major), with the
+    /// f16 input rounding of the kernels that compute with it.
+    fn dequantized(name: &str, k: usize, n: usize, data: Result<Vec<f32>>) -> Result<CpuWeight> {
+        let data = data.map_err(|e| Error::Model(format!("{name}: {e}")))?;
+        Ok(CpuWeight {
+            name: name.to_string(),
+            shape: vec![n, k],
+            data,
+            f16_input: true,
+        })
+    }
+
     /// `(out, in)` of a matrix (a vector counts as one row).
     fn dims(&self) -> (usize, usize) {
         match self.shape.as_slice() {
@@ -273,14 +285,12 @@ impl Backend for Cpu {
         qweight: &[u32],
         scales: &[f16],
     ) -> Result<CpuWeight> {
-        let data = crate::quant::marlin_dequantize_out_in(k, n, qweight, scales)
-            .map_err(|e| Error::Model(format!("{name}: {e}")))?;
-        Ok(CpuWeight {
-            name: name.to_string(),
-            shape: vec![n, k],
-            data,
-            f16_input: true,
-        })
+        CpuWeight::dequantized(
+            name,
+            k,
+            n,
+            crate::quant::marlin_dequantize_out_in(k, n, qweight, scales),
+        )
     }
 
     fn weight_rows(
@@ -292,14 +302,12 @@ impl Backend for Cpu {
         qweight: &[u8],
         scales: &[f16],
     ) -> Result<CpuWeight> {
-        let data = crate::quant::rows_dequantize_out_in(k, n, bits, qweight, scales)
-            .map_err(|e| Error::Model(format!("{name}: {e}")))?;
-        Ok(CpuWeight {
-            name: name.to_string(),
-            shape: vec![n, k],
-            data,
-            f16_input: true,
-        })
+        CpuWeight::dequantized(
+            name,
+            k,
+            n,
+            crate::quant::rows_dequantize_out_in(k, n, bits, qweight, scales),
+        )
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<Mat> {
