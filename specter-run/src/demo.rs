@@ -140,47 +140,34 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
     let slots = opts.resident_experts.clamp(1, info.num_experts);
     // The same speculative run with most experts offloaded: on the CPU the copies are simulated,
     // on the GPU they are real copies into VRAM slots, from a session opened with that residency.
-    let (spec, cache) = match session.cuda() {
+    // The expert cache's figures come as the same stats either way; `how` says which copies.
+    let (spec, cache, how) = match session.cuda() {
         None => {
             let plan = DecodePlan {
                 simulated_slots: Some(slots),
                 ..DecodePlan::default()
             };
             let spec = decode(&session, Mode::Specter, &plan)?;
-            let o = spec.stats.offload.clone().unwrap_or_default();
-            let cache = CacheFigures {
-                how: format!(
-                    "copies simulated at {:.0} GB/s",
-                    DEFAULT_COPY_BANDWIDTH / 1e9
-                ),
-                hits: o.hits,
-                misses: o.misses,
-                prefetched: o.prefetched,
-                prefetched_used: o.prefetch_used,
-                bytes_moved: o.bytes_copied,
-            };
-            (spec, cache)
+            let cache = spec.stats.offload.clone().unwrap_or_default();
+            let how = format!(
+                "copies simulated at {:.0} GB/s",
+                DEFAULT_COPY_BANDWIDTH / 1e9
+            );
+            (spec, cache, how)
         }
         Some(_) => {
             drop(session);
             session_opts.offload = Some((slots, Policy::Lru));
             let offloaded = Session::open_with(&bundle_path, &session_opts)?;
             let spec = decode(&offloaded, Mode::Specter, &DecodePlan::default())?;
-            let o = offloaded
+            let cache = offloaded
                 .cuda()
                 .map(|gpu| gpu.offload_stats())
                 .transpose()?
                 .flatten()
                 .unwrap_or_default();
-            let cache = CacheFigures {
-                how: format!("real copies into VRAM slots, {}", o.path),
-                hits: o.hits,
-                misses: o.misses,
-                prefetched: o.prefetched,
-                prefetched_used: o.prefetch_used,
-                bytes_moved: o.bytes_copied,
-            };
-            (spec, cache)
+            let how = format!("real copies into VRAM slots, {}", cache.path);
+            (spec, cache, how)
         }
     };
     let s = &spec.stats;
@@ -196,7 +183,7 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
     ));
     say(&format!(
         "   expert cache ({} of {} resident per layer, {}): {} hits, {} misses, {} prefetched by the draft ({} used), {:.2} MB moved",
-        slots, info.num_experts, cache.how, cache.hits, cache.misses, cache.prefetched, cache.prefetched_used, cache.bytes_moved as f64 / 1e6
+        slots, info.num_experts, how, cache.hits, cache.misses, cache.prefetched, cache.prefetch_used, cache.bytes_copied as f64 / 1e6
     ));
     let lossless = spec.tokens == target.tokens;
     say(&format!(
@@ -215,14 +202,4 @@ pub fn run(work_dir: &Path, opts: &DemoOptions, say: &mut dyn FnMut(&str)) -> Re
         hits: cache.hits,
         misses: cache.misses,
     })
-}
-
-/// The expert cache's figures in the demo's offloaded run, simulated or real.
-struct CacheFigures {
-    how: String,
-    hits: u64,
-    misses: u64,
-    prefetched: u64,
-    prefetched_used: u64,
-    bytes_moved: u64,
 }
