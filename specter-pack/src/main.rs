@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use specter_convert::pack::{self, ConvertOptions, QuantMethod, TargetPrecision};
 use specter_format::ship::{self, ShipOptions, ShipProgress, UnshipOptions};
@@ -29,46 +29,7 @@ enum Command {
     /// Convert a Hugging Face checkpoint directory into one bundle.
     ///
     /// Example: specter-pack convert ./DeepSeek-V2-Lite -o dsv2-lite.specter --quant gptq --calib wiki.txt
-    Convert {
-        /// Directory holding config.json, *.safetensors (and model.safetensors.index.json), tokenizer.json.
-        hf_dir: PathBuf,
-        /// Output bundle path; written atomically (nothing appears there unless conversion succeeds).
-        #[arg(short, long)]
-        output: PathBuf,
-        /// Quantizer for the draft's experts (and a quantized target's).
-        #[arg(long, value_enum, default_value_t = Quant::Rtn)]
-        quant: Quant,
-        /// How the target's routed experts are stored: fp16, int8 (group 128) or int4 (group
-        /// 128, Marlin-tiled).
-        #[arg(long, default_value = "fp16")]
-        target: String,
-        /// Bits per weight of the draft's experts: 4, 3 or 2, fewer than the target's (default:
-        /// 4 under fp16 and int8 targets, 3 under int4).
-        #[arg(long)]
-        draft_bits: Option<u32>,
-        /// Worker threads for quantization (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// GPTQ calibration data: text (tokenized with the checkpoint's tokenizer.json) or token
-        /// ids (integers separated by spaces or commas). Without it, GPTQ calibrates on text the
-        /// model samples itself (temperature 1).
-        #[arg(long)]
-        calib: Option<PathBuf>,
-        /// Most calibration tokens read or generated (a fifth of the positions is held out to
-        /// measure the error).
-        #[arg(long, default_value_t = pack::DEFAULT_CALIB_TOKENS)]
-        calib_tokens: usize,
-        /// Seed of data-free calibration sampling.
-        #[arg(long, default_value_t = 0)]
-        calib_seed: u64,
-        /// GPTQ dampening, as a fraction of the Hessian's mean diagonal.
-        #[arg(long, default_value_t = 0.01)]
-        damp: f64,
-        /// An expert matrix reached by fewer calibration rows than this many per input feature is
-        /// quantized against the layer's pooled rows instead of its own.
-        #[arg(long, default_value_t = pack::DEFAULT_MIN_ROWS_PER_FEATURE)]
-        min_rows_per_feature: usize,
-    },
+    Convert(ConvertArgs),
     /// Write a random-weight Hugging Face checkpoint with a real model's shapes, names and config,
     /// so that benchmarks need no download.
     ///
@@ -158,6 +119,69 @@ enum Command {
     },
 }
 
+// The convert subcommand's arguments (the variant's doc comment is its help), turned into
+// ConvertOptions in one place.
+#[derive(Args)]
+struct ConvertArgs {
+    /// Directory holding config.json, *.safetensors (and model.safetensors.index.json), tokenizer.json.
+    hf_dir: PathBuf,
+    /// Output bundle path; written atomically (nothing appears there unless conversion succeeds).
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Quantizer for the draft's experts (and a quantized target's).
+    #[arg(long, value_enum, default_value_t = Quant::Rtn)]
+    quant: Quant,
+    /// How the target's routed experts are stored: fp16, int8 (group 128) or int4 (group
+    /// 128, Marlin-tiled).
+    #[arg(long, default_value = "fp16")]
+    target: String,
+    /// Bits per weight of the draft's experts: 4, 3 or 2, fewer than the target's (default:
+    /// 4 under fp16 and int8 targets, 3 under int4).
+    #[arg(long)]
+    draft_bits: Option<u32>,
+    /// Worker threads for quantization (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// GPTQ calibration data: text (tokenized with the checkpoint's tokenizer.json) or token
+    /// ids (integers separated by spaces or commas). Without it, GPTQ calibrates on text the
+    /// model samples itself (temperature 1).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Most calibration tokens read or generated (a fifth of the positions is held out to
+    /// measure the error).
+    #[arg(long, default_value_t = pack::DEFAULT_CALIB_TOKENS)]
+    calib_tokens: usize,
+    /// Seed of data-free calibration sampling.
+    #[arg(long, default_value_t = 0)]
+    calib_seed: u64,
+    /// GPTQ dampening, as a fraction of the Hessian's mean diagonal.
+    #[arg(long, default_value_t = 0.01)]
+    damp: f64,
+    /// An expert matrix reached by fewer calibration rows than this many per input feature is
+    /// quantized against the layer's pooled rows instead of its own.
+    #[arg(long, default_value_t = pack::DEFAULT_MIN_ROWS_PER_FEATURE)]
+    min_rows_per_feature: usize,
+}
+
+impl ConvertArgs {
+    fn options(&self) -> Result<ConvertOptions> {
+        Ok(ConvertOptions {
+            quant: match self.quant {
+                Quant::Rtn => QuantMethod::Rtn,
+                Quant::Gptq => QuantMethod::Gptq,
+            },
+            target: TargetPrecision::parse(&self.target)?,
+            draft_bits: self.draft_bits,
+            threads: self.threads,
+            calib: self.calib.clone(),
+            calib_tokens: self.calib_tokens,
+            calib_seed: self.calib_seed,
+            damp: self.damp,
+            min_rows_per_feature: self.min_rows_per_feature,
+        })
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Quant {
     Rtn,
@@ -173,41 +197,7 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Convert {
-            hf_dir,
-            output,
-            quant,
-            target,
-            draft_bits,
-            threads,
-            calib,
-            calib_tokens,
-            calib_seed,
-            damp,
-            min_rows_per_feature,
-        } => TargetPrecision::parse(&target)
-            .map_err(anyhow::Error::from)
-            .and_then(|target| {
-                convert(
-                    hf_dir,
-                    output,
-                    quant,
-                    ConvertOptions {
-                        quant: match quant {
-                            Quant::Rtn => QuantMethod::Rtn,
-                            Quant::Gptq => QuantMethod::Gptq,
-                        },
-                        target,
-                        draft_bits,
-                        threads,
-                        calib,
-                        calib_tokens,
-                        calib_seed,
-                        damp,
-                        min_rows_per_feature,
-                    },
-                )
-            }),
+        Command::Convert(args) => convert(args),
         Command::Synth {
             preset,
             fixture,
@@ -438,16 +428,13 @@ fn unship_bundle(shipped: PathBuf, output: PathBuf, force: bool) -> Result<ExitC
     Ok(ExitCode::SUCCESS)
 }
 
-fn convert(
-    hf_dir: PathBuf,
-    output: PathBuf,
-    quant: Quant,
-    opts: ConvertOptions,
-) -> Result<ExitCode> {
+fn convert(args: ConvertArgs) -> Result<ExitCode> {
+    let opts = args.options()?;
+    let (hf_dir, output) = (args.hf_dir, args.output);
     if opts.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
-    if matches!(quant, Quant::Rtn) && opts.calib.is_some() {
+    if matches!(args.quant, Quant::Rtn) && opts.calib.is_some() {
         anyhow::bail!("--calib applies to --quant gptq only");
     }
     if opts.calib_tokens == 0 {
