@@ -488,6 +488,22 @@ mod tests {
         (0..n * k).map(|_| 0.02 * normal(rng)).collect()
     }
 
+    /// The Hessian of `rows` rows of [`Activations`] of `width` and a random `[n][k]` weight,
+    /// drawn in that order from `seed`.
+    fn calibrated_weight(
+        seed: u64,
+        n: usize,
+        k: usize,
+        width: usize,
+        rows: usize,
+    ) -> (Hessian, Vec<f32>) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let acts = Activations::new(&mut rng, k, width);
+        let mut h = Hessian::new(k);
+        h.add_rows(&acts.sample(&mut rng, rows), rows);
+        (h, random_weight(&mut rng, n, k))
+    }
+
     #[test]
     fn gptq_beats_rtn_on_held_out_correlated_activations() {
         let (n, k) = (128, 256);
@@ -543,11 +559,7 @@ mod tests {
         // Blocking only reorders the same updates: any block size gives the same codes, up to
         // the odd code flipped by f32 rounding differences near a rounding boundary.
         let (n, k) = (128, 384);
-        let mut rng = ChaCha8Rng::seed_from_u64(6);
-        let acts = Activations::new(&mut rng, k, 24);
-        let mut h = Hessian::new(k);
-        h.add_rows(&acts.sample(&mut rng, 600), 600);
-        let w = random_weight(&mut rng, n, k);
+        let (h, w) = calibrated_weight(6, n, k, 24, 600);
         let whole = GptqConfig {
             block_size: k,
             ..GptqConfig::default()
@@ -633,11 +645,7 @@ mod tests {
     #[test]
     fn matches_textbook_gptq() {
         let (n, k) = (32, 256);
-        let mut rng = ChaCha8Rng::seed_from_u64(5);
-        let acts = Activations::new(&mut rng, k, 24);
-        let mut h = Hessian::new(k);
-        h.add_rows(&acts.sample(&mut rng, 500), 500);
-        let w = random_weight(&mut rng, n, k);
+        let (h, w) = calibrated_weight(5, n, k, 24, 500);
         for act_order in [false, true] {
             let cfg = GptqConfig {
                 act_order,
@@ -723,11 +731,7 @@ mod tests {
     #[test]
     fn gptq_result_round_trips_through_marlin() {
         let (n, k) = (192, 384);
-        let mut rng = ChaCha8Rng::seed_from_u64(8);
-        let acts = Activations::new(&mut rng, k, 20);
-        let mut h = Hessian::new(k);
-        h.add_rows(&acts.sample(&mut rng, 500), 500);
-        let w = random_weight(&mut rng, n, k);
+        let (h, w) = calibrated_weight(8, n, k, 20, 500);
         let res = gptq("gate_up", &w, n, k, &h, &GptqConfig::default()).unwrap();
         let packed = marlin_pack(&res.q).unwrap();
         let back = marlin_unpack(k, n, &packed.qweight, &packed.scales).unwrap();
