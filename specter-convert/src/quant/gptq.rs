@@ -749,27 +749,26 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let w = random_weight(&mut rng, n, k);
         let cfg = GptqConfig::default();
+        let error = |name: &str, h: &Hessian| {
+            gptq(name, &w, n, k, h, &cfg)
+                .expect_err("refused")
+                .to_string()
+        };
 
         let empty = Hessian::new(k);
-        let msg = gptq("a.weight", &w, n, k, &empty, &cfg)
-            .unwrap_err()
-            .to_string();
+        let msg = error("a.weight", &empty);
         assert!(
             msg.contains("a.weight") && msg.contains("no calibration rows"),
             "{msg}"
         );
 
         let other = Hessian::new(256);
-        let msg = gptq("b.weight", &w, n, k, &other, &cfg)
-            .unwrap_err()
-            .to_string();
+        let msg = error("b.weight", &other);
         assert!(msg.contains("b.weight") && msg.contains("256"), "{msg}");
 
         let mut short = Hessian::new(k);
         short.add_rows(&w[..k * 3 - 1], 3);
-        let msg = gptq("c.weight", &w, n, k, &short, &cfg)
-            .unwrap_err()
-            .to_string();
+        let msg = error("c.weight", &short);
         assert!(
             msg.contains("c.weight") && msg.contains("add_rows"),
             "{msg}"
@@ -784,9 +783,7 @@ mod tests {
         let mut x = w[..k * 4].to_vec();
         x[5] = f32::NAN;
         nan.add_rows(&x, 4);
-        let msg = gptq("e.weight", &w, n, k, &nan, &cfg)
-            .unwrap_err()
-            .to_string();
+        let msg = error("e.weight", &nan);
         assert!(
             msg.contains("e.weight") && msg.contains("non-finite"),
             "{msg}"
