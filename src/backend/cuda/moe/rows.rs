@@ -103,8 +103,8 @@ struct Stage<A> {
 impl<A: KernelArgs> Stage<A> {
     fn load(device: &CudaDevice, stage: &str, bits: u32) -> Result<Self> {
         Ok(Stage {
-            general: Kernel::load(device, MODULE, &format!("moe_rows_{stage}_{bits}"))?,
-            one: Kernel::load(device, MODULE, &format!("moe_rows_{stage}_{bits}_1"))?,
+            general: Kernel::load(device, MODULE, &kernel_name(stage, bits, false))?,
+            one: Kernel::load(device, MODULE, &kernel_name(stage, bits, true))?,
         })
     }
 
@@ -298,9 +298,28 @@ impl MoeRowsKernels {
     }
 }
 
+/// The entry point of `stage` ("gate_up" or "down") at width `bits`, in its one-item form where
+/// `one`.
+fn kernel_name(stage: &str, bits: u32, one: bool) -> String {
+    format!("moe_rows_{stage}_{bits}{}", if one { "_1" } else { "" })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_width_names_kernels_its_arguments_allow() {
+        // Kernel::load refuses a name its argument type does not list; only a GPU would see it.
+        for b in WIDTHS {
+            for one in [false, true] {
+                let name = kernel_name("gate_up", b, one);
+                assert!(RowsGateUpArgs::KERNELS.contains(&name.as_str()), "{name}");
+                let name = kernel_name("down", b, one);
+                assert!(RowsDownArgs::KERNELS.contains(&name.as_str()), "{name}");
+            }
+        }
+    }
 
     fn launch(hidden: usize, inter: usize) -> MoeLaunch {
         MoeLaunch {

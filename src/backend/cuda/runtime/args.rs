@@ -297,11 +297,12 @@ kernel_args! {
         s_y: DevPtr,
         y: DevPtr,
     }
-    /// The row-layout experts' gate/up at 8, 3 or 2 bits, and its one-item forms
+    /// The row-layout experts' gate/up at 8, 4, 3 or 2 bits, and its one-item forms
     /// (kernels/moe_rows.cu).
     RowsGateUpArgs for [
-        "moe_rows_gate_up_8", "moe_rows_gate_up_3", "moe_rows_gate_up_2",
-        "moe_rows_gate_up_8_1", "moe_rows_gate_up_3_1", "moe_rows_gate_up_2_1"
+        "moe_rows_gate_up_8", "moe_rows_gate_up_4", "moe_rows_gate_up_3", "moe_rows_gate_up_2",
+        "moe_rows_gate_up_8_1", "moe_rows_gate_up_4_1", "moe_rows_gate_up_3_1",
+        "moe_rows_gate_up_2_1"
     ] {
         groups: DevPtr,
         x: DevPtr,
@@ -313,8 +314,8 @@ kernel_args! {
     }
     /// The row-layout experts' down product, and its one-item forms.
     RowsDownArgs for [
-        "moe_rows_down_8", "moe_rows_down_3", "moe_rows_down_2",
-        "moe_rows_down_8_1", "moe_rows_down_3_1", "moe_rows_down_2_1"
+        "moe_rows_down_8", "moe_rows_down_4", "moe_rows_down_3", "moe_rows_down_2",
+        "moe_rows_down_8_1", "moe_rows_down_4_1", "moe_rows_down_3_1", "moe_rows_down_2_1"
     ] {
         groups: DevPtr,
         h: DevPtr,
