@@ -208,7 +208,7 @@ impl MoeRowsKernels {
         }
     }
 
-    /// Issues gate/up then down for every group of `l` at width `bits` (8, 3 or 2) on `stream`
+    /// Issues gate/up then down for every group of `l` at width `bits` (8, 4, 3 or 2) on `stream`
     /// (asynchronously).
     ///
     /// `l.max_count` only picks the kernels and the items staged at a time: a group larger than
