@@ -134,18 +134,19 @@ fn rows_moe_rejects_bad_shapes_before_launching() {
     let device = common::gpu::device();
     let kernels = MoeRowsKernels::new(&device).expect("load the row-layout MoE kernels");
     let stream = device.stream();
-    let mut launch = unlaunched(256, 1400);
-    assert_refused(
-        kernels.launch(stream, &launch, Bits::EIGHT),
-        "inter=1400",
-        "shape",
-    );
-    launch.inter = 1408;
-    assert_refused(
-        kernels.launch(stream, &launch, Bits::FOUR),
-        "Marlin",
-        "width",
-    );
+    // Every width the row layout has; each refuses before anything reaches the device (a launch
+    // with these placeholder pointers would fault and end the process's context).
+    for bits in WIDTHS.map(|b| Bits::new(b).unwrap()) {
+        let launch = unlaunched(256, 1400);
+        assert_refused(kernels.launch(stream, &launch, bits), "inter=1400", "shape");
+        let mut launch = unlaunched(256, 1408);
+        launch.hidden = 2000;
+        assert_refused(
+            kernels.launch(stream, &launch, bits),
+            "hidden=2000",
+            "shape",
+        );
+    }
 }
 
 /// Random codes and scales of `experts` experts of one matrix shape: any bytes are valid codes.
