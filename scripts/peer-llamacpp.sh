@@ -33,7 +33,8 @@
 #   PEER_DISK  the Specter bundle (about 39 GB; default: the first of /var/tmp/specter-peer,
 #       .peer-bundle beside this folder and ~/specter-peer with 39 GiB free)
 #   PEER_KEEP [0]  1 keeps the GGUF and the bundle afterwards
-#   LLAMA_DIR [/tmp/specter-peer-llama.cpp]  where llama.cpp is unpacked and built
+#   LLAMA_DIR [/tmp/specter-peer-llama.cpp]  where llama.cpp is unpacked and built; a finished
+#       build of the same source there (an earlier call's, on a machine still held) is reused
 #   PEER_THREADS [16]  PEER_NEW_TOKENS [128]  PEER_BENCH_REPS [2]  (llama-bench -r)
 #   PEER_PROMPT [ABCDEFGHIJKLMNOP]  prompt text; the synthesized tokenizer gives one id a byte
 #   PEER_TIME_S [540]  the whole run's time; steps that would not fit are skipped and said so
@@ -219,23 +220,37 @@ run() {
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$LOG/gpu-mem.csv" &
     GPU_LOGGER=$!
 
+    local src_sha
+    src_sha=$(sha256sum "$tarball" | cut -d' ' -f1)
     {
         printf 'preset\t%s\nlayers\t%s\nnew_tokens\t%s\nthreads\t%s\n' "$preset" "$layers" "$PEER_NEW_TOKENS" "$PEER_THREADS"
         printf 'specter_target\t%s\nllama_type\t%s\n' "$precision" "$ltype"
-        printf 'llama_source_sha256\t%s\n' "$(sha256sum "$tarball" | cut -d' ' -f1)"
+        printf 'llama_source_sha256\t%s\n' "$src_sha"
         printf 'gpu\t%s\n' "$(head -1 "$LOG/gpu.txt")"
     } > "$LOG/meta.tsv"
 
     # llama.cpp: unpack, then build in the background (its own process group, so it can be ended).
-    rm -rf "$lsrc"
-    mkdir -p "$lsrc"
-    tar -xf "$tarball" -C "$lsrc"
-    [ -f "$lsrc/CMakeLists.txt" ] || die "$tarball does not hold a llama.cpp tree at its top"
-    set -m
-    build_llama "$lsrc" "$lsrc/build" > "$LOG/llama-build.log" 2>&1 &
-    BUILD_PID=$!
-    set +m
-    echo "[$((SECONDS - T0)) s] llama.cpp build started (pid $BUILD_PID)"
+    # A finished build of the same source, left in $lsrc by an earlier run on this machine (the
+    # next call while the machine is still held), is used as it is: about 5 minutes saved.
+    local b reuse=1
+    for b in llama-bench llama-completion llama-quantize; do
+        [ -x "$lsrc/build/bin/$b" ] || reuse=0
+    done
+    [ "$(cat "$lsrc/specter-source.sha256" 2>/dev/null)" = "$src_sha" ] || reuse=0
+    if [ "$reuse" = 1 ] && [ -f "$lsrc/specter-build.log" ]; then
+        cp "$lsrc/specter-build.log" "$LOG/llama-build.log"
+        note "llama.cpp: the build an earlier run left in $lsrc (same source) was used."
+    else
+        rm -rf "$lsrc"
+        mkdir -p "$lsrc"
+        tar -xf "$tarball" -C "$lsrc"
+        [ -f "$lsrc/CMakeLists.txt" ] || die "$tarball does not hold a llama.cpp tree at its top"
+        set -m
+        build_llama "$lsrc" "$lsrc/build" > "$LOG/llama-build.log" 2>&1 &
+        BUILD_PID=$!
+        set +m
+        echo "[$((SECONDS - T0)) s] llama.cpp build started (pid $BUILD_PID)"
+    fi
 
     # The checkpoint, then both conversions of it side by side.
     step synth 180 "$pack_bin" synth --preset "$preset" --layers "$layers" -o "$work/hf" ||
@@ -308,8 +323,13 @@ run() {
         sleep 2
         waited=$((waited + 2))
     done
-    wait "$BUILD_PID" || { tail -20 "$LOG/llama-build.log" >&2; die "the llama.cpp build failed"; }
-    BUILD_PID=""
+    if [ -n "$BUILD_PID" ]; then
+        wait "$BUILD_PID" || { tail -20 "$LOG/llama-build.log" >&2; die "the llama.cpp build failed"; }
+        BUILD_PID=""
+        # Marks the build finished, for a later run on this machine.
+        cp "$LOG/llama-build.log" "$lsrc/specter-build.log"
+        echo "$src_sha" > "$lsrc/specter-source.sha256"
+    fi
     echo "[$((SECONDS - T0)) s] llama.cpp built (waited $waited s for it)"
     local ggml_version
     ggml_version=$(grep -m1 -o 'ggml version: *[0-9.]*' "$LOG/llama-build.log" | grep -o '[0-9.]*$' || true)
