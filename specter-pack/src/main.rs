@@ -131,8 +131,8 @@ struct ConvertArgs {
     /// Quantizer for the draft's experts (and a quantized target's).
     #[arg(long, value_enum, default_value_t = Quant::Rtn)]
     quant: Quant,
-    /// How the target's routed experts are stored: fp16, int8 (group 128) or int4 (group
-    /// 128, Marlin-tiled).
+    /// How the target's routed experts are stored: fp16, int8 or int4 (both in groups of 128,
+    /// by output row).
     #[arg(long, default_value = "fp16")]
     target: String,
     /// Bits per weight of the draft's experts: 4, 3 or 2, fewer than the target's (default:
