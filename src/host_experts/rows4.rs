@@ -30,10 +30,10 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::lanes::LANES;
-#[cfg(target_arch = "x86_64")]
-use super::rows8::lane_sums;
-use super::rows8::RowDots;
+use super::rows8::row_dots;
 pub use super::rows8::{butterfly, operand, GROUP, LANE_ORDER};
+#[cfg(target_arch = "x86_64")]
+use super::rows8::{lane_sums, transpose4, EXPONENT_2_23};
 use super::KernelPath;
 
 /// Inputs per chunk (one lane's run of one fused multiply-add chain): 16 bytes of codes.
@@ -120,14 +120,7 @@ pub fn dots(path: KernelPath, codes: &[&[u8]], scales: &[&[f16]], staged: &[f32]
     // SAFETY (of `dots_avx2`'s contract): every row has `k / 2` bytes (`k` a multiple of 128),
     // `k / 128` scales, and the staged activations `staged_len(k)` floats (the callers check the
     // expert's shapes and stage with `staged_len`).
-    let kernels = RowDots {
-        dot,
-        #[cfg(target_arch = "x86_64")]
-        one: dots_avx2::<1>,
-        #[cfg(target_arch = "x86_64")]
-        two: dots_avx2::<2>,
-    };
-    kernels.run(path, codes, scales, staged, out);
+    row_dots!(dot, dots_avx2).run(path, codes, scales, staged, out);
 }
 
 /// One row's dot product, portable path (the definition).
@@ -196,7 +189,7 @@ const FIELD: [i32; 8] = {
     let mut m = [0; 8];
     let mut i = 0;
     while i < 8 {
-        m[i] = 0x4B00_0000 | (0xF << shift(i));
+        m[i] = EXPONENT_2_23 | (0xF << shift(i));
         i += 1;
     }
     m
@@ -237,7 +230,7 @@ unsafe fn octet_step<const F: usize, const G: usize, const HALF: bool>(
     o: usize,
     acc: &mut [[__m256; LANES / OCTET]; F],
 ) {
-    let exponent = _mm256_set1_epi32(0x4B00_0000);
+    let exponent = _mm256_set1_epi32(EXPONENT_2_23);
     // The octets' words, transposed: words[f][g][w] holds word w of the eight chunks.
     let mut words = [[[_mm256_setzero_si256(); 4]; G]; F];
     for f in 0..F {
@@ -254,16 +247,7 @@ unsafe fn octet_step<const F: usize, const G: usize, const HALF: bool>(
                     [load(0), load(32), load(64), load(96)]
                 }
             };
-            let lo01 = _mm256_unpacklo_epi32(r[0], r[1]);
-            let lo23 = _mm256_unpacklo_epi32(r[2], r[3]);
-            let hi01 = _mm256_unpackhi_epi32(r[0], r[1]);
-            let hi23 = _mm256_unpackhi_epi32(r[2], r[3]);
-            words[f][g] = [
-                _mm256_unpacklo_epi64(lo01, lo23),
-                _mm256_unpackhi_epi64(lo01, lo23),
-                _mm256_unpacklo_epi64(hi01, hi23),
-                _mm256_unpackhi_epi64(hi01, hi23),
-            ];
+            words[f][g] = transpose4!(dwords r);
         }
     }
     let mut p = [[_mm256_setzero_ps(); G]; F];

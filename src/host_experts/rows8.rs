@@ -84,15 +84,69 @@ pub fn dots(path: KernelPath, codes: &[&[u8]], scales: &[&[f16]], staged: &[f32]
     debug_assert!(scales.iter().all(|s| s.len() == staged.len() / GROUP));
     // SAFETY (of `dots_avx2`'s contract): every row and the staged activations have `k` values,
     // a multiple of 128, and `k / 128` scales (the callers check the expert's shapes).
-    let kernels = RowDots {
-        dot,
-        #[cfg(target_arch = "x86_64")]
-        one: dots_avx2::<1>,
-        #[cfg(target_arch = "x86_64")]
-        two: dots_avx2::<2>,
-    };
-    kernels.run(path, codes, scales, staged, out);
+    row_dots!(dot, dots_avx2).run(path, codes, scales, staged, out);
 }
+
+/// The [`RowDots`] of a width's module from its portable `dot` and its `dots_avx2::<F>` (one
+/// macro, as the AVX2 fields exist only on x86-64).
+macro_rules! row_dots {
+    ($dot:ident, $avx2:ident) => {
+        super::rows8::RowDots {
+            dot: $dot,
+            #[cfg(target_arch = "x86_64")]
+            one: $avx2::<1>,
+            #[cfg(target_arch = "x86_64")]
+            two: $avx2::<2>,
+        }
+    };
+}
+pub(super) use row_dots;
+
+/// The exponent field of 2^23 as f32 bits: or-ed with an integer below 2^23 it makes the float
+/// `2^23 +` that integer, which the AVX2 paths turn into a code's value with one subtraction.
+#[cfg(target_arch = "x86_64")]
+pub(super) const EXPONENT_2_23: i32 = 0x4B00_0000;
+
+/// Four registers' units (`bytes` for the 8-bit rows, `dwords` for the 4-bit ones) transposed
+/// within each 128-bit half by two rounds of unpacks: `$lo` and `$hi` interleave the units of
+/// registers 0 and 1 and of 2 and 3, then `$lo2` and `$hi2` (units twice as wide) interleave
+/// those results.
+#[cfg(target_arch = "x86_64")]
+macro_rules! transpose4 {
+    (bytes $r:expr) => {
+        transpose4!(
+            $r,
+            _mm256_unpacklo_epi8,
+            _mm256_unpackhi_epi8,
+            _mm256_unpacklo_epi16,
+            _mm256_unpackhi_epi16
+        )
+    };
+    (dwords $r:expr) => {
+        transpose4!(
+            $r,
+            _mm256_unpacklo_epi32,
+            _mm256_unpackhi_epi32,
+            _mm256_unpacklo_epi64,
+            _mm256_unpackhi_epi64
+        )
+    };
+    ($r:expr, $lo:ident, $hi:ident, $lo2:ident, $hi2:ident) => {{
+        let r = $r;
+        let lo01 = $lo(r[0], r[1]);
+        let hi01 = $hi(r[0], r[1]);
+        let lo23 = $lo(r[2], r[3]);
+        let hi23 = $hi(r[2], r[3]);
+        [
+            $lo2(lo01, lo23),
+            $hi2(lo01, lo23),
+            $lo2(hi01, hi23),
+            $hi2(hi01, hi23),
+        ]
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+pub(super) use transpose4;
 
 /// The AVX2 form of a width's dot products for `F` rows at once.
 #[cfg(target_arch = "x86_64")]
@@ -257,7 +311,7 @@ unsafe fn group_step<const F: usize, const G: usize>(
     b: usize,
     acc: &mut [[__m256; LANES / OCTET]; F],
 ) {
-    let exponent = _mm256_set1_epi32(0x4B00_0000);
+    let exponent = _mm256_set1_epi32(EXPONENT_2_23);
     let bias = _mm256_set1_ps(8_388_736.0); // 2^23 + 128
                                             // SAFETY: each entry of WIDEN is 32 bytes.
     let widen: [__m256i; 4] =
@@ -275,16 +329,7 @@ unsafe fn group_step<const F: usize, const G: usize>(
                     _mm256_loadu_si256(c.add(96) as *const __m256i),
                 ]
             };
-            let lo01 = _mm256_unpacklo_epi8(r[0], r[1]);
-            let hi01 = _mm256_unpackhi_epi8(r[0], r[1]);
-            let lo23 = _mm256_unpacklo_epi8(r[2], r[3]);
-            let hi23 = _mm256_unpackhi_epi8(r[2], r[3]);
-            planes[f][g] = [
-                _mm256_unpacklo_epi16(lo01, lo23),
-                _mm256_unpackhi_epi16(lo01, lo23),
-                _mm256_unpacklo_epi16(hi01, hi23),
-                _mm256_unpackhi_epi16(hi01, hi23),
-            ];
+            planes[f][g] = transpose4!(bytes r);
         }
     }
     let mut p = [[_mm256_setzero_ps(); G]; F];
