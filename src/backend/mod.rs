@@ -688,6 +688,23 @@ pub fn mla_kv_append_ops<B: Backend + ?Sized>(
 pub(crate) mod check {
     use super::{AttentionSpec, RopeSpec};
 
+    /// A dense weight's `shape` (one or two dimensions) holding `values` values; `allow_empty`
+    /// lets a backend that needs no allocation take a zero-sized one.
+    pub fn weight(
+        name: &str,
+        shape: &[usize],
+        values: usize,
+        allow_empty: bool,
+    ) -> Result<(), String> {
+        let n: usize = shape.iter().product();
+        if n != values || shape.is_empty() || shape.len() > 2 || (n == 0 && !allow_empty) {
+            return Err(format!(
+                "{name}: shape {shape:?} does not hold {values} values"
+            ));
+        }
+        Ok(())
+    }
+
     pub fn split(widths: &[usize], cols: usize) -> Result<(), String> {
         if widths.iter().sum::<usize>() != cols {
             return Err(format!("widths {widths:?} do not add up to {cols}"));

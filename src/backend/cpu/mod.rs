@@ -255,16 +255,8 @@ impl Backend for Cpu {
     }
 
     fn weight_f16(&self, name: &str, shape: &[usize], data: &[f16]) -> Result<CpuWeight> {
+        check::weight(name, shape, data.len(), true).map_err(|d| shape_err("weight", d))?;
         let n: usize = shape.iter().product();
-        if n != data.len() || shape.is_empty() || shape.len() > 2 {
-            return Err(shape_err(
-                "weight",
-                format!(
-                    "{name}: shape {shape:?} does not hold {} values",
-                    data.len()
-                ),
-            ));
-        }
         let mut out = vec![0.0f32; n];
         out.par_chunks_mut(1 << 16)
             .zip(data.par_chunks(1 << 16))

@@ -30,16 +30,8 @@ impl Backend for CudaBackend {
     }
 
     fn weight_f16(&self, name: &str, shape: &[usize], data: &[f16]) -> Result<GpuWeight> {
+        check::weight(name, shape, data.len(), false).map_err(|d| shape_err("weight", d))?;
         let n: usize = shape.iter().product();
-        if n != data.len() || shape.is_empty() || shape.len() > 2 || n == 0 {
-            return Err(shape_err(
-                "weight",
-                format!(
-                    "{name}: shape {shape:?} does not hold {} values",
-                    data.len()
-                ),
-            ));
-        }
         let buf = match self.deferred_alloc(name, &[data])? {
             Some(buf) => buf,
             None => guarded(
@@ -55,14 +47,8 @@ impl Backend for CudaBackend {
     }
 
     fn weight_f16_parts(&self, name: &str, shape: &[usize], parts: &[&[f16]]) -> Result<GpuWeight> {
-        let n: usize = shape.iter().product();
         let total: usize = parts.iter().map(|p| p.len()).sum();
-        if n != total || shape.is_empty() || shape.len() > 2 || n == 0 {
-            return Err(shape_err(
-                "weight",
-                format!("{name}: shape {shape:?} does not hold {total} values"),
-            ));
-        }
+        check::weight(name, shape, total, false).map_err(|d| shape_err("weight", d))?;
         match self.deferred_alloc(name, parts)? {
             Some(buf) => Ok(GpuWeight::F16 {
                 name: name.to_string(),
