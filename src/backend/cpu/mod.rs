@@ -28,6 +28,11 @@ pub struct Mat {
 }
 
 impl Mat {
+    /// `(rows, cols)`, as the shape checks take it.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
     fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }
@@ -329,7 +334,7 @@ impl Backend for Cpu {
     }
 
     fn shape(&self, x: &Mat) -> (usize, usize) {
-        (x.rows, x.cols)
+        x.shape()
     }
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> Result<Mat> {
@@ -464,13 +469,13 @@ impl Backend for Cpu {
     }
 
     fn add_assign(&self, x: &mut Mat, y: &Mat) -> Result<()> {
-        check::same((x.rows, x.cols), (y.rows, y.cols)).map_err(|d| shape_err("add", d))?;
+        check::same(x.shape(), y.shape()).map_err(|d| shape_err("add", d))?;
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
         Ok(())
     }
 
     fn add_sigmoid_gated(&self, x: &mut Mat, y: &Mat, gate: &Mat) -> Result<()> {
-        check::sigmoid_gated((x.rows, x.cols), (y.rows, y.cols), (gate.rows, gate.cols))
+        check::sigmoid_gated(x.shape(), y.shape(), gate.shape())
             .map_err(|d| shape_err("add_sigmoid_gated", d))?;
         for r in 0..x.rows {
             let g = sigmoid(gate.data[r]);
@@ -494,7 +499,7 @@ impl Backend for Cpu {
         let half = spec.rot_dim / 2;
         check::rope(
             &spec,
-            (x.rows, x.cols),
+            x.shape(),
             inv_freq.len(),
             positions.len(),
             scales.len(),
@@ -536,8 +541,7 @@ impl Backend for Cpu {
     }
 
     fn write_rows(&self, dst: &mut Mat, row: usize, src: &Mat) -> Result<()> {
-        check::write_rows((dst.rows, dst.cols), row, (src.rows, src.cols))
-            .map_err(|d| shape_err("write_rows", d))?;
+        check::write_rows(dst.shape(), row, src.shape()).map_err(|d| shape_err("write_rows", d))?;
         dst.data[row * dst.cols..(row + src.rows) * dst.cols].copy_from_slice(&src.data);
         Ok(())
     }
@@ -562,14 +566,8 @@ impl Backend for Cpu {
         v_dim: usize,
     ) -> Result<(Mat, Mat)> {
         let rope = k_pe.cols;
-        check::mla_expand(
-            (kv.rows, kv.cols),
-            (k_pe.rows, k_pe.cols),
-            heads,
-            nope,
-            v_dim,
-        )
-        .map_err(|d| shape_err("mla_expand_kv", d))?;
+        check::mla_expand(kv.shape(), k_pe.shape(), heads, nope, v_dim)
+            .map_err(|d| shape_err("mla_expand_kv", d))?;
         let len = kv.rows;
         let kw = heads * (nope + rope);
         let mut k = Mat {
@@ -611,14 +609,8 @@ impl Backend for Cpu {
             start,
             window,
         } = spec;
-        check::attention(
-            &spec,
-            (q.rows, q.cols),
-            (k.rows, k.cols),
-            (v.rows, v.cols),
-            kv_len,
-        )
-        .map_err(|d| shape_err("attention", d))?;
+        check::attention(&spec, q.shape(), k.shape(), v.shape(), kv_len)
+            .map_err(|d| shape_err("attention", d))?;
         let group = heads / kv_heads;
         let mut out = vec![0.0f32; q.rows * heads * v_dim];
         // One task per (row, head): each computes its scores, softmax and weighted sum in key order.

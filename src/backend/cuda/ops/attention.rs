@@ -51,7 +51,7 @@ impl CudaBackend {
         let half = spec.rot_dim / 2;
         check::rope(
             &spec,
-            (x.rows, x.cols),
+            x.shape(),
             inv_freq.len(),
             positions.len(),
             scales.len(),
@@ -101,14 +101,8 @@ impl CudaBackend {
         v_dim: usize,
     ) -> Result<(GpuAct, GpuAct)> {
         let rope = k_pe.cols;
-        check::mla_expand(
-            (kv.rows, kv.cols),
-            (k_pe.rows, k_pe.cols),
-            heads,
-            nope,
-            v_dim,
-        )
-        .map_err(|d| shape_err("mla_expand_kv", d))?;
+        check::mla_expand(kv.shape(), k_pe.shape(), heads, nope, v_dim)
+            .map_err(|d| shape_err("mla_expand_kv", d))?;
         let keys = self.alloc(kv.rows, heads * (nope + rope))?;
         let values = self.alloc(kv.rows, heads * v_dim)?;
         if kv.rows > 0 {
@@ -149,14 +143,8 @@ impl CudaBackend {
             start,
             window,
         } = spec;
-        check::attention(
-            &spec,
-            (q.rows, q.cols),
-            (k.rows, k.cols),
-            (v.rows, v.cols),
-            kv_len,
-        )
-        .map_err(|d| shape_err("attention", d))?;
+        check::attention(&spec, q.shape(), k.shape(), v.shape(), kv_len)
+            .map_err(|d| shape_err("attention", d))?;
         let out = self.alloc(q.rows, heads * v_dim)?;
         if q.rows == 0 {
             return Ok(out);

@@ -59,8 +59,7 @@ impl CudaBackend {
         weight: &GpuWeight,
         eps: f32,
     ) -> Result<GpuAct> {
-        check::same((x.rows, x.cols), (y.rows, y.cols))
-            .map_err(|d| shape_err("add_rms_norm", d))?;
+        check::same(x.shape(), y.shape()).map_err(|d| shape_err("add_rms_norm", d))?;
         let w = self.f16_vector(weight, x.cols, "add_rms_norm")?;
         let out = self.alloc(x.rows, x.cols)?;
         if x.rows > 0 && x.cols > 0 {
@@ -206,8 +205,8 @@ impl CudaBackend {
         let heads = mla.heads;
         let rope = k_pe.cols;
         let new = ExpandShape {
-            kv: (kv.rows, kv.cols),
-            k_pe: (k_pe.rows, k_pe.cols),
+            kv: kv.shape(),
+            k_pe: k_pe.shape(),
             mla,
             start,
         };
@@ -474,17 +473,13 @@ fn check_expand(
     let (rows, rope) = (new.kv.0, new.k_pe.1);
     check::mla_expand(new.kv, new.k_pe, heads, nope, v_dim)
         .map_err(|d| shape_err("mla_expand_append", d))?;
-    check::write_rows(
-        (keys.rows, keys.cols),
-        new.start,
-        (rows, heads * (nope + rope)),
-    )
-    .map_err(|d| shape_err("mla_expand_append keys", d))?;
-    check::write_rows((values.rows, values.cols), new.start, (rows, heads * v_dim))
+    check::write_rows(keys.shape(), new.start, (rows, heads * (nope + rope)))
+        .map_err(|d| shape_err("mla_expand_append keys", d))?;
+    check::write_rows(values.shape(), new.start, (rows, heads * v_dim))
         .map_err(|d| shape_err("mla_expand_append values", d))?;
     check::rope(
         q_rope,
-        (q.rows, q.cols),
+        q.shape(),
         inv_freq.len(),
         positions.len(),
         scales.len(),

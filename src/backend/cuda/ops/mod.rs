@@ -217,7 +217,7 @@ impl Backend for CudaBackend {
     }
 
     fn shape(&self, x: &GpuAct) -> (usize, usize) {
-        (x.rows, x.cols)
+        x.shape()
     }
 
     fn embedding(&self, table: &GpuWeight, ids: &[u32]) -> Result<GpuAct> {
@@ -514,7 +514,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut GpuAct, y: &GpuAct) -> Result<()> {
-        check::same((x.rows, x.cols), (y.rows, y.cols)).map_err(|d| shape_err("add", d))?;
+        check::same(x.shape(), y.shape()).map_err(|d| shape_err("add", d))?;
         let n = x.rows * x.cols;
         if n > 0 {
             let s = &self.stream;
@@ -535,7 +535,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_sigmoid_gated(&self, x: &mut GpuAct, y: &GpuAct, gate: &GpuAct) -> Result<()> {
-        check::sigmoid_gated((x.rows, x.cols), (y.rows, y.cols), (gate.rows, gate.cols))
+        check::sigmoid_gated(x.shape(), y.shape(), gate.shape())
             .map_err(|d| shape_err("add_sigmoid_gated", d))?;
         let n = x.rows * x.cols;
         if n > 0 {
@@ -570,8 +570,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_rows(&self, dst: &mut GpuAct, row: usize, src: &GpuAct) -> Result<()> {
-        check::write_rows((dst.rows, dst.cols), row, (src.rows, src.cols))
-            .map_err(|d| shape_err("write_rows", d))?;
+        check::write_rows(dst.shape(), row, src.shape()).map_err(|d| shape_err("write_rows", d))?;
         let n = src.rows * src.cols;
         if let Some(a) = self
             .step_args()?

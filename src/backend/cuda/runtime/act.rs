@@ -21,6 +21,11 @@ pub struct GpuAct {
 }
 
 impl GpuAct {
+    /// `(rows, cols)`, as the shape checks take it.
+    pub(in crate::backend::cuda) fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
     /// Another handle on the same buffer.
     pub(in crate::backend::cuda) fn share(&self) -> GpuAct {
         GpuAct {
