@@ -15,20 +15,25 @@ pub enum Variant {
     Draft,
 }
 
+/// One MoE layer's routing in a forward pass, as [`RouteHook::on_route`] is told it.
+#[derive(Clone, Copy, Debug)]
+pub struct Route<'a> {
+    pub variant: Variant,
+    /// The decoder layer index.
+    pub layer: usize,
+    /// The index among MoE layers (0-based).
+    pub moe_layer: usize,
+    pub top_k: usize,
+    /// Row-major `[rows, top_k]` expert ids.
+    pub topk: &'a [u32],
+}
+
 /// Told, at every MoE layer of every forward pass, which experts each row routes to, before they
 /// run. The offload code uses it to count the draft's routing (the forecast) and to account the
 /// target's hits and misses.
 pub trait RouteHook {
-    /// `moe_layer` is the index among MoE layers (0-based), `layer` the decoder layer index;
-    /// `topk` is row-major `[rows, top_k]` expert ids.
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        layer: usize,
-        moe_layer: usize,
-        top_k: usize,
-        topk: &[u32],
-    );
+    /// One MoE layer's routing (its fields bundled so that the three indices cannot be swapped).
+    fn on_route(&mut self, route: Route<'_>);
 
     /// Whether [`RouteHook::on_route`] wants the routing at all. A GPU backend then keeps the
     /// routing on the device and skips a host round trip per MoE layer.
@@ -68,7 +73,7 @@ pub trait RouteHook {
 pub struct NoHook;
 
 impl RouteHook for NoHook {
-    fn on_route(&mut self, _: Variant, _: usize, _: usize, _: usize, _: &[u32]) {}
+    fn on_route(&mut self, _: Route<'_>) {}
 
     fn wants_routes(&self) -> bool {
         false

@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use specter::arch::{expected_tensors, MoeModel, TensorRole};
 use specter::backend::cpu::Cpu;
-use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
+use specter::model::{KvCache, LanguageModel, NoHook, Route, RouteHook, Variant};
 use specter::{Error, Result};
 
 /// Runs `tokens` in calls of the given sizes (cycled) and returns all logits.
@@ -112,16 +112,9 @@ struct Recorder {
 }
 
 impl RouteHook for Recorder {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        layer: usize,
-        moe_layer: usize,
-        top_k: usize,
-        topk: &[u32],
-    ) {
+    fn on_route(&mut self, r: Route<'_>) {
         self.calls
-            .push((variant, layer, moe_layer, top_k, topk.to_vec()));
+            .push((r.variant, r.layer, r.moe_layer, r.top_k, r.topk.to_vec()));
     }
 }
 

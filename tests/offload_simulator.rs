@@ -9,7 +9,7 @@ use decode_support::{prompts, ToyModel};
 use specter::decode::{
     generate, generate_with_offload, GenerateOptions, GenerateOutput, Mode, Sampling,
 };
-use specter::model::{LanguageModel, RouteHook, Variant};
+use specter::model::{LanguageModel, Route, RouteHook, Variant};
 use specter::offload::{
     ComputeModel, InitialResidency, OffloadSimulator, OffloadStats, Policy, ResidencyConfig,
     SimulatorConfig,
@@ -67,7 +67,7 @@ fn run(
 struct LookupCounter(u64);
 
 impl RouteHook for LookupCounter {
-    fn on_route(&mut self, variant: Variant, _: usize, _: usize, _: usize, topk: &[u32]) {
+    fn on_route(&mut self, Route { variant, topk, .. }: Route<'_>) {
         if variant == Variant::Target {
             let mut distinct = topk.to_vec();
             distinct.sort_unstable();

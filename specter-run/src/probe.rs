@@ -28,7 +28,7 @@
 //! ```
 
 use serde::Serialize;
-use specter::model::{LanguageModel, RouteHook, Variant};
+use specter::model::{LanguageModel, Route, RouteHook, Variant};
 use specter::{Error, Result};
 
 /// Verification window depth used for the window figures when none is given.
@@ -211,14 +211,14 @@ struct RouteRecorder<'s> {
 }
 
 impl RouteHook for RouteRecorder<'_> {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        layer: usize,
-        moe_layer: usize,
-        top_k: usize,
-        topk: &[u32],
-    ) {
+    fn on_route(&mut self, route: Route<'_>) {
+        let Route {
+            variant,
+            layer,
+            moe_layer,
+            top_k,
+            topk,
+        } = route;
         if variant != self.variant || self.fault.is_some() {
             return;
         }

@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specter::arch::MoeModel;
 use specter::backend::cpu::Cpu;
-use specter::model::{LanguageModel, NoHook, RouteHook, Variant};
+use specter::model::{LanguageModel, NoHook, Route, RouteHook, Variant};
 use specter::session::{BackendKind, Session};
 use specter::Error;
 use specter_convert::pack::{convert, ConvertOptions, Silent};
@@ -80,9 +80,9 @@ struct Routes {
 }
 
 impl RouteHook for Routes {
-    fn on_route(&mut self, v: Variant, _: usize, moe_layer: usize, _: usize, topk: &[u32]) {
-        if v == self.variant {
-            self.per_layer[moe_layer].extend_from_slice(topk);
+    fn on_route(&mut self, r: Route<'_>) {
+        if r.variant == self.variant {
+            self.per_layer[r.moe_layer].extend_from_slice(r.topk);
         }
     }
 }

@@ -13,7 +13,7 @@ use super::tensors::{
 };
 use super::{Proj, TensorSpec};
 use crate::backend::{AttentionSpec, Backend, GatedMlp, MlaAppend, MlaShape, RopeSpec, RouteSpec};
-use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
+use crate::model::{KvCache, LanguageModel, ModelInfo, Route, RouteHook, Variant};
 use crate::quant::Bits;
 use crate::weights::WeightStore;
 use crate::{Error, Result};
@@ -719,7 +719,13 @@ impl<B: Backend> MoeModel<B> {
         if (hook.wants_routes() && !on_device) || hook.wants_moe_input() {
             let (routing, shared) =
                 be.route_beside_shared(&logits, spec, h, block.shared.as_ref())?;
-            hook.on_route(variant, layer, block.moe_index, routing.top_k, &routing.ids);
+            hook.on_route(Route {
+                variant,
+                layer,
+                moe_layer: block.moe_index,
+                top_k: routing.top_k,
+                topk: &routing.ids,
+            });
             if hook.wants_moe_input() {
                 let hidden = be.to_host(h)?;
                 hook.on_moe_input(variant, block.moe_index, &hidden, &routing.ids);

@@ -15,7 +15,7 @@
 use std::time::Instant;
 
 use super::DecodeObserver;
-use crate::model::{RouteHook, Variant};
+use crate::model::{Route, RouteHook, Variant};
 
 /// Most of the decode's time that rounds re-trying a neighbour of the best depth may take.
 const EXPLORE_SHARE: f64 = 0.05;
@@ -224,15 +224,8 @@ impl<'a> AutoDepth<'a> {
 }
 
 impl RouteHook for AutoDepth<'_> {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        layer: usize,
-        moe_layer: usize,
-        top_k: usize,
-        topk: &[u32],
-    ) {
-        self.inner.on_route(variant, layer, moe_layer, top_k, topk);
+    fn on_route(&mut self, route: Route<'_>) {
+        self.inner.on_route(route);
     }
 
     fn wants_routes(&self) -> bool {
@@ -316,7 +309,7 @@ mod tests {
 
     struct Quiet;
     impl RouteHook for Quiet {
-        fn on_route(&mut self, _: Variant, _: usize, _: usize, _: usize, _: &[u32]) {}
+        fn on_route(&mut self, _: Route<'_>) {}
     }
     impl DecodeObserver for Quiet {}
 

@@ -24,7 +24,7 @@ use std::time::Instant;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
+use crate::model::{KvCache, LanguageModel, ModelInfo, Route, RouteHook, Variant};
 use crate::offload::{OffloadSimulator, OffloadStats};
 use crate::{Error, Result};
 
@@ -132,15 +132,8 @@ pub trait DecodeObserver: RouteHook {
 struct HookOnly<'a>(&'a mut dyn RouteHook);
 
 impl RouteHook for HookOnly<'_> {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        layer: usize,
-        moe_layer: usize,
-        top_k: usize,
-        topk: &[u32],
-    ) {
-        self.0.on_route(variant, layer, moe_layer, top_k, topk);
+    fn on_route(&mut self, route: Route<'_>) {
+        self.0.on_route(route);
     }
 
     fn wants_routes(&self) -> bool {

@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use super::DecodeObserver;
-use crate::model::{ModelInfo, RouteHook, Variant};
+use crate::model::{ModelInfo, Route, RouteHook, Variant};
 use crate::offload::{ExpertCopies, Planner};
 use crate::Result;
 
@@ -104,17 +104,10 @@ impl<'a, C: ExpertCopies + ?Sized> DraftPrefetcher<'a, C> {
 }
 
 impl<C: ExpertCopies + ?Sized> RouteHook for DraftPrefetcher<'_, C> {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        _layer: usize,
-        moe_layer: usize,
-        _top_k: usize,
-        topk: &[u32],
-    ) {
+    fn on_route(&mut self, r: Route<'_>) {
         // Draft routing arrives here only where a wrapper hides `counts_routes_on_device`.
-        if variant == Variant::Draft {
-            self.planner.record(moe_layer, topk);
+        if r.variant == Variant::Draft {
+            self.planner.record(r.moe_layer, r.topk);
         }
     }
 
@@ -238,21 +231,14 @@ impl<'a, C: ExpertCopies + ?Sized> FrequencyPrefetcher<'a, C> {
 }
 
 impl<C: ExpertCopies + ?Sized> RouteHook for FrequencyPrefetcher<'_, C> {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        _layer: usize,
-        moe_layer: usize,
-        _top_k: usize,
-        topk: &[u32],
-    ) {
+    fn on_route(&mut self, r: Route<'_>) {
         // Reached only where a wrapper hides `counts_routes_on_device`: the draft's prefill and
         // steps 2.. do not count.
-        if variant == Variant::Draft
+        if r.variant == Variant::Draft
             && self.in_window
             && self.steps_done < crate::offload::FREQUENCY_STEPS
         {
-            self.planner.record(moe_layer, topk);
+            self.planner.record(r.moe_layer, r.topk);
         }
     }
 

@@ -17,7 +17,7 @@ use super::planner::{Planner, FREQUENCY_STEPS};
 use super::stats::OffloadStats;
 use super::transfer::{SimulatedTransfers, TransferEngine, TransferId};
 use crate::decode::DecodeObserver;
-use crate::model::{ModelInfo, RouteHook, Variant};
+use crate::model::{ModelInfo, Route, RouteHook, Variant};
 use crate::{Error, Result};
 
 /// Simulated compute time per forward pass.
@@ -285,14 +285,8 @@ impl OffloadSimulator {
 }
 
 impl RouteHook for OffloadSimulator {
-    fn on_route(
-        &mut self,
-        variant: Variant,
-        _layer: usize,
-        moe_layer: usize,
-        _top_k: usize,
-        topk: &[u32],
-    ) {
+    fn on_route(&mut self, route: Route<'_>) {
+        let (variant, moe_layer, topk) = (route.variant, route.moe_layer, route.topk);
         let residency = &self.config.residency;
         if moe_layer >= residency.num_moe_layers
             || topk.iter().any(|&e| e as usize >= residency.num_experts)

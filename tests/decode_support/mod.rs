@@ -10,7 +10,7 @@
 
 use std::cell::RefCell;
 
-use specter::model::{KvCache, LanguageModel, ModelInfo, RouteHook, Variant};
+use specter::model::{KvCache, LanguageModel, ModelInfo, Route, RouteHook, Variant};
 use specter::{Error, Result};
 
 pub fn mix(a: u64, b: u64) -> u64 {
@@ -241,7 +241,13 @@ impl LanguageModel for ToyModel {
             for entry in new {
                 self.route(variant, entry, moe_layer, &mut topk);
             }
-            hook.on_route(variant, layer, moe_layer, self.info.top_k, &topk);
+            hook.on_route(Route {
+                variant,
+                layer,
+                moe_layer,
+                top_k: self.info.top_k,
+                topk: &topk,
+            });
         }
         let mut logits = Vec::with_capacity(tokens.len() * self.info.vocab_size);
         for entry in new {

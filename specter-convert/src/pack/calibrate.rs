@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use specter::arch::ArchConfig;
 use specter::backend::cpu::Cpu;
 use specter::decode::{generate, GenerateOptions, Mode, Sampling};
-use specter::model::{KvCache, LanguageModel, NoHook, RouteHook, Variant};
+use specter::model::{KvCache, LanguageModel, NoHook, Route, RouteHook, Variant};
 use specter_format::QuantStat;
 
 use crate::checkpoint::Checkpoint;
@@ -78,7 +78,7 @@ struct Recorder {
 }
 
 impl RouteHook for Recorder {
-    fn on_route(&mut self, _: Variant, _: usize, _: usize, _: usize, _: &[u32]) {}
+    fn on_route(&mut self, _: Route<'_>) {}
 
     fn wants_moe_input(&self) -> bool {
         true
