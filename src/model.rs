@@ -142,19 +142,36 @@ pub trait LanguageModel {
         kv: &mut Self::Kv,
         hook: &mut dyn RouteHook,
     ) -> Result<Vec<u32>> {
-        let vocab = self.info().vocab_size;
         let logits = self.forward(variant, tokens, kv, hook)?;
-        if vocab == 0 || logits.len() != tokens.len() * vocab {
-            return Err(crate::Error::Model(format!(
-                "forward returned {} logits for {} rows of vocabulary {vocab}",
-                logits.len(),
-                tokens.len()
-            )));
-        }
-        Ok(logits
-            .chunks(vocab)
-            .map(crate::decode::sampling::argmax)
-            .collect())
+        row_choices(&logits, tokens.len(), self.info().vocab_size)
+    }
+
+    /// [`LanguageModel::forward`] for a prompt (prefill). A backend may compute a prompt's
+    /// products of many rows with other arithmetic than decoding passes (tensor cores): a prompt
+    /// row's logits then need not have the bits of the same row run alone, an exception to the
+    /// exactness contract above that every mode and placement shares, so the tokens decoded after
+    /// it are the same in all of them. The default is `forward`.
+    fn prefill(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>> {
+        self.forward(variant, tokens, kv, hook)
+    }
+
+    /// [`LanguageModel::prefill`] reduced to each row's greedy choice, as
+    /// [`LanguageModel::forward_greedy`] is to `forward`; this default chooses on the host.
+    fn prefill_greedy(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<u32>> {
+        let logits = self.prefill(variant, tokens, kv, hook)?;
+        row_choices(&logits, tokens.len(), self.info().vocab_size)
     }
 
     /// Greedy one-row passes, each over the choice of the pass before: from `token`, at most
@@ -181,6 +198,20 @@ pub trait LanguageModel {
         }
         Ok(())
     }
+}
+
+/// Each row's greedy choice (`decode::argmax`) of `rows` rows of logits over `vocab` tokens.
+fn row_choices(logits: &[f32], rows: usize, vocab: usize) -> Result<Vec<u32>> {
+    if vocab == 0 || logits.len() != rows * vocab {
+        return Err(crate::Error::Model(format!(
+            "forward returned {} logits for {rows} rows of vocabulary {vocab}",
+            logits.len()
+        )));
+    }
+    Ok(logits
+        .chunks(vocab)
+        .map(crate::decode::sampling::argmax)
+        .collect())
 }
 
 /// The choice of a one-row greedy pass.

@@ -73,14 +73,15 @@ fn gpu_logits_do_not_depend_on_placement_at_deepseek_v2_lite_widths() {
     std::fs::remove_dir_all(&hf).unwrap();
     let bundle = Arc::new(Bundle::open(&path).expect("open bundle"));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(58);
-    // Two prompts; SPECTER_PLACEMENT_PROMPTS sets another count (a device call short of time).
+    // Two prompts of 40 tokens, past the rows at which a prompt's dense products take tensor
+    // cores; SPECTER_PLACEMENT_PROMPTS sets another count (a device call short of time).
     let count = std::env::var("SPECTER_PLACEMENT_PROMPTS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(2);
     let prompts: Vec<Vec<u32>> = (0..count)
         .map(|_| {
-            (0..16)
+            (0..40)
                 .map(|_| rng.random_range(3..cfg.vocab_size as u32))
                 .collect()
         })
@@ -566,9 +567,38 @@ impl LanguageModel for Tap<'_> {
         kv: &mut Self::Kv,
         hook: &mut dyn RouteHook,
     ) -> specter::Result<Vec<f32>> {
+        self.tap(variant, tokens, kv, hook, false)
+    }
+
+    // Prompts take the model's prompt arithmetic, as in decoding.
+    fn prefill(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn RouteHook,
+    ) -> specter::Result<Vec<f32>> {
+        self.tap(variant, tokens, kv, hook, true)
+    }
+}
+
+impl Tap<'_> {
+    /// The inner model's pass (its prefill where `prompt`), each target row checked or kept.
+    fn tap(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut <Self as LanguageModel>::Kv,
+        hook: &mut dyn RouteHook,
+        prompt: bool,
+    ) -> specter::Result<Vec<f32>> {
         let start = kv.len();
-        let key = kv as *const Self::Kv as usize;
-        let logits = self.inner.forward(variant, tokens, kv, hook)?;
+        let key = kv as *const <Self as LanguageModel>::Kv as usize;
+        let logits = if prompt {
+            self.inner.prefill(variant, tokens, kv, hook)?
+        } else {
+            self.inner.forward(variant, tokens, kv, hook)?
+        };
         let vocab = self.info().vocab_size;
         let mut histories = self.histories.borrow_mut();
         let history = histories.entry(key).or_default();

@@ -367,3 +367,92 @@ fn specmoeoff_draft_kv_is_its_own_and_rolled_back_to_the_committed_prefix() {
         "step 0 must have run one and two rows: {catch_up_rows:?}"
     );
 }
+
+use specter::model::KvCache;
+
+/// A model that records every prompt pass ([`LanguageModel::prefill`]) it is asked for.
+struct PromptSpy<'m> {
+    model: &'m ToyModel,
+    /// (variant, first position, rows) of each prompt pass.
+    prompts: std::cell::RefCell<Vec<(Variant, usize, usize)>>,
+}
+
+impl LanguageModel for PromptSpy<'_> {
+    type Kv = <ToyModel as LanguageModel>::Kv;
+
+    fn info(&self) -> &specter::model::ModelInfo {
+        self.model.info()
+    }
+
+    fn new_kv(&self, capacity: usize) -> specter::Result<Self::Kv> {
+        self.model.new_kv(capacity)
+    }
+
+    fn forward(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn specter::model::RouteHook,
+    ) -> specter::Result<Vec<f32>> {
+        self.model.forward(variant, tokens, kv, hook)
+    }
+
+    fn prefill(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut Self::Kv,
+        hook: &mut dyn specter::model::RouteHook,
+    ) -> specter::Result<Vec<f32>> {
+        self.prompts
+            .borrow_mut()
+            .push((variant, kv.len(), tokens.len()));
+        self.model.prefill(variant, tokens, kv, hook)
+    }
+}
+
+/// Every mode runs its prompt, and nothing else, as a prompt pass (where a backend may use
+/// other arithmetic than for decoding passes): the target's once from position 0, and the
+/// draft's own cache's once where it has one. Greedy and sampled alike.
+#[test]
+fn only_the_prompt_runs_as_a_prompt_pass() {
+    let model = ToyModel::new(64, 128, 5);
+    let prompt = prompts(50, &[9], 64).remove(0);
+    let sampled = Sampling {
+        temperature: 0.8,
+        top_p: 1.0,
+        seed: 7,
+    };
+    for sampling in [Sampling::greedy(), sampled] {
+        for (mode, depth, draft_prompt) in [
+            (Mode::Target, 1, false),
+            (Mode::Draft, 1, false),
+            (Mode::Specter, 4, false),
+            (Mode::SpecMoeOff, 3, true),
+        ] {
+            let spy = PromptSpy {
+                model: &model,
+                prompts: Default::default(),
+            };
+            let mut opts = options(mode, 12, depth);
+            opts.sampling = sampling;
+            generate(&spy, &prompt, &opts, &mut NoHook, &mut |_| ()).expect("generate");
+            let first = if mode == Mode::Draft {
+                Variant::Draft
+            } else {
+                Variant::Target
+            };
+            let mut want = vec![(first, 0, prompt.len())];
+            if draft_prompt {
+                want.push((Variant::Draft, 0, prompt.len()));
+            }
+            assert_eq!(*spy.prompts.borrow(), want, "{mode:?} {sampling:?}");
+            // The spy's KV type is the toy's: a prompt pass leaves it as a decoding pass would.
+            let mut kv = spy.new_kv(prompt.len()).unwrap();
+            spy.prefill(Variant::Target, &prompt, &mut kv, &mut NoHook)
+                .unwrap();
+            assert_eq!(kv.len(), prompt.len());
+        }
+    }
+}

@@ -845,6 +845,28 @@ impl<B: Backend> LanguageModel for MoeModel<B> {
         self.backend.to_host(&logits)
     }
 
+    fn prefill(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<f32>> {
+        let logits = self.run_prompt(variant, tokens, kv, hook)?;
+        self.backend.to_host(&logits)
+    }
+
+    fn prefill_greedy(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<Vec<u32>> {
+        let logits = self.run_prompt(variant, tokens, kv, hook)?;
+        self.backend.argmax(&logits)
+    }
+
     /// The choice is made where the logits are (the backend's `argmax`): a GPU returns one id a
     /// row instead of the whole row of logits.
     fn forward_greedy(

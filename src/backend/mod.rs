@@ -622,6 +622,15 @@ pub trait Backend: Send + Sync {
         let _ = x;
         0
     }
+
+    /// Marks the ops that follow, until it is called with `false`, as a prompt's pass (prefill):
+    /// a backend may then compute products of many rows with other arithmetic than a decoding
+    /// step's (tensor cores), so a prompt row's bits may differ from the same row's one-row
+    /// step. The choice depends on the shapes alone, never on placement or mode, and every mode
+    /// runs its prompt this way, so tokens still depend on neither. The default ignores it.
+    fn prompt_pass(&self, on: bool) {
+        let _ = on;
+    }
 }
 
 /// [`Backend::add_rms_norm_linear`] as its ops ([`Backend::add_rms_norm`], then

@@ -426,18 +426,29 @@ fn logits_row(logits: &[f32], rows: usize, vocab: usize, row: usize) -> Result<&
     Ok(&logits[row * vocab..(row + 1) * vocab])
 }
 
+/// A prompt's pass (prefill: [`LanguageModel::prefill`]) or a decoding one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Prompt,
+    Step,
+}
+
 fn forward<M: LanguageModel>(
     model: &M,
     variant: Variant,
     tokens: &[u32],
     kv: &mut M::Kv,
     observer: &mut dyn DecodeObserver,
+    pass: Pass,
 ) -> Result<Vec<f32>> {
     if variant == Variant::Target {
         observer.on_target_pass(tokens.len());
     }
     // A DecodeObserver is a RouteHook: the model reports routing to it directly.
-    model.forward(variant, tokens, kv, observer)
+    match pass {
+        Pass::Prompt => model.prefill(variant, tokens, kv, observer),
+        Pass::Step => model.forward(variant, tokens, kv, observer),
+    }
 }
 
 /// [`forward`] reduced to each row's greedy choice (the backend's argmax: a GPU returns the ids,
@@ -448,11 +459,15 @@ fn forward_greedy<M: LanguageModel>(
     tokens: &[u32],
     kv: &mut M::Kv,
     observer: &mut dyn DecodeObserver,
+    pass: Pass,
 ) -> Result<Vec<u32>> {
     if variant == Variant::Target {
         observer.on_target_pass(tokens.len());
     }
-    let ids = model.forward_greedy(variant, tokens, kv, observer)?;
+    let ids = match pass {
+        Pass::Prompt => model.prefill_greedy(variant, tokens, kv, observer)?,
+        Pass::Step => model.forward_greedy(variant, tokens, kv, observer)?,
+    };
     if ids.len() != tokens.len() {
         return Err(Error::Model(format!(
             "a greedy forward returned {} ids for {} rows",
@@ -468,7 +483,7 @@ fn forward_greedy<M: LanguageModel>(
 /// rejection test).
 fn forward_choose<M: LanguageModel>(
     model: &M,
-    variant: Variant,
+    (variant, pass): (Variant, Pass),
     tokens: &[u32],
     kv: &mut M::Kv,
     observer: &mut dyn DecodeObserver,
@@ -476,11 +491,11 @@ fn forward_choose<M: LanguageModel>(
     dists: Option<&mut Vec<Vec<f64>>>,
 ) -> Result<u32> {
     if chooser.sampling.is_greedy() {
-        let ids = forward_greedy(model, variant, tokens, kv, observer)?;
+        let ids = forward_greedy(model, variant, tokens, kv, observer, pass)?;
         return Ok(ids[ids.len() - 1]);
     }
     let vocab = model.info().vocab_size;
-    let logits = forward(model, variant, tokens, kv, observer)?;
+    let logits = forward(model, variant, tokens, kv, observer, pass)?;
     let row = logits_row(&logits, tokens.len(), vocab, tokens.len() - 1)?;
     Ok(match dists {
         // The draft's proposal: its distribution is kept for the rejection test.
@@ -511,7 +526,15 @@ fn decode_single<M: LanguageModel>(
 ) -> Result<Counters> {
     let mut counters = Counters::default();
     let mut kv = model.new_kv(prompt.len() + commits.max_new)?;
-    let mut token = forward_choose(model, variant, prompt, &mut kv, observer, chooser, None)?;
+    let mut token = forward_choose(
+        model,
+        (variant, Pass::Prompt),
+        prompt,
+        &mut kv,
+        observer,
+        chooser,
+        None,
+    )?;
     commits.push(token);
     observer.on_commit(0, 1);
     if chains(chooser, observer) && !commits.finished {
@@ -525,7 +548,15 @@ fn decode_single<M: LanguageModel>(
         return Ok(counters);
     }
     while !commits.finished {
-        token = forward_choose(model, variant, &[token], &mut kv, observer, chooser, None)?;
+        token = forward_choose(
+            model,
+            (variant, Pass::Step),
+            &[token],
+            &mut kv,
+            observer,
+            chooser,
+            None,
+        )?;
         counters.rounds += 1;
         commits.push(token);
         observer.on_commit(0, 1);
@@ -597,7 +628,14 @@ impl<K: KvCache> DraftKv<K> {
             // Before the first commit: like the target's, the draft's own prefill is part of the
             // time to the first token, not of the per-token time. Its logits are not needed (the
             // first token is the target's), so it returns ids alone.
-            forward_greedy(model, Variant::Draft, prompt, &mut own.kv, observer)?;
+            forward_greedy(
+                model,
+                Variant::Draft,
+                prompt,
+                &mut own.kv,
+                observer,
+                Pass::Prompt,
+            )?;
             own.sequence.extend_from_slice(prompt);
             own.sequence.push(first);
         }
@@ -646,7 +684,7 @@ impl<K: KvCache> OwnDraftKv<K> {
             };
             let token = forward_choose(
                 model,
-                Variant::Draft,
+                (Variant::Draft, Pass::Step),
                 tokens,
                 &mut self.kv,
                 observer,
@@ -688,7 +726,7 @@ fn propose_over_target_kv<M: LanguageModel>(
         for step in 0..k {
             let token = forward_choose(
                 model,
-                Variant::Draft,
+                (Variant::Draft, Pass::Step),
                 &[last],
                 kv,
                 observer,
@@ -722,7 +760,7 @@ fn decode_speculative<M: LanguageModel>(
     let mut draft_kv = DraftKv::new(model, cache, capacity)?;
     let mut pending = forward_choose(
         model,
-        Variant::Target,
+        (Variant::Target, Pass::Prompt),
         prompt,
         &mut kv,
         observer,
@@ -806,11 +844,25 @@ fn verify_pass<M: LanguageModel>(
     dists: &[Vec<f64>],
 ) -> Result<(usize, u32)> {
     if chooser.sampling.is_greedy() {
-        let ids = forward_greedy(model, Variant::Target, verify_tokens, kv, observer)?;
+        let ids = forward_greedy(
+            model,
+            Variant::Target,
+            verify_tokens,
+            kv,
+            observer,
+            Pass::Step,
+        )?;
         return Ok(verify_greedy(&ids, drafts));
     }
     let vocab = model.info().vocab_size;
-    let logits = forward(model, Variant::Target, verify_tokens, kv, observer)?;
+    let logits = forward(
+        model,
+        Variant::Target,
+        verify_tokens,
+        kv,
+        observer,
+        Pass::Step,
+    )?;
     verify_sampled(chooser, &logits, vocab, drafts, dists)
 }
 

@@ -16,6 +16,33 @@ impl<B: Backend> MoeModel<B> {
         kv: &mut MoeKv<B>,
         hook: &mut dyn RouteHook,
     ) -> Result<B::Act> {
+        self.run_pass(variant, tokens, kv, hook, false)
+    }
+
+    /// [`Self::run`] for a prompt: the backend's prompt arithmetic
+    /// ([`Backend::prompt_pass`]), never recorded (a prompt runs once, and a recording replayed
+    /// for a decoding pass of as many rows would give it the prompt's bits).
+    pub(super) fn run_prompt(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+    ) -> Result<B::Act> {
+        self.backend.prompt_pass(true);
+        let logits = self.run_pass(variant, tokens, kv, hook, true);
+        self.backend.prompt_pass(false);
+        logits
+    }
+
+    fn run_pass(
+        &self,
+        variant: Variant,
+        tokens: &[u32],
+        kv: &mut MoeKv<B>,
+        hook: &mut dyn RouteHook,
+        prompt: bool,
+    ) -> Result<B::Act> {
         if tokens.is_empty() {
             return Err(Error::Request("forward needs at least one token".into()));
         }
@@ -51,7 +78,7 @@ impl<B: Backend> MoeModel<B> {
         let positions: Vec<usize> = (start..end).collect();
         let scales: Vec<f32> = positions.iter().map(|&p| self.rope.scale_at(p)).collect();
         let be = &self.backend;
-        if !recordable(variant, hook) {
+        if prompt || !recordable(variant, hook) {
             let logits = self.pass(variant, tokens, kv, hook, &positions, &scales)?;
             kv.len = end;
             return Ok(logits);
