@@ -104,8 +104,9 @@ build() {
     local args=()
     for t in "${tests[@]}"; do args+=(--test "$t"); done
     # The `measure` feature: cuda_ops_fused checks which launches the fused ops make by leaving
-    # them out (the production binaries above are built without it).
-    cargo test --release --no-run --workspace --features specter/measure "${args[@]}" --message-format=json 2>/dev/null |
+    # them out; `prompt-tensor-cores`: prompt passes' products on tensor cores, checked by
+    # cuda_ops and cuda_placement (the production binaries above are built without either).
+    cargo test --release --no-run --workspace --features specter/measure,specter/prompt-tensor-cores "${args[@]}" --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys, shutil
 for line in sys.stdin:

@@ -75,6 +75,59 @@ fn linear() {
     p.finish();
 }
 
+/// A prompt pass's products of many rows (tensor cores, kernels/gemm_f16.cu). On activations
+/// that f16 holds exactly, only the order of the f32 sums differs from the CPU's; on any other,
+/// the kernel's one rounding of the activation to f16 adds about 2^-12 relative.
+#[cfg(feature = "prompt-tensor-cores")]
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn prompt_products() {
+    use half::f16;
+    const ROUNDED_TOLERANCE: f64 = 1e-3;
+    let mut p = Family::new("prompt products", 11);
+    p.gpu.prompt_pass(true);
+    // DeepSeek-V2-Lite's dense widths at prompt lengths, partial tiles in rows and features,
+    // and the fewest rows that take tensor cores.
+    for &(rows, k, n) in &[
+        (32, 2048, 1408),
+        (200, 2048, 3072),
+        (512, 512, 4096),
+        (77, 128, 100),
+        (64, 1408, 2048),
+        (300, 2048, 577),
+        (1024, 2048, 2048),
+    ] {
+        let v: Vec<f32> = p
+            .values(rows * k, 1.0)
+            .into_iter()
+            .map(|x| f16::from_f32(x).to_f32())
+            .collect();
+        let xc = Cpu.upload(rows, k, &v).unwrap();
+        let xg = p.gpu.upload(rows, k, &v).expect("GPU upload");
+        let (wc, wg) = p.weight("w", &[n, k], 0.05);
+        let (bc, bg) = p.weight("b", &[n], 0.5);
+        let yg = p.gpu.linear(&xg, &wg, Some(&bg));
+        p.check(
+            &format!("prompt linear+bias {rows}x{k} -> {n}"),
+            yg,
+            &Cpu.linear(&xc, &wc, Some(&bc)).unwrap(),
+        );
+        // Activations f16 does not hold: the rounding's error alone.
+        let (xc, xg, _) = p.act(rows, k);
+        let gpu = p.gpu.linear(&xg, &wg, None).and_then(|y| p.gpu.to_host(&y));
+        let cpu = Cpu.to_host(&Cpu.linear(&xc, &wc, None).unwrap()).unwrap();
+        let case = format!("prompt linear {rows}x{k} -> {n}, f32 activations");
+        let err = gpu
+            .map_err(|e| e.to_string())
+            .and_then(|g| rel_err(&g, &cpu));
+        p.expect(&case, matches!(err, Ok(e) if e < ROUNDED_TOLERANCE), || {
+            format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
+        });
+    }
+    p.gpu.prompt_pass(false);
+    p.finish();
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
 fn norms() {
@@ -664,5 +717,70 @@ fn moe_experts_device_routing() {
             }
         }
     }
+    p.finish();
+}
+
+/// A prompt pass's routed FP16 experts on tensor cores (kernels/gemm_f16.cu), with host routing
+/// and on the device with shared experts, against the CPU: each item's input and gate/up
+/// activation are rounded to f16 once, about 2^-12 relative each.
+#[cfg(feature = "prompt-tensor-cores")]
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn prompt_experts() {
+    const ROUNDED_TOLERANCE: f64 = 2e-3;
+    let mut p = Family::new("prompt experts", 47);
+    p.gpu.prompt_pass(true);
+    // DeepSeek-V2-Lite's widths at prompt lengths (groups of several row tiles, and of none),
+    // a small shape, and a width the tensor cores do not take (the gemv kernels run).
+    for &(hidden, inter, experts, rows, top_k) in &[
+        (2048, 1408, 64, 512, 6),
+        (2048, 1408, 64, 40, 6),
+        (256, 128, 8, 300, 2),
+        (128, 100, 6, 64, 2),
+    ] {
+        let (xc, xg, _) = p.act(rows, hidden);
+        let (cpu_experts, gpu_experts) = random_experts(&mut p, hidden, inter, experts);
+        let spec = RouteSpec::SoftmaxTopK {
+            top_k,
+            renormalize: true,
+            scale: 1.0,
+        };
+        let (lc, lg, _) = p.act(rows, experts);
+        let rc = Cpu.route(&lc, spec).unwrap();
+        let mut cases: Vec<(String, specter::Result<Vec<f32>>, Vec<f32>)> = Vec::new();
+        let want = Cpu.moe_experts(&xc, &rc, &cpu_experts).unwrap();
+        let got = p
+            .gpu
+            .moe_experts(&xg, &rc, &gpu_experts)
+            .and_then(|y| p.gpu.to_host(&y));
+        cases.push((
+            format!("prompt moe_experts {rows}x{hidden} inter {inter} top{top_k}"),
+            got,
+            Cpu.to_host(&want).unwrap(),
+        ));
+        let (cpu_shared, gpu_shared) = random_experts(&mut p, hidden, 2 * inter, 1);
+        let want = Cpu
+            .routed_moe_shared(&xc, &lc, spec, &cpu_experts, None, &cpu_shared[0])
+            .unwrap();
+        let got = p
+            .gpu
+            .routed_moe_shared(&xg, &lg, spec, &gpu_experts, None, &gpu_shared[0])
+            .and_then(|y| p.gpu.to_host(&y));
+        cases.push((
+            format!("prompt routed_moe_shared {rows}x{hidden} inter {inter} top{top_k}"),
+            got,
+            Cpu.to_host(&want).unwrap(),
+        ));
+        for (case, got, want) in cases {
+            let err = got
+                .map_err(|e| e.to_string())
+                .and_then(|g| rel_err(&g, &want));
+            eprintln!("{case:<52} {err:?}");
+            p.expect(&case, matches!(err, Ok(e) if e < ROUNDED_TOLERANCE), || {
+                format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
+            });
+        }
+    }
+    p.gpu.prompt_pass(false);
     p.finish();
 }

@@ -97,6 +97,9 @@ pub struct CudaBackend {
     /// (kernels/gemv_f16.cu), and the slot the next launch takes.
     pub(super) experts_counters: CudaSlice<u32>,
     pub(super) experts_slot: std::sync::atomic::AtomicUsize,
+    /// A prompt pass is running ([`crate::backend::Backend::prompt_pass`]): dense products of
+    /// many rows run on tensor cores.
+    pub(super) prompt_pass: std::sync::atomic::AtomicBool,
     /// `attention`'s per-(row, head) chunk counts, zero between launches (kernels/attention.cu):
     /// calls of at most `ATT_COUNTERS` (row, head) pairs combine in the same launch.
     pub(super) attention_counters: CudaSlice<u32>,
@@ -198,6 +201,7 @@ impl CudaBackend {
             fused: !options.plain,
             experts_counters,
             experts_slot: std::sync::atomic::AtomicUsize::new(0),
+            prompt_pass: std::sync::atomic::AtomicBool::new(false),
             attention_counters,
             argmax_keys,
             argmax_counts,

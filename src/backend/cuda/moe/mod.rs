@@ -435,6 +435,9 @@ impl CudaBackend {
         l: &MoeLaunch,
         shared: Option<&SharedDown>,
     ) -> Result<()> {
+        if self.experts_on_tensor_cores(l) {
+            return self.launch_moe_f16_tensor_cores(l, shared);
+        }
         // Work blocks: (features, groups), run by grid-stride blocks.
         let blocks = |per_group: u32, rows: usize| per_group.saturating_mul(rows as u32);
         // Groups of at most one item (decode): the one-item forms, the same bits.
@@ -457,7 +460,11 @@ impl CudaBackend {
 
     /// The down half of [`Self::launch_moe_f16`]: `out[item] = weight[item] * (h[item] . down)`
     /// from the activations already in `l.h`.
-    fn launch_moe_f16_down(&self, l: &MoeLaunch, shared: Option<&SharedDown>) -> Result<()> {
+    pub(in crate::backend::cuda) fn launch_moe_f16_down(
+        &self,
+        l: &MoeLaunch,
+        shared: Option<&SharedDown>,
+    ) -> Result<()> {
         let (h, i) = (int(l.hidden, "hidden")?, int(l.inter, "inter")?);
         let groups = int(l.num_groups, "groups")?;
         let blocks = |per_group: u32, rows: usize| per_group.saturating_mul(rows as u32);
@@ -629,7 +636,9 @@ impl CudaBackend {
         let stream = self.stream.clone();
         let layout = slots.layout();
         let rows: Vec<u32> = (0..plan.hit.len()).map(|g| plan.range(g).1).collect();
-        let rounds = slots.serve(layer, &plan.hit, &rows)?;
+        // The host kernel follows the gemv kernels' bits, not a prompt's tensor cores.
+        let host_allowed = !self.experts_on_tensor_cores(launch);
+        let rounds = slots.serve(layer, &plan.hit, &rows, host_allowed)?;
         let (elsewhere, split) = rounds
             .first()
             .map(|r| (r.elsewhere.clone(), r.gate_up_elsewhere.clone()))

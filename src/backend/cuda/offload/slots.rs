@@ -591,17 +591,19 @@ impl ExpertOffload {
     }
 
     /// The cache policy's rounds for the experts (distinct, ascending) one target pass needs in
-    /// model layer `layer`: see [`ExpertCache::serve`].
+    /// model layer `layer`: see [`ExpertCache::serve`]. Without `host_allowed` the host path
+    /// takes none of them (a pass whose GPU arithmetic the host kernel does not follow).
     pub(crate) fn serve(
         &mut self,
         layer: usize,
         experts: &[u32],
         rows: &[u32],
+        host_allowed: bool,
     ) -> Result<Vec<Round>> {
         let moe_index = self.layer_mut(layer)?.moe_index;
         self.learn_link()?;
         let share = match &mut self.host {
-            Some((_, split)) => {
+            Some((_, split)) if host_allowed => {
                 let misses = experts
                     .iter()
                     .filter(|&&e| !self.cache.is_resident(moe_index, e))
@@ -621,7 +623,7 @@ impl ExpertOffload {
                         .leaving_room(misses, self.cache.empty_slots(moe_index)),
                 }
             }
-            None => HostShare::default(),
+            _ => HostShare::default(),
         };
         self.cache.serve_placed(moe_index, experts, rows, share)
     }

@@ -4,6 +4,7 @@
 
 pub(in crate::backend::cuda) mod attention;
 pub(in crate::backend::cuda) mod fused;
+pub(in crate::backend::cuda) mod gemm;
 pub(in crate::backend::cuda) mod rope;
 
 use cudarc::driver::CudaSlice;
@@ -341,6 +342,9 @@ impl Backend for CudaBackend {
             Some(b) => ptr(self.f16_vector(b, out, "linear bias")?, &self.stream),
             None => 0,
         };
+        if self.tensor_core_product(x.rows, inp) {
+            return self.linear_tensor_cores(x, wb, out, bias_ptr);
+        }
         let y = self.alloc(x.rows, out)?;
         if x.rows > 0 {
             let s = &self.stream;
@@ -811,6 +815,11 @@ impl Backend for CudaBackend {
 
     fn storage_id(&self, x: &GpuAct) -> u64 {
         ptr(&x.buf, &self.stream)
+    }
+
+    fn prompt_pass(&self, on: bool) {
+        self.prompt_pass
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

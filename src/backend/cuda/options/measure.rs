@@ -26,6 +26,7 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "count routes",
     "embedding",
     "gate/up silu",
+    "gemm",
     "layer_norm",
     "linear",
     "linear_pair",
@@ -36,6 +37,9 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "moe combine",
     "moe down",
     "moe experts",
+    "moe gather",
+    "moe gemm down",
+    "moe gemm gate/up",
     "moe gate/up",
     "moe int4 down",
     "moe int4 down + combine",
@@ -50,6 +54,7 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "route sparse mixer",
     "route top-k",
     "split_cols",
+    "to f16",
     "write_rows",
 ];
 

@@ -381,6 +381,48 @@ kernel_args! {
         cols: i32,
         row_at: DevPtr,
     }
+    /// `a = (half)x`, n values (kernels/gemm_f16.cu).
+    ToF16RowsArgs for ["to_f16_rows"] {
+        x: DevPtr,
+        a: DevPtr,
+        n: u64,
+    }
+    /// `y = a @ w^T (+ bias)` on tensor cores, f16 `a` (kernels/gemm_f16.cu).
+    GemmArgs for ["gemm_f16"] {
+        a: DevPtr,
+        w: DevPtr,
+        bias: DevPtr,
+        y: DevPtr,
+        m: i32,
+        n: i32,
+        k: i32,
+    }
+    /// A prompt pass's routed experts, FP16 weights, on tensor cores (kernels/gemm_f16.cu): each
+    /// item's input row gathered and rounded to f16.
+    MoeGatherArgs for ["moe_gather_f16"] {
+        x: DevPtr,
+        item_row: DevPtr,
+        items: i32,
+        hidden: i32,
+        x16: DevPtr,
+    }
+    /// Their gate/up product and activation, `h16` f16 `[items][inter]`.
+    MoeGemmGateUpArgs for ["moe_gemm_gate_up_f16"] {
+        x16: DevPtr,
+        hidden: i32,
+        inter: i32,
+        groups: DevPtr,
+        h16: DevPtr,
+    }
+    /// Their down product, weighted per item.
+    MoeGemmDownArgs for ["moe_gemm_down_f16"] {
+        h16: DevPtr,
+        hidden: i32,
+        inter: i32,
+        groups: DevPtr,
+        item_weight: DevPtr,
+        out: DevPtr,
+    }
     /// `x` clamped to `[-limit, limit]`.
     ClampArgs for ["clamp_f32"] {
         x: DevPtr,

@@ -99,6 +99,15 @@ kernel_defines! {
     /// features (each its gate row and its up row); down, that many pairs of adjacent output
     /// rows.
     MOE_ROWS_WARP_PAIRS: usize = 2 => "moe_rows.cu" "ROWS_WARP_PAIRS";
+    /// Rows and columns of the output tile one block of the tensor-core products computes
+    /// (kernels/gemm_f16.cu), and the inputs each step of its k loop moves.
+    GEMM_BM: usize = 128 => "gemm_f16.cu" "GEMM_BM";
+    GEMM_BN: usize = 128 => "gemm_f16.cu" "GEMM_BN";
+    GEMM_BK: usize = 32 => "gemm_f16.cu" "GEMM_BK";
+    /// Shared-memory stages of the tensor-core products' k loop.
+    GEMM_STAGES: usize = 3 => "gemm_f16.cu" "GEMM_STAGES";
+    /// Threads per block of the tensor-core products (8 warps: 2 x 4 over the tile).
+    GEMM_THREADS: u32 = 256 => "gemm_f16.cu" "GEMM_THREADS";
 }
 
 /// The `#define` lines of the constants whose home is one of `files` (a kernel file and the

@@ -61,6 +61,14 @@ pub(in crate::backend::cuda) struct Kernels {
     /// combine of a (row, head)'s chunks.
     pub(in crate::backend::cuda) attention: Kernel<AttentionArgs>,
     pub(in crate::backend::cuda) attention_combine: Kernel<AttentionCombineArgs>,
+    /// Prompt passes' dense products on tensor cores (kernels/gemm_f16.cu): the activation
+    /// rounded to f16 once, then the product.
+    pub(in crate::backend::cuda) to_f16_rows: Kernel<ToF16RowsArgs>,
+    pub(in crate::backend::cuda) gemm: Kernel<GemmArgs>,
+    /// Prompt passes' routed FP16 experts on tensor cores.
+    pub(in crate::backend::cuda) moe_gather: Kernel<MoeGatherArgs>,
+    pub(in crate::backend::cuda) moe_gemm_gate_up: Kernel<MoeGemmGateUpArgs>,
+    pub(in crate::backend::cuda) moe_gemm_down: Kernel<MoeGemmDownArgs>,
 }
 
 impl Kernels {
@@ -113,6 +121,11 @@ impl Kernels {
             moe_experts_1: Kernel::load(dev, "gemv_f16", "moe_f16_experts_1")?,
             attention: Kernel::load(dev, "attention", "attention")?,
             attention_combine: Kernel::load(dev, "attention", "attention_combine")?,
+            to_f16_rows: Kernel::load(dev, "gemm_f16", "to_f16_rows")?,
+            gemm: Kernel::load(dev, "gemm_f16", "gemm_f16")?,
+            moe_gather: Kernel::load(dev, "gemm_f16", "moe_gather_f16")?,
+            moe_gemm_gate_up: Kernel::load(dev, "gemm_f16", "moe_gemm_gate_up_f16")?,
+            moe_gemm_down: Kernel::load(dev, "gemm_f16", "moe_gemm_down_f16")?,
         })
     }
 }
