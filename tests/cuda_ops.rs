@@ -124,6 +124,33 @@ fn prompt_products() {
             format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
         });
     }
+    // Gated MLPs (a dense layer's, the shared experts'): the input and the activation between
+    // the products each rounded to f16 once.
+    for &(rows, hidden, inter) in &[(200, 2048, 1408), (64, 256, 96), (40, 2048, 2816)] {
+        let (xc, xg, _) = p.act(rows, hidden);
+        let (cpu_mlp, gpu_mlp) = random_experts(&mut p, hidden, inter, 1);
+        let case = format!("prompt gated_mlp {rows}x{hidden} inter {inter}");
+        let want = Cpu
+            .to_host(&Cpu.gated_mlp(&xc, &cpu_mlp[0]).unwrap())
+            .unwrap();
+        let err = p
+            .gpu
+            .gated_mlp(&xg, &gpu_mlp[0])
+            .and_then(|y| p.gpu.to_host(&y))
+            .map_err(|e| e.to_string())
+            .and_then(|g| rel_err(&g, &want));
+        eprintln!("{case:<52} {err:?}");
+        p.expect(
+            &case,
+            matches!(err, Ok(e) if e < 2.0 * ROUNDED_TOLERANCE),
+            || {
+                format!(
+                    "relative error {err:?}, bound {:e}",
+                    2.0 * ROUNDED_TOLERANCE
+                )
+            },
+        );
+    }
     p.gpu.prompt_pass(false);
     p.finish();
 }

@@ -80,7 +80,9 @@ impl CudaBackend {
     ) -> Result<GpuAct> {
         let few_rows =
             matches!(spec, RouteSpec::SoftmaxTopK { .. }) && x.rows <= ROUTE_PLAN_MAX_ROWS;
-        if self.fused && few_rows {
+        // A prompt pass on tensor cores runs the shared MLP apart in every placement (the
+        // routing launch's shared gate/up is a gemv).
+        if self.fused && few_rows && !self.tensor_core_product(x.rows, x.cols) {
             if let (Some(top_k), Some(sh)) = (
                 self.device_routing_fits(x, logits, spec, experts, false),
                 self.shared_f16(shared, x.cols),

@@ -11,8 +11,8 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 
 use crate::backend::cuda::backend::CudaBackend;
-use crate::backend::cuda::moe::experts::{MoeLaunch, SharedDown};
-use crate::backend::cuda::runtime::act::GpuAct;
+use crate::backend::cuda::moe::experts::{ExpertGroup, MoeLaunch, SharedDown};
+use crate::backend::cuda::runtime::act::{GpuAct, GpuWeight};
 use crate::backend::cuda::runtime::kernels::*;
 use crate::{Error, Result};
 
@@ -105,6 +105,60 @@ impl CudaBackend {
             ptr(&y.buf, s),
             (x.rows, n, x.cols),
         )?;
+        Ok(y)
+    }
+
+    /// A gated MLP on tensor cores: `gate_up` (the device address of its `[2 inter, x.cols]`
+    /// f16 weight) as the routed experts' gate/up kernel takes one group of every row, then
+    /// `down` over the f16 activations.
+    pub(in crate::backend::cuda) fn gated_mlp_tensor_cores(
+        &self,
+        x: &GpuAct,
+        gate_up: u64,
+        inter: usize,
+        down: &GpuWeight,
+    ) -> Result<GpuAct> {
+        let (wd, out, k) = self.f16_matrix(down, "gated_mlp")?;
+        if k != inter {
+            return Err(shape_err(
+                "gated_mlp",
+                format!("{} does not take {inter} activations", down.describe()),
+            ));
+        }
+        let s = &self.stream;
+        let x16 = self.to_f16(ptr(&x.buf, s), x.rows, x.cols)?;
+        let group = ExpertGroup {
+            gate_up,
+            down: ptr(wd, s),
+            count: u32::try_from(x.rows)
+                .map_err(|_| Error::Backend(format!("cuda: {} rows exceed a group", x.rows)))?,
+            ..ExpertGroup::default()
+        };
+        let table = self.upload_groups(&[group])?;
+        let h16 = self.alloc(x.rows, inter.div_ceil(2))?;
+        self.launch(
+            &self.k.moe_gemm_gate_up,
+            "moe gemm gate/up",
+            (tiles(inter, GEMM_BN / 2)?, tiles(x.rows, GEMM_BM)?, 1),
+            GEMM_THREADS,
+            MoeGemmGateUpArgs {
+                x16: dptr(&x16.buf, s),
+                hidden: int(x.cols, "in")?,
+                inter: int(inter, "inter")?,
+                groups: dptr(&table, s),
+                h16: dptr(&h16.buf, s),
+            },
+        )?;
+        let y = self.alloc(x.rows, out)?;
+        self.gemm(
+            ptr(&h16.buf, s),
+            ptr(wd, s),
+            0,
+            ptr(&y.buf, s),
+            (x.rows, out, inter),
+        )?;
+        // The group table must outlive the kernel that reads it.
+        self.defer_free(table);
         Ok(y)
     }
 

@@ -719,6 +719,9 @@ impl Backend for CudaBackend {
             ));
         }
         let inter = two_inter / 2;
+        if self.tensor_core_product(x.rows, inp) && inter.is_multiple_of(GEMM_BK) {
+            return self.gated_mlp_tensor_cores(x, ptr(wb, &self.stream), inter, &mlp.down);
+        }
         let h = self.alloc(x.rows, inter)?;
         if x.rows > 0 && inter > 0 {
             // Gate/up product and silu(gate) * up in one kernel: the same bits as `linear`
