@@ -94,7 +94,8 @@ CARRY=${CARRY:-.carry/gpu}
 
 build() {
     cd "$ROOT"
-    cargo build --release -p specter-pack -p specter-run
+    # $BUILD_FEATURES (e.g. specter/prompt-tensor-cores): cargo features of the release binaries.
+    cargo build --release -p specter-pack -p specter-run ${BUILD_FEATURES:+--features "$BUILD_FEATURES"}
     mkdir -p "$CARRY"
     cp target/release/specter-pack target/release/specter-run "$CARRY/"
     # By name across the workspace: most are the root crate's (tests/), cuda_doctor specter-run's.

@@ -4,6 +4,7 @@
 #
 #   bash scripts/peer-llamacpp.sh pack DEST LLAMA_SRC    # here: release binaries, this script, its
 #                                                        # helpers and the llama.cpp source into DEST
+#                                                        # (PEER_FEATURES: cargo features to build with)
 #   bash DEST/peer-llamacpp.sh run [PRESET]              # there (PRESET: deepseek-v2-lite, the
 #                                                        # default, or qwen1.5-moe-a2.7b)
 #
@@ -75,7 +76,9 @@ pack() {
     case "$src" in *.tar.xz | *.tar.gz) ;; *) die "llama.cpp source $src is not a .tar.xz or .tar.gz" ;; esac
     local root
     root="$(cd "$HERE/.." && pwd)"
-    (cd "$root" && cargo build --release -p specter-pack -p specter-run)
+    # PEER_FEATURES (e.g. specter/prompt-tensor-cores) builds Specter with those cargo features.
+    (cd "$root" && cargo build --release -p specter-pack -p specter-run \
+        ${PEER_FEATURES:+--features "$PEER_FEATURES"})
     local target=${CARGO_TARGET_DIR:-$root/target}
     mkdir -p "$dest"
     cp "$target/release/specter-pack" "$target/release/specter-run" "$dest/"
