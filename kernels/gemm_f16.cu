@@ -177,33 +177,44 @@ __device__ __forceinline__ int gemm_acc_col(int nt, int e) {
     return ((threadIdx.x >> 5) & 3) * 32 + nt * 8 + 2 * (threadIdx.x & 3) + (e & 1);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_f16(
-    const __half* a, const __half* SPX_READONLY w, const __half* SPX_READONLY bias, float* __restrict__ y,
-    int m, int n, int k) {
-    SPX_PROLOGUE();
-    const int n0 = blockIdx.x * GEMM_BN, m0 = blockIdx.y * GEMM_BM;
+// The thread's rows of a tile whose a rows are `a_rows` rows of k halves from `a` and whose w
+// rows are `w_rows` rows of k halves from `w` (fewer than the tile's: zeros past them).
+__device__ __forceinline__ GemmRows gemm_rows(const __half* a, int a_rows, const __half* w, int w_rows,
+                                              int k) {
     GemmRows r;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int row = (threadIdx.x >> 2) + 64 * i;
-        r.a[i] = m0 + row < m ? a + (size_t)(m0 + row) * k : nullptr;
-        r.w[i] = n0 + row < n ? w + (size_t)(n0 + row) * k : nullptr;
+        r.a[i] = row < a_rows ? a + (size_t)row * k : nullptr;
+        r.w[i] = row < w_rows ? w + (size_t)row * k : nullptr;
     }
     r.any = w;
-    float acc[4][4][4];
-    gemm_mainloop(acc, r, k);
+    return r;
+}
+
+// store(tile row, tile column, value) for each of the thread's accumulators.
+template <class Store>
+__device__ __forceinline__ void gemm_store(const float acc[4][4][4], Store store) {
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = m0 + gemm_acc_row(mt, e), c = n0 + gemm_acc_col(nt, e);
-                if (row < m && c < n) {
-                    const float b = bias ? __half2float(bias[c]) : 0.0f;
-                    y[(size_t)row * n + c] = acc[mt][nt][e] + b;
-                }
-            }
+            for (int e = 0; e < 4; ++e) store(gemm_acc_row(mt, e), gemm_acc_col(nt, e), acc[mt][nt][e]);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_f16(
+    const __half* a, const __half* SPX_READONLY w, const __half* SPX_READONLY bias, float* __restrict__ y,
+    int m, int n, int k) {
+    SPX_PROLOGUE();
+    const int n0 = blockIdx.x * GEMM_BN, m0 = blockIdx.y * GEMM_BM;
+    float acc[4][4][4];
+    gemm_mainloop(acc, gemm_rows(a + (size_t)m0 * k, m - m0, w + (size_t)n0 * k, n - n0, k), k);
+    gemm_store(acc, [&](int row, int c, float v) {
+        row += m0;
+        c += n0;
+        if (row < m && c < n) y[(size_t)row * n + c] = v + (bias ? __half2float(bias[c]) : 0.0f);
+    });
 }
 
 // The grouped routed experts of a prompt pass (src/backend/cuda/moe/experts.rs's work list), FP16
@@ -236,16 +247,14 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) moe_gemm_gate_up_f16(
     if (m0 >= (int)g.count) return;
     const int count = (int)g.count - m0;
     const __half* w = reinterpret_cast<const __half*>(g.gate_up);
-    const __half* a = x16 + (size_t)(g.first + m0) * hidden;
-    GemmRows r;
+    GemmRows r = gemm_rows(x16 + (size_t)(g.first + m0) * hidden, count, w, 0, hidden);
+    // Tile row 2 f + u of w: feature j0 + f's gate row (u = 0) or up row (u = 1).
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int row = (threadIdx.x >> 2) + 64 * i;
         const int j = j0 + (row >> 1);
-        r.a[i] = row < count ? a + (size_t)row * hidden : nullptr;
         r.w[i] = j < inter ? w + (size_t)((row & 1) * inter + j) * hidden : nullptr;
     }
-    r.any = w;
     float acc[4][4][4];
     gemm_mainloop(acc, r, hidden);
 #pragma unroll
@@ -271,27 +280,14 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) moe_gemm_down_f16(
     if (m0 >= (int)g.count) return;
     const int count = (int)g.count - m0;
     const __half* w = reinterpret_cast<const __half*>(g.down);
-    const __half* a = h16 + (size_t)(g.first + m0) * inter;
-    GemmRows r;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int row = (threadIdx.x >> 2) + 64 * i;
-        r.a[i] = row < count ? a + (size_t)row * inter : nullptr;
-        r.w[i] = n0 + row < hidden ? w + (size_t)(n0 + row) * inter : nullptr;
-    }
-    r.any = w;
     float acc[4][4][4];
-    gemm_mainloop(acc, r, inter);
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = gemm_acc_row(mt, e), c = n0 + gemm_acc_col(nt, e);
-                if (row < count && c < hidden) {
-                    const unsigned item = g.first + m0 + row;
-                    out[(size_t)item * hidden + c] = __fmul_rn(item_weight[item], acc[mt][nt][e]);
-                }
-            }
+    gemm_mainloop(acc, gemm_rows(h16 + (size_t)(g.first + m0) * inter, count, w + (size_t)n0 * inter, hidden - n0, inter),
+                  inter);
+    gemm_store(acc, [&](int row, int c, float v) {
+        c += n0;
+        if (row < count && c < hidden) {
+            const unsigned item = g.first + m0 + row;
+            out[(size_t)item * hidden + c] = __fmul_rn(item_weight[item], v);
+        }
+    });
 }
