@@ -31,6 +31,8 @@
 
 #include "common.cuh"
 
+#include "mma.cuh"
+
 #if !defined(GEMM_BM) || !defined(GEMM_BN) || !defined(GEMM_BK) || !defined(GEMM_STAGES) || !defined(GEMM_THREADS)
 #error "build.rs defines the constants shared with the host (src/backend/cuda/runtime/kernel_defines.rs)"
 #endif
@@ -56,37 +58,6 @@ __device__ __forceinline__ unsigned gemm_chunk(unsigned row, unsigned chunk) {
     return row * (GEMM_BK / 8) + (chunk ^ ((row >> 1) & 3));
 }
 
-// 16 bytes global -> shared, asynchronously; `valid` false writes zeros and reads nothing.
-__device__ __forceinline__ void gemm_cp16(__half* smem, const __half* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    const int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void gemm_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void gemm_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void gemm_ldmatrix4(unsigned r[4], const __half* smem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-// d += a (16 x 16, row) * b (16 x 8, col), f16 operands, f32 accumulators.
-__device__ __forceinline__ void gemm_mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Each thread's share of a stage's loads: chunk (threadIdx.x & 3) of tile rows
 // (threadIdx.x >> 2) and (threadIdx.x >> 2) + 64, of a and of w. The rows' addresses at input 0,
 // or null for a row past the operand's end (filled with zeros); `any` is a valid address that a
@@ -105,8 +76,8 @@ __device__ __forceinline__ void gemm_load(__half* sa, __half* sb, const GemmRows
         const unsigned row = (threadIdx.x >> 2) + 64 * i;
         const __half* a = r.a[i];
         const __half* w = r.w[i];
-        gemm_cp16(sa + gemm_chunk(row, ch) * 8, a ? a + k0 + ch * 8 : r.any, a != nullptr);
-        gemm_cp16(sb + gemm_chunk(row, ch) * 8, w ? w + k0 + ch * 8 : r.any, w != nullptr);
+        mma_cp16(sa + gemm_chunk(row, ch) * 8, a ? a + k0 + ch * 8 : r.any, a != nullptr);
+        mma_cp16(sb + gemm_chunk(row, ch) * 8, w ? w + k0 + ch * 8 : r.any, w != nullptr);
     }
 }
 
@@ -127,16 +98,16 @@ __device__ __forceinline__ void gemm_mainloop(float acc[4][4][4], const GemmRows
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
         if (s < tiles) gemm_load(sa[s], sb[s], r, s * GEMM_BK);
-        gemm_commit();
+        mma_commit();
     }
     for (int t = 0; t < tiles; ++t) {
         // Tile t has landed; every warp is done with the stage the next load overwrites (the
         // one tile t - 1 used).
-        gemm_wait<GEMM_STAGES - 2>();
+        mma_wait<GEMM_STAGES - 2>();
         __syncthreads();
         const int next = t + GEMM_STAGES - 1;
         if (next < tiles) gemm_load(sa[next % GEMM_STAGES], sb[next % GEMM_STAGES], r, next * GEMM_BK);
-        gemm_commit();
+        mma_commit();
         const __half* ta = sa[t % GEMM_STAGES];
         const __half* tb = sb[t % GEMM_STAGES];
 #pragma unroll
@@ -146,14 +117,14 @@ __device__ __forceinline__ void gemm_mainloop(float acc[4][4][4], const GemmRows
             for (int mt = 0; mt < 4; ++mt) {
                 // Matrices: rows 0-7 / 8-15 of inputs 0-7, then of inputs 8-15.
                 const int row = wm + mt * 16 + (lane & 15);
-                gemm_ldmatrix4(fa[mt], ta + gemm_chunk(row, kk * 2 + (lane >> 4)) * 8);
+                mma_ldmatrix4(fa[mt], ta + gemm_chunk(row, kk * 2 + (lane >> 4)) * 8);
             }
 #pragma unroll
             for (int np = 0; np < 2; ++np) {
                 // Matrices: features 0-7 of inputs 0-7 and 8-15, then features 8-15 of both.
                 const int row = wn + np * 16 + (lane & 7) + ((lane >> 4) << 3);
                 unsigned q[4];
-                gemm_ldmatrix4(q, tb + gemm_chunk(row, kk * 2 + ((lane >> 3) & 1)) * 8);
+                mma_ldmatrix4(q, tb + gemm_chunk(row, kk * 2 + ((lane >> 3) & 1)) * 8);
                 fb[np * 2][0] = q[0];
                 fb[np * 2][1] = q[1];
                 fb[np * 2 + 1][0] = q[2];
@@ -162,10 +133,10 @@ __device__ __forceinline__ void gemm_mainloop(float acc[4][4][4], const GemmRows
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt) gemm_mma(acc[mt][nt], fa[mt], fb[nt][0], fb[nt][1]);
+                for (int nt = 0; nt < 4; ++nt) mma_16816(acc[mt][nt], fa[mt], fb[nt][0], fb[nt][1]);
         }
     }
-    gemm_wait<0>();
+    mma_wait<0>();
 }
 
 // Accumulator e of this thread's tile (mt, nt) lies at tile row gemm_acc_row(mt, e) and column

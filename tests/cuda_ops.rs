@@ -811,3 +811,55 @@ fn prompt_experts() {
     p.gpu.prompt_pass(false);
     p.finish();
 }
+
+/// A prompt pass's causal attention on tensor cores (kernels/attention_prompt.cu) against the
+/// CPU: queries, keys, values and softmax weights rounded to f16, scores and sums in f32.
+#[cfg(feature = "prompt-tensor-cores")]
+#[test]
+#[ignore = "needs an NVIDIA GPU; run by scripts/gpu-check.sh"]
+fn prompt_attention() {
+    const ROUNDED_TOLERANCE: f64 = 3e-3;
+    let mut p = Family::new("prompt attention", 53);
+    p.gpu.prompt_pass(true);
+    // MLA's widths (a prompt from position 0, several row and key tiles), GQA at 128 with a
+    // prompt after cached positions, a window, partial tiles, one head of several; a width
+    // with no tensor-core form (attention.cu runs).
+    for &(heads, kv_heads, qk, vd, window, start, rows) in &[
+        (16, 16, 192, 128, None, 0, 300),
+        (4, 2, 128, 128, None, 37, 200),
+        (2, 2, 64, 64, Some(48), 0, 100),
+        (3, 1, 128, 128, None, 5, 33),
+        (2, 2, 32, 32, None, 0, 64),
+    ] {
+        let len = start + rows;
+        let (qc, qg, _) = p.act(rows, heads * qk);
+        let (kc, kg, _) = p.act(len + 3, kv_heads * qk);
+        let (vc, vg, _) = p.act(len + 3, kv_heads * vd);
+        let spec = AttentionSpec {
+            heads,
+            kv_heads,
+            qk_dim: qk,
+            v_dim: vd,
+            scale: 1.0 / (qk as f32).sqrt(),
+            start,
+            window,
+        };
+        let case =
+            format!("prompt attention h{heads}/{kv_heads} qk{qk} v{vd} from {start} rows{rows}");
+        let want = Cpu
+            .to_host(&Cpu.attention(&qc, &kc, &vc, len, spec).unwrap())
+            .unwrap();
+        let err = p
+            .gpu
+            .attention(&qg, &kg, &vg, len, spec)
+            .and_then(|y| p.gpu.to_host(&y))
+            .map_err(|e| e.to_string())
+            .and_then(|g| rel_err(&g, &want));
+        eprintln!("{case:<52} {err:?}");
+        p.expect(&case, matches!(err, Ok(e) if e < ROUNDED_TOLERANCE), || {
+            format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
+        });
+    }
+    p.gpu.prompt_pass(false);
+    p.finish();
+}

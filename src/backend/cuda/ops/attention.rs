@@ -149,6 +149,34 @@ impl CudaBackend {
         if q.rows == 0 {
             return Ok(out);
         }
+        if let Some(kernel) = self.prompt_attention(q.rows, qk_dim, v_dim) {
+            let s = &self.stream;
+            self.launch(
+                kernel,
+                "attention prompt",
+                (
+                    u32::try_from(q.rows.div_ceil(ATTP_ROWS)).map_err(|_| {
+                        shape_err("attention", format!("{} rows exceed a grid", q.rows))
+                    })?,
+                    u32::try_from(heads).map_err(|_| shape_err("attention", "heads".into()))?,
+                    1,
+                ),
+                ATTP_THREADS,
+                AttentionPromptArgs {
+                    q: dptr(&q.buf, s),
+                    k: dptr(&k.buf, s),
+                    v: dptr(&v.buf, s),
+                    out: dptr(&out.buf, s),
+                    rows: int(q.rows, "rows")?,
+                    heads: int(heads, "heads")?,
+                    kv_heads: int(kv_heads, "kv_heads")?,
+                    scale,
+                    start: int(start, "start")?,
+                    window: int(window.unwrap_or(0), "window")?,
+                },
+            )?;
+            return Ok(out);
+        }
         let pairs = q.rows * heads;
         // A recorded pass reads its start on the device and may be replayed at any length the
         // cache holds: its score rows are sized for the whole cache.

@@ -32,6 +32,24 @@ impl CudaBackend {
             && k.is_multiple_of(GEMM_BK)
     }
 
+    /// The tensor-core attention kernel for a prompt pass of `rows` query rows at these widths
+    /// per head, where one is built for them; `None` runs attention.cu's kernel. A recorded pass
+    /// never comes here (prompt passes are not recorded), so its start is the host's.
+    pub(in crate::backend::cuda) fn prompt_attention(
+        &self,
+        rows: usize,
+        qk_dim: usize,
+        v_dim: usize,
+    ) -> Option<&Kernel<AttentionPromptArgs>> {
+        if !self.tensor_core_product(rows, GEMM_BK) {
+            return None;
+        }
+        let i = ATTENTION_PROMPT_WIDTHS
+            .iter()
+            .position(|&w| w == (qk_dim, v_dim))?;
+        self.k.attention_prompt.get(i)
+    }
+
     /// Whether a grouped launch of FP16 experts runs on tensor cores: a prompt pass whose items
     /// (rows times top-k, the same in every placement) reach [`GEMM_MIN_ROWS`], both widths
     /// multiples of the kernel's step.

@@ -22,6 +22,7 @@ pub const LAUNCH_LABELS: &[&str] = &[
     "argmax",
     "attention",
     "attention combine",
+    "attention prompt",
     "clamp",
     "count routes",
     "embedding",

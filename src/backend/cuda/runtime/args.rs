@@ -381,6 +381,22 @@ kernel_args! {
         cols: i32,
         row_at: DevPtr,
     }
+    /// A prompt's causal attention on tensor cores (kernels/attention_prompt.cu), one entry point
+    /// per (query/key width, value width).
+    AttentionPromptArgs for [
+        "attention_prompt_64_64", "attention_prompt_128_128", "attention_prompt_192_128"
+    ] {
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        out: DevPtr,
+        rows: i32,
+        heads: i32,
+        kv_heads: i32,
+        scale: f32,
+        start: i32,
+        window: i32,
+    }
     /// `a = (half)x`, n values (kernels/gemm_f16.cu).
     ToF16RowsArgs for ["to_f16_rows"] {
         x: DevPtr,

@@ -108,6 +108,12 @@ kernel_defines! {
     GEMM_STAGES: usize = 3 => "gemm_f16.cu" "GEMM_STAGES";
     /// Threads per block of the tensor-core products (8 warps: 2 x 4 over the tile).
     GEMM_THREADS: u32 = 256 => "gemm_f16.cu" "GEMM_THREADS";
+    /// Query rows of one block of the prompt's tensor-core attention, and keys per tile it
+    /// stages (kernels/attention_prompt.cu).
+    ATTP_ROWS: usize = 64 => "attention_prompt.cu" "ATTP_ROWS";
+    ATTP_KEYS: usize = 64 => "attention_prompt.cu" "ATTP_KEYS";
+    /// Threads per block of the prompt's tensor-core attention (4 warps of 16 query rows).
+    ATTP_THREADS: u32 = 128 => "attention_prompt.cu" "ATTP_THREADS";
 }
 
 /// The `#define` lines of the constants whose home is one of `files` (a kernel file and the

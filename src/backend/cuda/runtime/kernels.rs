@@ -14,6 +14,11 @@ use crate::{Error, Result};
 
 pub(in crate::backend::cuda) use crate::backend::cuda::runtime::launch_constants::*;
 
+/// The (query/key, value) widths per head the prompt's tensor-core attention is built for
+/// (kernels/attention_prompt.cu), in the order of [`Kernels::attention_prompt`].
+pub(in crate::backend::cuda) const ATTENTION_PROMPT_WIDTHS: [(usize, usize); 3] =
+    [(64, 64), (128, 128), (192, 128)];
+
 pub(in crate::backend::cuda) struct Kernels {
     pub(in crate::backend::cuda) embedding: Kernel<EmbeddingArgs>,
     pub(in crate::backend::cuda) rms_norm: Kernel<RmsNormArgs>,
@@ -65,6 +70,8 @@ pub(in crate::backend::cuda) struct Kernels {
     /// rounded to f16 once, then the product.
     pub(in crate::backend::cuda) to_f16_rows: Kernel<ToF16RowsArgs>,
     pub(in crate::backend::cuda) gemm: Kernel<GemmArgs>,
+    /// Prompt passes' attention on tensor cores, per (qk, v) width of [`ATTENTION_PROMPT_WIDTHS`].
+    pub(in crate::backend::cuda) attention_prompt: Vec<Kernel<AttentionPromptArgs>>,
     /// Prompt passes' routed FP16 experts on tensor cores.
     pub(in crate::backend::cuda) moe_gather: Kernel<MoeGatherArgs>,
     pub(in crate::backend::cuda) moe_gemm_gate_up: Kernel<MoeGemmGateUpArgs>,
@@ -123,6 +130,16 @@ impl Kernels {
             attention_combine: Kernel::load(dev, "attention", "attention_combine")?,
             to_f16_rows: Kernel::load(dev, "gemm_f16", "to_f16_rows")?,
             gemm: Kernel::load(dev, "gemm_f16", "gemm_f16")?,
+            attention_prompt: ATTENTION_PROMPT_WIDTHS
+                .iter()
+                .map(|(qk, v)| {
+                    Kernel::load(
+                        dev,
+                        "attention_prompt",
+                        &format!("attention_prompt_{qk}_{v}"),
+                    )
+                })
+                .collect::<Result<_>>()?,
             moe_gather: Kernel::load(dev, "gemm_f16", "moe_gather_f16")?,
             moe_gemm_gate_up: Kernel::load(dev, "gemm_f16", "moe_gemm_gate_up_f16")?,
             moe_gemm_down: Kernel::load(dev, "gemm_f16", "moe_gemm_down_f16")?,
