@@ -117,12 +117,7 @@ fn prompt_products() {
         let gpu = p.gpu.linear(&xg, &wg, None).and_then(|y| p.gpu.to_host(&y));
         let cpu = Cpu.to_host(&Cpu.linear(&xc, &wc, None).unwrap()).unwrap();
         let case = format!("prompt linear {rows}x{k} -> {n}, f32 activations");
-        let err = gpu
-            .map_err(|e| e.to_string())
-            .and_then(|g| rel_err(&g, &cpu));
-        p.expect(&case, matches!(err, Ok(e) if e < ROUNDED_TOLERANCE), || {
-            format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
-        });
+        p.compare_within(&case, gpu, &cpu, ROUNDED_TOLERANCE);
     }
     // Gated MLPs (a dense layer's, the shared experts'): the input and the activation between
     // the products each rounded to f16 once.
@@ -133,23 +128,11 @@ fn prompt_products() {
         let want = Cpu
             .to_host(&Cpu.gated_mlp(&xc, &cpu_mlp[0]).unwrap())
             .unwrap();
-        let err = p
+        let got = p
             .gpu
             .gated_mlp(&xg, &gpu_mlp[0])
-            .and_then(|y| p.gpu.to_host(&y))
-            .map_err(|e| e.to_string())
-            .and_then(|g| rel_err(&g, &want));
-        eprintln!("{case:<52} {err:?}");
-        p.expect(
-            &case,
-            matches!(err, Ok(e) if e < 2.0 * ROUNDED_TOLERANCE),
-            || {
-                format!(
-                    "relative error {err:?}, bound {:e}",
-                    2.0 * ROUNDED_TOLERANCE
-                )
-            },
-        );
+            .and_then(|y| p.gpu.to_host(&y));
+        p.compare_within(&case, got, &want, 2.0 * ROUNDED_TOLERANCE);
     }
     p.gpu.prompt_pass(false);
     p.finish();
@@ -339,18 +322,8 @@ fn attention() {
         // second launch, and the last row alone (combined in the same launch) has its bits.
         (64, 8, 16, 16, None, 200, 129),
     ] {
-        let (qc, qg, qv) = p.act(rows, heads * qk);
-        let (kc, kg, kv) = p.act(len + 3, kv_heads * qk);
-        let (vc, vg, vv) = p.act(len + 3, kv_heads * vd);
-        let spec = AttentionSpec {
-            heads,
-            kv_heads,
-            qk_dim: qk,
-            v_dim: vd,
-            scale: 1.0 / (qk as f32).sqrt(),
-            start: len - rows,
-            window,
-        };
+        let spec = attention_spec((heads, kv_heads, qk, vd), len - rows, window);
+        let [(qc, qg, qv), (kc, kg, kv), (vc, vg, vv)] = attention_inputs(&mut p, &spec, rows, len);
         let case = format!("attention h{heads}/{kv_heads} qk{qk} v{vd} len{len} rows{rows}");
         let got = p.gpu.attention(&qg, &kg, &vg, len, spec);
         let Some(all) = p.check(
@@ -386,6 +359,38 @@ fn attention() {
         );
     }
     p.finish();
+}
+
+/// Attention of (heads, kv heads, qk width, v width) from position `start`, scaled by
+/// 1 / sqrt(qk).
+fn attention_spec(
+    (heads, kv_heads, qk_dim, v_dim): (usize, usize, usize, usize),
+    start: usize,
+    window: Option<usize>,
+) -> AttentionSpec {
+    AttentionSpec {
+        heads,
+        kv_heads,
+        qk_dim,
+        v_dim,
+        scale: 1.0 / (qk_dim as f32).sqrt(),
+        start,
+        window,
+    }
+}
+
+/// Random q (`rows` rows) and k, v (`len` keys and 3 more) for `spec`, on both backends.
+fn attention_inputs(
+    p: &mut Family,
+    spec: &AttentionSpec,
+    rows: usize,
+    len: usize,
+) -> [(CpuAct, GpuAct, Vec<f32>); 3] {
+    [
+        p.act(rows, spec.heads * spec.qk_dim),
+        p.act(len + 3, spec.kv_heads * spec.qk_dim),
+        p.act(len + 3, spec.kv_heads * spec.v_dim),
+    ]
 }
 
 #[test]
@@ -799,13 +804,7 @@ fn prompt_experts() {
             Cpu.to_host(&want).unwrap(),
         ));
         for (case, got, want) in cases {
-            let err = got
-                .map_err(|e| e.to_string())
-                .and_then(|g| rel_err(&g, &want));
-            eprintln!("{case:<52} {err:?}");
-            p.expect(&case, matches!(err, Ok(e) if e < ROUNDED_TOLERANCE), || {
-                format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
-            });
+            p.compare_within(&case, got, &want, ROUNDED_TOLERANCE);
         }
     }
     p.gpu.prompt_pass(false);
@@ -832,33 +831,18 @@ fn prompt_attention() {
         (2, 2, 32, 32, None, 0, 64),
     ] {
         let len = start + rows;
-        let (qc, qg, _) = p.act(rows, heads * qk);
-        let (kc, kg, _) = p.act(len + 3, kv_heads * qk);
-        let (vc, vg, _) = p.act(len + 3, kv_heads * vd);
-        let spec = AttentionSpec {
-            heads,
-            kv_heads,
-            qk_dim: qk,
-            v_dim: vd,
-            scale: 1.0 / (qk as f32).sqrt(),
-            start,
-            window,
-        };
+        let spec = attention_spec((heads, kv_heads, qk, vd), start, window);
+        let [(qc, qg, _), (kc, kg, _), (vc, vg, _)] = attention_inputs(&mut p, &spec, rows, len);
         let case =
             format!("prompt attention h{heads}/{kv_heads} qk{qk} v{vd} from {start} rows{rows}");
         let want = Cpu
             .to_host(&Cpu.attention(&qc, &kc, &vc, len, spec).unwrap())
             .unwrap();
-        let err = p
+        let got = p
             .gpu
             .attention(&qg, &kg, &vg, len, spec)
-            .and_then(|y| p.gpu.to_host(&y))
-            .map_err(|e| e.to_string())
-            .and_then(|g| rel_err(&g, &want));
-        eprintln!("{case:<52} {err:?}");
-        p.expect(&case, matches!(err, Ok(e) if e < ROUNDED_TOLERANCE), || {
-            format!("relative error {err:?}, bound {ROUNDED_TOLERANCE:e}")
-        });
+            .and_then(|y| p.gpu.to_host(&y));
+        p.compare_within(&case, got, &want, ROUNDED_TOLERANCE);
     }
     p.gpu.prompt_pass(false);
     p.finish();

@@ -433,13 +433,15 @@ enum Pass {
     Step,
 }
 
+/// A verification window's pass.
+const VERIFY: (Variant, Pass) = (Variant::Target, Pass::Step);
+
 fn forward<M: LanguageModel>(
     model: &M,
-    variant: Variant,
+    (variant, pass): (Variant, Pass),
     tokens: &[u32],
     kv: &mut M::Kv,
     observer: &mut dyn DecodeObserver,
-    pass: Pass,
 ) -> Result<Vec<f32>> {
     if variant == Variant::Target {
         observer.on_target_pass(tokens.len());
@@ -455,11 +457,10 @@ fn forward<M: LanguageModel>(
 /// not the logits rows).
 fn forward_greedy<M: LanguageModel>(
     model: &M,
-    variant: Variant,
+    (variant, pass): (Variant, Pass),
     tokens: &[u32],
     kv: &mut M::Kv,
     observer: &mut dyn DecodeObserver,
-    pass: Pass,
 ) -> Result<Vec<u32>> {
     if variant == Variant::Target {
         observer.on_target_pass(tokens.len());
@@ -491,11 +492,11 @@ fn forward_choose<M: LanguageModel>(
     dists: Option<&mut Vec<Vec<f64>>>,
 ) -> Result<u32> {
     if chooser.sampling.is_greedy() {
-        let ids = forward_greedy(model, variant, tokens, kv, observer, pass)?;
+        let ids = forward_greedy(model, (variant, pass), tokens, kv, observer)?;
         return Ok(ids[ids.len() - 1]);
     }
     let vocab = model.info().vocab_size;
-    let logits = forward(model, variant, tokens, kv, observer, pass)?;
+    let logits = forward(model, (variant, pass), tokens, kv, observer)?;
     let row = logits_row(&logits, tokens.len(), vocab, tokens.len() - 1)?;
     Ok(match dists {
         // The draft's proposal: its distribution is kept for the rejection test.
@@ -628,14 +629,8 @@ impl<K: KvCache> DraftKv<K> {
             // Before the first commit: like the target's, the draft's own prefill is part of the
             // time to the first token, not of the per-token time. Its logits are not needed (the
             // first token is the target's), so it returns ids alone.
-            forward_greedy(
-                model,
-                Variant::Draft,
-                prompt,
-                &mut own.kv,
-                observer,
-                Pass::Prompt,
-            )?;
+            let run = (Variant::Draft, Pass::Prompt);
+            forward_greedy(model, run, prompt, &mut own.kv, observer)?;
             own.sequence.extend_from_slice(prompt);
             own.sequence.push(first);
         }
@@ -844,25 +839,11 @@ fn verify_pass<M: LanguageModel>(
     dists: &[Vec<f64>],
 ) -> Result<(usize, u32)> {
     if chooser.sampling.is_greedy() {
-        let ids = forward_greedy(
-            model,
-            Variant::Target,
-            verify_tokens,
-            kv,
-            observer,
-            Pass::Step,
-        )?;
+        let ids = forward_greedy(model, VERIFY, verify_tokens, kv, observer)?;
         return Ok(verify_greedy(&ids, drafts));
     }
     let vocab = model.info().vocab_size;
-    let logits = forward(
-        model,
-        Variant::Target,
-        verify_tokens,
-        kv,
-        observer,
-        Pass::Step,
-    )?;
+    let logits = forward(model, VERIFY, verify_tokens, kv, observer)?;
     verify_sampled(chooser, &logits, vocab, drafts, dists)
 }
 
