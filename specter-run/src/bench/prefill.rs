@@ -37,6 +37,8 @@ pub struct PrefillReport {
     /// Prompts per length, and runs per prompt.
     pub prompts: usize,
     pub repeats: usize,
+    /// How a CUDA backend runs prompt passes: "tensor cores" or "gemv" (the decode kernels).
+    pub prompt_passes: &'static str,
     pub rows: Vec<PrefillRow>,
     /// The decode protocol's whole report at each length, in `rows`' order of lengths.
     pub reports: Vec<BenchReport>,
@@ -109,6 +111,11 @@ pub fn run(
         case: opts.case,
         prompts: count,
         repeats: opts.repeats,
+        prompt_passes: if specter::backend::cuda::PROMPT_TENSOR_CORES {
+            "tensor cores"
+        } else {
+            "gemv"
+        },
         rows,
         reports,
     })
@@ -118,7 +125,8 @@ pub fn run(
 pub fn render_markdown(r: &PrefillReport) -> String {
     let mut s = format!(
         "prefill: {} ({} backend{}), case {}: {} random prompt(s) a length, {} run(s) each; TTFT \
-         from the call to the first token, prefill rate = prompt tokens / median TTFT\n\n",
+         from the call to the first token, prefill rate = prompt tokens / median TTFT; prompt \
+         passes on {}\n\n",
         r.bundle,
         r.backend,
         if r.device.is_empty() {
@@ -128,7 +136,8 @@ pub fn render_markdown(r: &PrefillReport) -> String {
         },
         r.case.name,
         r.prompts,
-        r.repeats
+        r.repeats,
+        r.prompt_passes
     );
     s.push_str(
         "| mode | experts in VRAM | prompt tokens | TTFT ms (median) | TTFT ms (min) | prefill \

@@ -25,6 +25,10 @@ pub use moe::int4::{check_int4_launch, MoeInt4Kernels};
 pub use moe::rows::{check_rows_launch, MoeRowsKernels};
 pub use offload::slots::{HostExpertsConfig, HostPath, OffloadConfig, SplitExperts};
 pub use options::CudaOptions;
+
+/// Whether this build runs prompt passes' products, routed experts and attention on tensor cores
+/// (the `prompt-tensor-cores` feature; src/backend/cuda/ops/gemm.rs).
+pub const PROMPT_TENSOR_CORES: bool = cfg!(feature = "prompt-tensor-cores");
 #[cfg(feature = "measure")]
 pub use options::{LaunchMatch, MeasureOptions, LAUNCH_LABELS};
 pub use runtime::act::{GpuAct, GpuWeight};
