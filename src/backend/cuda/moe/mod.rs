@@ -636,8 +636,9 @@ impl CudaBackend {
         let stream = self.stream.clone();
         let layout = slots.layout();
         let rows: Vec<u32> = (0..plan.hit.len()).map(|g| plan.range(g).1).collect();
-        // The host kernel follows the gemv kernels' bits, not a prompt's tensor cores.
-        let host_allowed = !self.experts_on_tensor_cores(launch);
+        // The host kernel follows the gemv kernels' bits, not a prompt's tensor cores (which
+        // take FP16 experts alone).
+        let host_allowed = layout.kind != ExpertKind::F16 || !self.experts_on_tensor_cores(launch);
         let rounds = slots.serve(layer, &plan.hit, &rows, host_allowed)?;
         let (elsewhere, split) = rounds
             .first()
