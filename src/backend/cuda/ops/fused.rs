@@ -102,10 +102,7 @@ impl CudaBackend {
             ));
         }
         if self.tensor_core_product(x.rows, x.cols) {
-            return Ok((
-                self.linear_tensor_cores(x, wa, na, 0)?,
-                self.linear_tensor_cores(x, wb, nb, 0)?,
-            ));
+            return self.linear_pair_tensor_cores(x, (wa, na), (wb, nb));
         }
         let (ya, yb) = (self.alloc(x.rows, na)?, self.alloc(x.rows, nb)?);
         if x.rows > 0 {

@@ -180,6 +180,25 @@ impl CudaBackend {
         Ok(y)
     }
 
+    /// Two products of one input on tensor cores (`linear_pair`), the input rounded to f16 once:
+    /// `x @ wa^T` (`na` features) and `x @ wb^T` (`nb`).
+    pub(in crate::backend::cuda) fn linear_pair_tensor_cores(
+        &self,
+        x: &GpuAct,
+        (wa, na): (&CudaSlice<f16>, usize),
+        (wb, nb): (&CudaSlice<f16>, usize),
+    ) -> Result<(GpuAct, GpuAct)> {
+        let s = &self.stream;
+        let a = self.to_f16(ptr(&x.buf, s), x.rows, x.cols)?;
+        let product = |w: &CudaSlice<f16>, n: usize| -> Result<GpuAct> {
+            let y = self.alloc(x.rows, n)?;
+            let shape = (x.rows, n, x.cols);
+            self.gemm(ptr(&a.buf, s), ptr(w, s), 0, ptr(&y.buf, s), shape)?;
+            Ok(y)
+        };
+        Ok((product(wa, na)?, product(wb, nb)?))
+    }
+
     /// [`Self::launch_moe_f16`] on tensor cores: each item's input row gathered as f16, the
     /// gate/up product and activation into `l.h` (as f16: half its bytes), the down product into
     /// `l.out`. With `shared`, the shared experts' down product too: on tensor cores where its
